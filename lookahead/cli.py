@@ -1,0 +1,167 @@
+"""The ``lookahead`` command: a thin layer over ``LookaheadGenerator``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from lookahead import models
+from lookahead.config import LookaheadConfig
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+def _progress(message: str) -> None:
+    click.echo(f"[lookahead] {message} ...", err=True)
+
+
+def _parse_ids(text: str) -> list[int]:
+    """'1,2,3', '1 2 3' or a JSON list -> [1, 2, 3]."""
+    text = text.strip()
+    try:
+        ids = json.loads(text) if text.startswith("[") else [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter(f"token ids must be integers like 1,2,3 or [1, 2, 3], got {text[:60]!r}") from None
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise click.BadParameter(f"token ids must be a list of integers, got {text[:60]!r}")
+    return ids
+
+
+class _Printer:
+    """A streamer that prints decoded text as tokens are accepted (the prompt's ``put`` is skipped)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.tokens, self.shown, self.prompt_seen = tokenizer, [], "", False
+
+    def put(self, ids) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.tokens += ids.tolist()
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+            return
+        click.echo(text[len(self.shown) :], nl=False)
+        sys.stdout.flush()
+        self.shown = text
+
+    def end(self) -> None:
+        click.echo()
+
+
+def _summary(stats) -> str:
+    return (
+        f"{stats.new_tokens} tokens, {stats.steps} steps, compression {stats.compression:.2f}, "
+        f"{stats.tokens_per_s:.1f} tokens/s, time to first token {stats.prefill_s * 1000:.0f} ms"
+    )
+
+
+@click.group(context_settings=CONTEXT)
+def main() -> None:
+    """Lossless Lookahead decoding: faster greedy generation with no draft model and the same output."""
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("prompt", required=False)
+@click.option("--file", "prompt_file", type=click.Path(dir_okay=False, path_type=Path), help="Read the prompt from a file.")
+@click.option("--chat/--no-chat", default=None, help="Apply the model's chat template (default: when it has one).")
+@click.option("--system", help="System message for chat mode.")
+@click.option("--model", "model_spec", default=models.DEFAULT_MODEL, show_default=True,
+              help="Embedded model name, Hugging Face directory, hub id or .gguf file.")
+@click.option("--dtype", type=click.Choice(list(models.DTYPES)), default="float32", show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
+@click.option("-W", "--window", type=int, default=LookaheadConfig.window, show_default=True, help="Jacobi window width W.")
+@click.option("-N", "--ngram", type=int, default=LookaheadConfig.ngram, show_default=True, help="N-gram size N.")
+@click.option("-G", "--guess", type=int, default=LookaheadConfig.guess, show_default=True, help="Candidates verified per step G.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--no-lookahead", is_flag=True, help="Plain greedy decoding, one token per forward (for comparison).")
+@click.option("--ids", "ids_mode", is_flag=True,
+              help="Token ids in and out (no tokenizer needed): PROMPT is '1,2,3' or a JSON list; without PROMPT, one request per stdin line.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) per request instead of streaming.")
+def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, cache_dir, window, ngram, guess,
+             max_new_tokens, seed, no_lookahead, ids_mode, as_json) -> None:
+    """Generate a continuation of PROMPT (an argument, --file, or standard input)."""
+    try:
+        config = LookaheadConfig(window=window, ngram=ngram, guess=guess, seed=seed)
+        requests = _read_requests(prompt, prompt_file, ids_mode)
+        from lookahead.generator import LookaheadGenerator
+
+        gen = LookaheadGenerator.from_pretrained(model_spec, config, dtype=dtype, device=device, cache_dir=cache_dir, progress=_progress)
+        if chat is None:
+            chat = not ids_mode and gen.tokenizer is not None and bool(gen.tokenizer.chat_template)
+        for request in requests:
+            streamer = None if (as_json or ids_mode or gen.tokenizer is None) else _Printer(gen.tokenizer)
+            out = gen.generate(request, max_new_tokens, chat=chat and not ids_mode, system=system,
+                               streamer=streamer, lookahead=not no_lookahead)
+            if as_json:
+                click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
+                                       "stats": out.stats.as_dict()}))
+            elif ids_mode:
+                click.echo(",".join(map(str, out.tokens)))
+            click.echo(_summary(out.stats), err=True)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+
+
+def _read_requests(prompt: str | None, prompt_file: Path | None, ids_mode: bool) -> list:
+    if prompt is not None and prompt_file is not None:
+        raise click.UsageError("give the prompt as an argument or with --file, not both")
+    if prompt_file is not None:
+        try:
+            prompt = prompt_file.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.BadParameter(f"cannot read {prompt_file}: {e}", param_hint="--file") from None
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise click.UsageError("no prompt: pass PROMPT, --file, or pipe it to standard input")
+        prompt = sys.stdin.read()
+        if ids_mode:
+            lines = [line for line in prompt.splitlines() if line.strip()]
+            if not lines:
+                raise click.UsageError("the prompt is empty")
+            return [_parse_ids(line) for line in lines]
+    if not prompt.strip():
+        raise click.UsageError("the prompt is empty")
+    return [_parse_ids(prompt)] if ids_mode else [prompt]
+
+
+@main.group(context_settings=CONTEXT, invoke_without_command=True)
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
+@click.pass_context
+def models_(ctx: click.Context, cache_dir: Path | None) -> None:
+    """List the embedded models and where their converted copies are."""
+    ctx.obj = cache_dir or models.default_cache_dir()
+    if ctx.invoked_subcommand is not None:
+        return
+    for model in models.EMBEDDED.values():
+        gguf = ctx.obj / "gguf" / f"{model.name}.gguf"
+        where = models.converted_dir(gguf, ctx.obj) if gguf.is_file() else None
+        state = f"cached at {where}" if where is not None and (where / "config.json").is_file() else "not fetched yet"
+        default = " (default)" if model.name == models.DEFAULT_MODEL else ""
+        click.echo(f"{model.name}{default}: {model.description}; {state}")
+
+
+main.add_command(models_, name="models")
+
+
+@models_.command(context_settings=CONTEXT)
+@click.argument("name", type=click.Choice(list(models.EMBEDDED)))
+@click.pass_obj
+def pull(cache_dir: Path, name: str) -> None:
+    """Fetch and convert an embedded model ahead of time."""
+    start = time.perf_counter()
+    try:
+        path = models.resolve(name, cache_dir, _progress)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{name}: ready at {path} ({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The ``lookahead`` command, run for real: click's runner in-process and a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import tiny_llama
+from lookahead.cli import main
+
+
+@pytest.fixture(scope="module")
+def tokenizerless_dir(tmp_path_factory):
+    """A model directory with weights and config only: the token-id-only deployment."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama().save_pretrained(path)
+    return str(path)
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def test_ids_mode_with_a_tokenizerless_model(tokenizerless_dir):
+    result = run("generate", "--model", tokenizerless_dir, "--ids", "5,17,99,3", "--max-new-tokens", "12")
+    assert result.exit_code == 0, result.output
+    ids = [int(t) for t in result.stdout.strip().split(",")]
+    assert len(ids) == 12 and all(0 <= t < 128 for t in ids)
+    assert "compression" in result.stderr
+    # --no-lookahead decodes the same tokens one per forward
+    plain = run("generate", "--model", tokenizerless_dir, "--ids", "[5, 17, 99, 3]", "--max-new-tokens", "12", "--no-lookahead")
+    assert plain.exit_code == 0 and plain.stdout.strip() == result.stdout.strip()
+
+
+def test_ids_mode_reads_one_request_per_stdin_line(tokenizerless_dir):
+    result = run("generate", "--model", tokenizerless_dir, "--ids", "--max-new-tokens", "5", "--json", input="1,2,3\n\n[4, 5]\n")
+    assert result.exit_code == 0, result.output
+    replies = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    assert len(replies) == 2 and all(len(r["tokens"]) == 5 and r["text"] is None for r in replies)
+    assert replies[0]["stats"]["new_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-W", "0", "hi"], "window (W) must be in [1, 128], got 0"),
+        (["-N", "1", "hi"], "ngram (N) must be in [2, 16], got 1"),
+        (["-G", "500", "hi"], "guess (G) must be in [0, 128], got 500"),
+        (["--model", "/no/such/model", "hi"], "/no/such/model: no such model file or directory"),
+        (["--model", "not a model", "hi"], "no such model file or directory"),
+        (["   "], "the prompt is empty"),
+        (["--file", "/no/such/prompt.txt"], "cannot read /no/such/prompt.txt"),
+        (["--ids", "1,x,3"], "token ids must be integers"),
+        (["--ids", "[1, 2.5]"], "token ids must be a list of integers"),
+    ],
+)
+def test_bad_inputs_exit_nonzero_with_one_line(args, message):
+    result = run("generate", *args)
+    assert result.exit_code != 0
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_model_errors_reach_the_user_as_one_line(tokenizerless_dir, tmp_path):
+    out_of_range = run("generate", "--model", tokenizerless_dir, "--ids", "1,2,500")
+    assert out_of_range.exit_code == 1 and "token id 500 is outside the vocabulary [0, 128)" in out_of_range.output
+    text = run("generate", "--model", tokenizerless_dir, "hello")
+    assert text.exit_code == 1 and "needs a tokenizer" in text.output
+    too_long = run("generate", "--model", tokenizerless_dir, "--ids", ",".join(["1"] * 500), "--max-new-tokens", "20")
+    assert too_long.exit_code == 1 and "exceeds the model's context of 512" in too_long.output
+    no_config = tmp_path / "empty-dir"
+    no_config.mkdir()
+    empty = run("generate", "--model", str(no_config), "hi")
+    assert empty.exit_code == 1 and "no config.json" in empty.output
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"x")
+    assert "must be a .gguf checkpoint" in run("generate", "--model", str(not_gguf), "hi").output
+    fake_gguf = tmp_path / "fake.gguf"
+    fake_gguf.write_bytes(b"definitely not gguf")
+    bad = run("generate", "--model", str(fake_gguf), "hi", "--cache-dir", str(tmp_path / "cache"))
+    assert bad.exit_code == 1 and "cannot read GGUF" in bad.output and "Traceback" not in bad.output
+
+
+def test_models_lists_the_embedded_models(tmp_path):
+    result = run("models", "--cache-dir", str(tmp_path))
+    assert result.exit_code == 0
+    assert "smollm2-135m (default)" in result.output and "gemma3-270m" in result.output and "not fetched yet" in result.output
+
+
+@pytest.mark.slow
+def test_default_model_streams_text_in_a_subprocess():
+    cmd = [sys.executable, "-m", "lookahead.cli", "generate", "--no-chat", "The capital of France is", "--max-new-tokens", "12"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+    assert "12 tokens" in done.stderr and "tokens/s" in done.stderr
+
+
+@pytest.mark.slow
+def test_chat_mode_json_and_no_lookahead_agree(smollm2):
+    common = ["generate", "What is the capital of Italy?", "--chat", "--system", "Answer briefly.", "--max-new-tokens", "24", "--json"]
+    la = run(*common)
+    plain = run(*common, "--no-lookahead")
+    assert la.exit_code == 0 and plain.exit_code == 0, la.output + plain.output
+    a, b = json.loads(la.stdout), json.loads(plain.stdout)
+    assert a["tokens"] == b["tokens"] and "Italy" in a["text"]
+    assert b["stats"]["steps"] + 1 == b["stats"]["new_tokens"]
