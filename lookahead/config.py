@@ -25,9 +25,10 @@ class LookaheadConfig:
     and N-1 tokens per candidate; guess (G): most candidates verified per step (0 = lookahead only).
     """
 
-    window: int = 5
-    ngram: int = 4
-    guess: int = 5
+    # small steps pay off on CPUs (see benchmarks/README.md); GPUs afford wider ones, e.g. W=15, N=5, G=15
+    window: int = 3
+    ngram: int = 3
+    guess: int = 3
     pool_slots: int = 16  # continuations kept per key; least recently used evicted
     pool_sparse: bool | None = None  # allocate pool rows on demand; None: when the vocabulary exceeds 65536
     seed_pool_from_prompt: bool = True  # harvest the prompt's n-grams before decoding (input-grounded tasks)

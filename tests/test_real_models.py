@@ -13,7 +13,7 @@ from lookahead import LookaheadConfig, LookaheadGenerator, models
 pytestmark = pytest.mark.slow
 
 SMOLLM_CONFIGS = [
-    LookaheadConfig(),  # W5 N4 G5
+    LookaheadConfig(),  # the default, W3 N3 G3
     LookaheadConfig(window=1, ngram=3, guess=3),  # W=1
     LookaheadConfig(window=4, ngram=2, guess=4),  # N=2
     LookaheadConfig(window=5, ngram=4, guess=0),  # G=0: lookahead branch only

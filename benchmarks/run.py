@@ -1,0 +1,258 @@
+"""Speed, compression and exactness of lookahead decoding, side by side with plain HF greedy and HF prompt-lookup
+decoding, interleaved in ONE process on the same model, dtypes and prompts.
+
+    python -m benchmarks.run            # --quick: 2 prompts per set, 64 new tokens, fp32 and bf16 (~10 min, 2 cores)
+    python -m benchmarks.run --full     # every prompt of every set, 128 new tokens
+
+Speedups are ratios of tokens/s in the same run: against HF greedy in the same dtype, and against the fastest
+HF greedy in any dtype measured (a bf16 speedup over a slow bf16 baseline alone would flatter us).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import lookahead
+from benchmarks import datasets
+from benchmarks.prompts import prompt_ids
+from lookahead import LookaheadConfig, LookaheadGenerator, models
+
+TIE = 1e-4
+GREEDY, PLD = "hf_greedy", "hf_prompt_lookup"
+
+
+@dataclass
+class Run:
+    set: str
+    prompt: str
+    dtype: str
+    method: str
+    seconds: float
+    tokens: list[int]
+    steps: int | None = None  # forwards after the prefill (lookahead only)
+    accepted_by_source: dict = field(default_factory=dict)
+    equal: bool | None = None  # same tokens as HF greedy in the same dtype
+    equal_or_tie: bool | None = None  # ... or first differs where the fp32 reference's top-2 margin < TIE
+
+
+def method_name(cfg: LookaheadConfig) -> str:
+    return f"lookahead W{cfg.window} N{cfg.ngram} G{cfg.guess}"
+
+
+def hf_generate(model, ids: list[int], max_new_tokens: int, **kwargs) -> tuple[list[int], float]:
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+    return out[0, len(ids):].tolist(), time.perf_counter() - start
+
+
+def top2_margin(model, prefix: list[int]) -> float:
+    with torch.inference_mode():
+        top = model(input_ids=torch.tensor([prefix]), logits_to_keep=1).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def cost_curve(model, sizes: list[int], context: int = 128, reps: int = 5) -> dict[int, float]:
+    """c(T)/c(1): time of one forward adding T tokens to a ``context``-token cache, relative to T=1."""
+    ids = torch.randint(100, 1000, (1, context))
+    times = {}
+    with torch.inference_mode():
+        for size in sizes:
+            samples = []
+            for _ in range(reps):
+                cache = DynamicCache(config=model.config)
+                model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+                new = torch.randint(100, 1000, (1, size))
+                start = time.perf_counter()
+                model(input_ids=new, past_key_values=cache, logits_to_keep=size)
+                samples.append(time.perf_counter() - start)
+            times[size] = sorted(samples)[len(samples) // 2]
+    return {size: times[size] / times[sizes[0]] for size in sizes} | {"ms_at_1": times[sizes[0]] * 1000}
+
+
+def hardware() -> dict:
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip())
+    except OSError:
+        commit, dirty = "unknown", False
+    import numba
+    import transformers
+
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "numba": numba.__version__,
+        "lookahead": getattr(lookahead, "__version__", "dev"), "commit": commit + ("+dirty" if dirty else ""),
+    }
+
+
+def run_all(args) -> dict:
+    cache_dir = args.cache_dir or models.default_cache_dir()
+    configs = [LookaheadConfig(window=w, ngram=n, guess=g) for w, n, g in args.configs]
+    loaded = {dtype: models.load(args.model, dtype=dtype, cache_dir=cache_dir) for dtype in args.dtypes}
+    tokenizer = next(iter(loaded.values()))[1]
+    fp32 = loaded.get("float32", (None,))[0]
+    gens = {(dtype, method_name(c)): LookaheadGenerator(m, tok, c) for dtype, (m, tok) in loaded.items() for c in configs}
+    prompts = datasets.load(args.sets, args.limit, cache_dir)
+    # warm up every method once (allocator, numba, first-call overheads) before timing anything
+    warm = prompt_ids(tokenizer, prompts[0].text, prompts[0].chat)
+    for dtype, (model, _) in loaded.items():
+        hf_generate(model, warm, 4)
+        hf_generate(model, warm, 4, prompt_lookup_num_tokens=args.pld_tokens)
+    for gen in gens.values():
+        gen.generate(warm, max_new_tokens=4)
+    runs: list[Run] = []
+    for i, p in enumerate(prompts):
+        ids = prompt_ids(tokenizer, p.text, p.chat)
+        for dtype, (model, _) in loaded.items():
+            ref, secs = hf_generate(model, ids, args.max_new_tokens)
+            runs.append(Run(p.set, p.id, dtype, GREEDY, secs, ref, equal=True, equal_or_tie=True))
+            toks, secs = hf_generate(model, ids, args.max_new_tokens, prompt_lookup_num_tokens=args.pld_tokens)
+            runs.append(check(Run(p.set, p.id, dtype, PLD, secs, toks), ref, ids, fp32))
+            for c in configs:
+                out = gens[(dtype, method_name(c))].generate(ids, max_new_tokens=args.max_new_tokens)
+                secs = out.stats.prefill_s + out.stats.decode_s
+                run = Run(p.set, p.id, dtype, method_name(c), secs, out.tokens, out.stats.steps, dict(out.stats.accepted_by_source))
+                runs.append(check(run, ref, ids, fp32))
+        print(f"[{i + 1}/{len(prompts)}] {p.set}/{p.id} done", flush=True)
+    curves = {dtype: cost_curve(model, args.cost_sizes) for dtype, (model, _) in loaded.items()}
+    return {"hardware": hardware(), "model": args.model, "max_new_tokens": args.max_new_tokens, "dtypes": args.dtypes,
+            "pld_tokens": args.pld_tokens, "summary": summarise(runs), "cost_curve": curves, "runs": [asdict(r) for r in runs]}
+
+
+def check(run: Run, ref: list[int], ids: list[int], fp32) -> Run:
+    run.equal = run.tokens == ref
+    if run.equal:
+        run.equal_or_tie = True
+    elif fp32 is not None and run.dtype == "float32":
+        at = next((i for i, (a, b) in enumerate(zip(run.tokens, ref)) if a != b), min(len(run.tokens), len(ref)))
+        run.equal_or_tie = at < min(len(run.tokens), len(ref)) and top2_margin(fp32, ids + ref[:at]) < TIE
+    return run
+
+
+def summarise(runs: list[Run]) -> list[dict]:
+    """Per (set, dtype, method) and overall: tokens/s, both speedups, compression, acceptance, equality."""
+    groups = defaultdict(list)
+    for r in runs:
+        groups[(r.set, r.dtype, r.method)].append(r)
+        groups[("all", r.dtype, r.method)].append(r)
+    tps = {k: sum(len(r.tokens) for r in rs) / sum(r.seconds for r in rs) for k, rs in groups.items()}
+    rows = []
+    for (set_, dtype, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] == "all", kv[0])):
+        fastest = max(v for (s, _, m), v in tps.items() if s == set_ and m == GREEDY)
+        row = {"set": set_, "dtype": dtype, "method": method, "prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs),
+               "tokens_per_s": tps[(set_, dtype, method)], "speedup_same_dtype": tps[(set_, dtype, method)] / tps[(set_, dtype, GREEDY)],
+               "speedup_vs_fastest_greedy": tps[(set_, dtype, method)] / fastest,
+               "equal_rate": sum(bool(r.equal) for r in rs) / len(rs)}
+        ties = [r.equal_or_tie for r in rs if r.equal_or_tie is not None]
+        row["equal_or_tie_rate"] = sum(ties) / len(ties) if ties else None
+        if rs[0].steps is not None:
+            steps = sum(r.steps for r in rs)
+            sources = sum((Counter(r.accepted_by_source) for r in rs), Counter())
+            row |= {"compression": row["tokens"] / (steps + len(rs)),
+                    "mean_accepted": sum(sources.values()) / max(steps, 1), "accepted_by_source": dict(sources)}
+        rows.append(row)
+    return rows
+
+
+def fmt(v, spec=".2f") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def write_report(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    hw = results["hardware"]
+    lines = [f"# Lookahead benchmark: {results['model']}", "",
+             f"{hw['cpu']}, {hw['cores']} cores ({hw['torch_threads']} torch threads); torch {hw['torch']}, transformers "
+             f"{hw['transformers']}; commit {hw['commit']}; {results['max_new_tokens']} new tokens per prompt, greedy.", "",
+             "| set | dtype | method | prompts | tokens/s | speedup vs HF greedy (same dtype) | vs fastest HF greedy | compression | mean accepted | equal | equal or fp32 tie |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["summary"]:
+        lines.append(f"| {r['set']} | {r['dtype']} | {r['method']} | {r['prompts']} | {r['tokens_per_s']:.2f} | {r['speedup_same_dtype']:.2f}x | "
+                     f"{r['speedup_vs_fastest_greedy']:.2f}x | {fmt(r.get('compression'))} | {fmt(r.get('mean_accepted'))} | "
+                     f"{r['equal_rate']:.0%} | {fmt(r['equal_or_tie_rate'], '.0%')} |")
+    lines += ["", "Forward cost c(T)/c(1) of adding T tokens to a 128-token cache:", "",
+              "| dtype | ms at T=1 | " + " | ".join(f"T={t}" for t in next(iter(results["cost_curve"].values())) if t != "ms_at_1") + " |",
+              "|---|---|" + "---|" * (len(next(iter(results["cost_curve"].values()))) - 1)]
+    for dtype, curve in results["cost_curve"].items():
+        lines.append(f"| {dtype} | {curve['ms_at_1']:.1f} | " + " | ".join(f"{v:.2f}" for t, v in curve.items() if t != "ms_at_1") + " |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    plot(results, out)
+
+
+def plot(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    rows = [r for r in results["summary"] if r["method"] != GREEDY]
+    sets = sorted({r["set"] for r in rows}, key=lambda s: (s == "all", s))
+    series = sorted({(r["dtype"], r["method"]) for r in rows})
+    width = 0.8 / max(len(series), 1)
+    for k, (dtype, method) in enumerate(series):
+        vals = [next((r["speedup_vs_fastest_greedy"] for r in rows if r["set"] == s and r["dtype"] == dtype and r["method"] == method), 0) for s in sets]
+        left.bar([i + k * width for i in range(len(sets))], vals, width, label=f"{method} ({dtype})")
+    left.axhline(1.0, color="black", lw=0.8)
+    left.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(sets))], sets)
+    left.set_ylabel("speedup vs fastest HF greedy (any dtype)")
+    left.legend(fontsize=7)
+    for dtype, curve in results["cost_curve"].items():
+        pts = [(int(t), v) for t, v in curve.items() if t != "ms_at_1"]
+        right.plot([t for t, _ in pts], [v for _, v in pts], marker="o", label=dtype)
+    right.set_xscale("log", base=2)
+    right.set_xlabel("new tokens T in one forward")
+    right.set_ylabel("c(T) / c(1)")
+    right.legend()
+    fig.suptitle(f"{results['model']} on {results['hardware']['cpu']} ({results['hardware']['cores']} cores)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="every prompt, 128 new tokens (default: quick)")
+    parser.add_argument("--model", default=models.DEFAULT_MODEL)
+    parser.add_argument("--sets", default=",".join(datasets.SETS), help="comma-separated prompt sets")
+    parser.add_argument("--limit", type=int, help="prompts per set (quick: 2, full: all)")
+    parser.add_argument("--max-new-tokens", type=int, help="quick: 64, full: 128")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--config", dest="configs", action="append", help="W,N,G (repeatable)")
+    parser.add_argument("--pld-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    parser.add_argument("--cost-sizes", default="1,2,4,8,16,32,64,128")
+    parser.add_argument("--cache-dir", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))
+    args = parser.parse_args(argv)
+    args.sets = args.sets.split(",")
+    args.dtypes = args.dtypes.split(",")
+    args.limit = args.limit if args.limit is not None else (None if args.full else 2)
+    args.max_new_tokens = args.max_new_tokens or (128 if args.full else 64)
+    args.configs = [tuple(int(v) for v in c.split(",")) for c in (args.configs or ["3,3,3", "5,4,5"])]
+    args.cost_sizes = [int(v) for v in args.cost_sizes.split(",")]
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    results = run_all(args)
+    write_report(results, args.out)
+    print((args.out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
