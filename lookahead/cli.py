@@ -84,9 +84,22 @@ def main() -> None:
 @click.option("--ids", "ids_mode", is_flag=True,
               help="Token ids in and out (no tokenizer needed): PROMPT is '1,2,3' or a JSON list; without PROMPT, one request per stdin line.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) per request instead of streaming.")
+@click.option("--sample", is_flag=True, help="Sample instead of greedy (implied by --temperature/--top-k/--top-p); lossless.")
+@click.option("--temperature", type=float, help="Sampling temperature (> 0).")
+@click.option("--top-k", type=int, help="Sample among the k most likely tokens.")
+@click.option("--top-p", type=float, help="Nucleus sampling: the smallest set with this probability mass.")
+@click.option("--repetition-penalty", type=float, help="Penalise tokens already present (as in generate()).")
+@click.option("--stop", multiple=True, help="Stop after this string (repeatable; needs a tokenizer).")
 def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, cache_dir, window, ngram, guess,
-             max_new_tokens, seed, no_lookahead, ids_mode, as_json) -> None:
+             max_new_tokens, seed, no_lookahead, ids_mode, as_json, sample, temperature, top_k, top_p,
+             repetition_penalty, stop) -> None:
     """Generate a continuation of PROMPT (an argument, --file, or standard input)."""
+    warpers = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    options = {k: v for k, v in (warpers | {"repetition_penalty": repetition_penalty}).items() if v is not None}
+    if sample or any(v is not None for v in warpers.values()):
+        options["do_sample"] = True
+    if stop:
+        options["stop_strings"] = list(stop)
     try:
         config = LookaheadConfig(window=window, ngram=ngram, guess=guess, seed=seed)
         requests = _read_requests(prompt, prompt_file, ids_mode)
@@ -98,7 +111,7 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, cache
         for request in requests:
             streamer = None if (as_json or ids_mode or gen.tokenizer is None) else _Printer(gen.tokenizer)
             out = gen.generate(request, max_new_tokens, chat=chat and not ids_mode, system=system,
-                               streamer=streamer, lookahead=not no_lookahead)
+                               streamer=streamer, lookahead=not no_lookahead, **options)
             if as_json:
                 click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
                                        "stats": out.stats.as_dict()}))

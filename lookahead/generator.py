@@ -10,16 +10,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import Cache, PreTrainedModel
+from transformers import Cache, GenerationConfig, PreTrainedModel
 
 from lookahead import kv, models
 from lookahead.config import LookaheadConfig
+from lookahead.decoding import Decoding
 from lookahead.layout import StepLayout, build_layout
-from lookahead.verify import Verdict, greedy_accept
+from lookahead.verify import Verdict
 from lookahead.window import JacobiWindow
 from ngram_pool import NGramPool, Source
 
 SPARSE_POOL_VOCAB = 65536
+NO_CANDIDATES = np.empty((0, 0), dtype=np.int32)
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
@@ -31,6 +33,12 @@ class GenerationStats:
     decode_s: float = 0.0
     accepted_hist: Counter = field(default_factory=Counter)  # tokens emitted in a step -> number of steps
     accepted_by_source: Counter = field(default_factory=Counter)  # candidate tokens accepted, by pool source
+
+    def record(self, verdict: Verdict, sources: np.ndarray) -> None:
+        self.steps += 1
+        self.accepted_hist[len(verdict.tokens)] += 1
+        if verdict.branch >= 0:
+            self.accepted_by_source[Source(int(sources[verdict.branch])).name.lower()] += len(verdict.tokens) - 1
 
     @property
     def compression(self) -> float:
@@ -56,7 +64,7 @@ class GenerationResult:
     tokens: list[int]  # the new tokens only
     text: str | None  # None without a tokenizer
     stats: GenerationStats
-    finish_reason: str  # "eos", "length"
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
 
 
 class LookaheadGenerator:
@@ -82,9 +90,6 @@ class LookaheadGenerator:
         self.full_layer = types.index("full_attention") if "full_attention" in layer_types else None
         self.sliding_layer = types.index("sliding_attention") if "sliding_attention" in layer_types else None
         self.sliding_window = getattr(mc, "sliding_window", None) if self.sliding_layer is not None else None
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        eos = eos if eos is not None else mc.eos_token_id
-        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
 
     @classmethod
     def from_pretrained(
@@ -111,11 +116,20 @@ class LookaheadGenerator:
         system: str | None = None,
         streamer=None,
         lookahead: bool = True,
+        generation_config: GenerationConfig | None = None,
+        pool: NGramPool | None = None,
+        seed: int | None = None,
+        **options,
     ) -> GenerationResult:
-        """Greedy generation, token for token what ``model.generate(do_sample=False)`` gives.
+        """What ``model.generate()`` gives: greedy token for token, or sampling with exactly its distribution.
 
-        ``lookahead=False`` runs plain greedy decoding (one token per forward) through the same loop.
-        ``streamer`` gets ``put(ids)`` with the prompt, then every accepted token in order, then ``end()``.
+        ``options`` (or ``generation_config``) are ``generate()``'s: ``do_sample``, ``temperature``, ``top_k``,
+        ``top_p``, ``min_p``, ``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``,
+        ``min_new_tokens``, ``forced_eos_token_id``, ``eos_token_id``, ``stop_strings``, ... (the model's own
+        generation config fills the rest). ``lookahead=False`` decodes one token per forward through the same
+        loop. ``streamer`` gets ``put(ids)`` with the prompt, then every accepted token in order, then ``end()``.
+        ``pool`` reuses an n-gram pool across requests (it keeps learning). ``seed`` (default: the config's)
+        makes sampling reproducible.
         """
         ids = self._prompt_ids(prompt, chat, system)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -124,8 +138,13 @@ class LookaheadGenerator:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {self.max_context} tokens"
             )
+        if pool is not None and (pool.vocab_size != self.vocab_size or pool.n != self.config.ngram):
+            raise ValueError(f"pool holds {pool.n}-grams over {pool.vocab_size} ids; this generator needs "
+                             f"{self.config.ngram}-grams over {self.vocab_size}")
+        seed = self.config.seed if seed is None else seed
+        decoding = Decoding(self.model, self.tokenizer, len(ids), max_new_tokens, generation_config, seed, options)
         with torch.inference_mode():
-            tokens, stats, reason = self._decode(ids, max_new_tokens, streamer, lookahead)
+            tokens, stats, reason = self._decode(ids, max_new_tokens, streamer, lookahead, decoding, pool or self._new_pool(ids))
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationResult(tokens, text, stats, reason)
 
@@ -165,54 +184,59 @@ class LookaheadGenerator:
 
     # -- the decode loop ------------------------------------------------------------------------
 
-    def _decode(self, prompt: list[int], max_new_tokens: int, streamer, lookahead: bool):
+    def _decode(self, prompt: list[int], max_new_tokens: int, streamer, lookahead: bool, decoding: Decoding, pool: NGramPool):
         cfg, stats = self.config, GenerationStats()
+        levels, guess = (cfg.ngram - 1, cfg.guess) if lookahead else (0, 0)
         if streamer is not None:
             streamer.put(torch.tensor(prompt))
         # 0. prefill: one forward over the prompt fills the cache and gives the first token
         t0 = time.perf_counter()
         cache = kv.new_cache(self.model)
-        first_logits = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-        out = [int(first_logits[0, -1].argmax())]
-        pool, window = self._new_pool(prompt), JacobiWindow(cfg.window, cfg.ngram, np.asarray(prompt), cfg.seed)
-        levels = cfg.ngram - 1 if lookahead else 0
-        cands, sources = pool.lookup_with_sources(out[-1], cfg.guess if lookahead else 0)
+        logits = self.model(input_ids=torch.tensor([prompt], device=self.model.device), past_key_values=cache,
+                            use_cache=True, logits_to_keep=1).logits[0, -1].float().cpu()
+        out, done = self._until_stop(decoding, prompt, decoding.accept(lambda g, k: decoding.scores(logits, prompt), NO_CANDIDATES).tokens)
+        window = JacobiWindow(cfg.window, cfg.ngram, np.asarray(prompt), cfg.seed)
+        cands, sources = pool.lookup_with_sources(out[-1], guess)
         stats.prefill_s = time.perf_counter() - t0
         self._emit(streamer, out)
-        reason = "eos" if out[-1] in self.eos_ids else None
-        while reason is None and len(out) < max_new_tokens:
+        while not done and len(out) < max_new_tokens:
             # 1. layout: current token + window levels + candidates (built once per shape)
             layout = build_layout(cfg.window, cfg.ngram, min(window.filled, levels), len(cands))
             # 2. one forward, logits only for the rows the step reads
-            logits = self._forward(layout, cache, out[-1], window.active[: layout.levels], cands, len(prompt) + len(out) - 1)
-            first, last_level, cand_logits = layout.split_logits(logits)
-            # 3. verify: the longest candidate prefix the model agrees with, plus its own next token
-            verdict = greedy_accept(first, cand_logits, torch.from_numpy(cands).long())
+            first, last_level, cand_logits = layout.split_logits(
+                self._forward(layout, cache, out[-1], window.active[: layout.levels], cands, len(prompt) + len(out) - 1))
+            # 3. verify: the candidate prefix the model accepts (greedy or sampling), plus its own next token
+            history = prompt + out
+
+            def scores_at(g: int, k: int) -> torch.Tensor:  # after candidate g's token k (k < 0: the current token)
+                return decoding.scores(first, history) if k < 0 else decoding.scores(cand_logits[g, k], history + cands[g, : k + 1].tolist())
+
+            verdict = decoding.accept(scores_at, cands)
             # 4. keep the KV of the current token and the accepted candidate tokens only
             kv.compact(cache, layout.size, self._kept_rows(layout, verdict))
             # 5. window and pool: the last level's outputs become a level; finished columns become n-grams
             trajectories = window.advance(last_level.argmax(-1).numpy()) if layout.levels else np.empty((0, cfg.ngram), np.int64)
-            new = verdict.tokens[: max_new_tokens - len(out)]
+            new, done = self._until_stop(decoding, history, verdict.tokens[: max_new_tokens - len(out)])
             out += new
             if cfg.pool_from_output:
                 pool.insert_sequence((prompt + out)[-(len(new) + cfg.ngram - 1) :], Source.OUTPUT)
-            cands, sources_next = pool.insert_and_lookup(trajectories, out[-1], cfg.guess if lookahead else 0)
-            # 6. stats, stream, stop on EOS or length
-            stats.steps += 1
-            stats.accepted_hist[len(verdict.tokens)] += 1
-            if verdict.branch >= 0:
-                stats.accepted_by_source[Source(int(sources[verdict.branch])).name.lower()] += len(verdict.tokens) - 1
-            sources = sources_next
-            eos_at = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
-            if eos_at is not None:
-                del out[len(out) - len(new) + eos_at + 1 :]
-                new, reason = new[: eos_at + 1], "eos"
+            stats.record(verdict, sources)
+            cands, sources = pool.insert_and_lookup(trajectories, out[-1], guess)
+            # 6. stream what was accepted
             self._emit(streamer, new)
         stats.decode_s = time.perf_counter() - t0 - stats.prefill_s
         stats.new_tokens = len(out)
         if streamer is not None:
             streamer.end()
-        return out, stats, reason or "length"
+        return out, stats, "stop" if done else "length"
+
+    @staticmethod
+    def _until_stop(decoding: Decoding, history: list[int], new: list[int]) -> tuple[list[int], bool]:
+        """``new`` up to and including the first token that ends generation, and whether one did."""
+        for i in range(len(new)):
+            if decoding.stops(history + new[: i + 1]):
+                return new[: i + 1], True
+        return new, False
 
     def _new_pool(self, prompt: list[int]) -> NGramPool:
         cfg = self.config

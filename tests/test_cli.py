@@ -84,6 +84,19 @@ def test_model_errors_reach_the_user_as_one_line(tokenizerless_dir, tmp_path):
     assert bad.exit_code == 1 and "cannot read GGUF" in bad.output and "Traceback" not in bad.output
 
 
+def test_sampling_options_reach_the_generator(tokenizerless_dir):
+    args = ["generate", "--model", tokenizerless_dir, "--ids", "1,2,3", "--max-new-tokens", "8", "--json"]
+    a = json.loads(run(*args, "--temperature", "0.8", "--top-k", "20", "--seed", "3").stdout)
+    b = json.loads(run(*args, "--temperature", "0.8", "--top-k", "20", "--seed", "3").stdout)
+    assert a["tokens"] == b["tokens"]  # reproducible for a seed
+    draws = {tuple(json.loads(run(*args, "--sample", "--seed", str(s)).stdout)["tokens"]) for s in range(4)}
+    assert len(draws) > 1  # and really sampled
+    bad = run(*args, "--temperature", "0")
+    assert bad.exit_code == 1 and "temperature" in bad.output
+    no_tok = run(*args, "--stop", ".")
+    assert no_tok.exit_code == 1 and "stop strings need a tokenizer" in no_tok.output
+
+
 def test_models_lists_the_embedded_models(tmp_path):
     result = run("models", "--cache-dir", str(tmp_path))
     assert result.exit_code == 0

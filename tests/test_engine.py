@@ -65,7 +65,7 @@ def test_stops_at_eos_and_never_emits_past_it():
     first = ref.index(eos)
     model.generation_config.eos_token_id = [eos, 127]
     out = LookaheadGenerator(model, config=LookaheadConfig(window=3, ngram=3, guess=3)).generate(prompt, max_new_tokens=40)
-    assert out.tokens == ref[: first + 1] and out.finish_reason == "eos"
+    assert out.tokens == ref[: first + 1] and out.finish_reason == "stop"
     assert out.tokens == hf_greedy(model, prompt, 40)
 
 

@@ -1,0 +1,62 @@
+"""How tokens are chosen: a ``GenerationConfig`` turned into the very logits processors, stop rules and
+sampling that ``model.generate()`` would use, plus the acceptance rule that matches them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import GenerationConfig, PreTrainedModel, StopStringCriteria
+
+from lookahead.verify import ScoresAt, Verdict, greedy_accept, sampling_accept
+
+# generate() options with no lossless single-sequence meaning here: (field, value that means "off")
+UNSUPPORTED = {
+    "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "penalty_alpha": None, "guidance_scale": None,
+    "prompt_lookup_num_tokens": None, "assistant_confidence_threshold": 0.4, "constraints": None, "force_words_ids": None,
+    "cache_implementation": None, "watermarking_config": None, "output_scores": False, "output_logits": False,
+    "return_dict_in_generate": False, "diversity_penalty": 0.0, "low_memory": None,
+}
+
+
+class Decoding:
+    """The generation options of one request, resolved once: processors, acceptance rule, stops, RNG."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer, prompt_len: int, max_new_tokens: int,
+                 generation_config: GenerationConfig | None, seed: int, options: dict) -> None:
+        # the same helpers generate() uses, so defaults, validation and processor order match it exactly
+        config, unused = model._prepare_generation_config(generation_config, **options)
+        if unused:
+            raise ValueError(f"unknown generation option(s): {', '.join(sorted(unused))}")
+        for name, off in UNSUPPORTED.items():
+            value = getattr(config, name, off)
+            if value is not None and value != off:
+                raise ValueError(f"generation option {name}={value!r} is not supported by lookahead decoding")
+        if config.do_sample and config.temperature is not None and config.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {config.temperature}")
+        config.max_length = prompt_len + max_new_tokens
+        config.max_new_tokens = max_new_tokens
+        model._prepare_special_tokens(config, device=model.device)
+        self.processors = model._get_logits_processor(config, input_ids_seq_length=prompt_len, device=model.device)
+        self.do_sample = bool(config.do_sample)
+        eos = config._eos_token_tensor
+        self.eos_ids = frozenset(eos.flatten().tolist()) if eos is not None else frozenset()
+        if config.stop_strings and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        self.stop_strings = StopStringCriteria(tokenizer, config.stop_strings) if config.stop_strings else None
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def scores(self, logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+        """Processed next-token scores (V,) from raw logits (V,) after the token sequence ``prefix``."""
+        if not self.processors:
+            return logits
+        return self.processors(torch.tensor([prefix], device=logits.device), logits[None].clone())[0]
+
+    def accept(self, scores_at: ScoresAt, cands: np.ndarray) -> Verdict:
+        """Greedy or sampling verification; only this differs between the two decoding modes."""
+        return sampling_accept(scores_at, cands, self.rng) if self.do_sample else greedy_accept(scores_at, cands)
+
+    def stops(self, sequence: list[int]) -> bool:
+        """Whether generation ends with the last token of ``sequence`` (EOS or a stop string)."""
+        if sequence[-1] in self.eos_ids:
+            return True
+        return self.stop_strings is not None and bool(self.stop_strings(torch.tensor([sequence]), None)[0])

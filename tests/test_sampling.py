@@ -1,0 +1,190 @@
+"""Lossless sampling (a chi-square test against the exact distribution of plain sampling), generate()'s
+logits processors under greedy lookahead, stop strings, streamers and unsupported options."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                          TextStreamer, TopKLogitsWarper, TopPLogitsWarper)
+
+from conftest import hf_greedy, tiny_llama
+from lookahead import LookaheadConfig, LookaheadGenerator
+from lookahead.verify import sampling_accept
+from ngram_pool import NGramPool
+
+VOCAB, K = 5, 3  # outcomes: the first K new tokens over a VOCAB-token model -> VOCAB**K cells
+
+
+def sharp_tiny_model():
+    model = tiny_llama(seed=7, vocab=VOCAB)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)  # peaked, varied next-token distributions
+    return model
+
+
+def exact_distribution(model, prompt, k, processors, outcomes):
+    """P(first k tokens) under plain sampling: the product of processed softmaxes along each sequence."""
+    probs = {}
+    with torch.inference_mode():
+        for seq in outcomes:
+            p = 1.0
+            for i in range(k):
+                ids = torch.tensor([prompt + list(seq[:i])])
+                scores = processors(ids, model(ids).logits[:, -1].float())
+                p *= float(torch.softmax(scores, -1)[0, seq[i]])
+            probs[seq] = p
+    return probs
+
+
+def chi_square_p(counts: dict, expected_probs: dict, draws: int) -> float:
+    """Goodness of fit, cells with fewer than 5 expected draws pooled into one; impossible outcomes never drawn."""
+    impossible = [s for s, p in expected_probs.items() if p == 0]
+    assert not any(counts.get(s, 0) for s in impossible), "drew an outcome plain sampling never gives"
+    keys = sorted((s for s in expected_probs if expected_probs[s] > 0), key=lambda s: -expected_probs[s])
+    big = [s for s in keys if expected_probs[s] * draws >= 5]
+    small = [s for s in keys if expected_probs[s] * draws < 5]
+    obs = [counts.get(s, 0) for s in big] + ([sum(counts.get(s, 0) for s in small)] if small else [])
+    exp = [expected_probs[s] * draws for s in big] + ([sum(expected_probs[s] for s in small) * draws] if small else [])
+    exp = np.array(exp) * (sum(obs) / sum(exp))
+    return float(chisquare(obs, exp).pvalue)
+
+
+def full_pool(n: int, slots: int) -> NGramPool:
+    """Every n-gram over the vocabulary: each key always has candidates, so verification really rejects."""
+    pool = NGramPool(VOCAB, n, slots_per_key=slots)
+    pool.insert_many(np.array(list(itertools.product(range(VOCAB), repeat=n))))
+    return pool
+
+
+@pytest.mark.parametrize(
+    "options, processors",
+    [
+        (dict(temperature=1.0), []),
+        (dict(temperature=0.7, top_p=0.9), [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)]),
+        (dict(top_k=3, repetition_penalty=1.5), [RepetitionPenaltyLogitsProcessor(1.5), TopKLogitsWarper(3)]),
+    ],
+    ids=["t1.0", "t0.7-top_p0.9", "top_k3-rep1.5"],
+)
+def test_sampling_matches_the_plain_sampling_distribution(options, processors):
+    model, prompt, draws = sharp_tiny_model(), [1, 2, 3, 4, 1, 2, 3], 2000
+    gen = LookaheadGenerator(model, config=LookaheadConfig(window=2, ngram=3, guess=6))
+    pool = full_pool(3, slots=VOCAB * VOCAB)
+    counts, hist = {}, {}
+    for seed in range(draws):
+        out = gen.generate(prompt, max_new_tokens=K, do_sample=True, seed=seed, pool=pool, **options)
+        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
+        for size, n in out.stats.accepted_hist.items():
+            hist[size] = hist.get(size, 0) + n
+    # candidates were offered at every step: some were accepted (>1 token) and some rejected (1 token)
+    assert hist.get(1, 0) > 0 and sum(v for s, v in hist.items() if s > 1) > 0
+    outcomes = list(itertools.product(range(VOCAB), repeat=K))
+    expected = exact_distribution(model, prompt, K, LogitsProcessorList(processors), outcomes)
+    assert abs(sum(expected.values()) - 1) < 1e-4
+    p = chi_square_p(counts, expected, draws)
+    assert p > 0.01, f"lookahead sampling deviates from plain sampling (chi-square p={p:.2g})"
+
+
+def test_sampling_rule_rejects_then_samples_the_residual():
+    # p = [0.5, 0.5, 0]: candidate token 2 has p=0 so it is always rejected; the residual is then p itself
+    scores = torch.log(torch.tensor([0.5, 0.5, 1e-30]))
+    rng = torch.Generator().manual_seed(0)
+    cands = np.array([[2, 0], [2, 1]])  # both candidates start with the impossible token
+    firsts = [sampling_accept(lambda g, k: scores, cands, rng) for _ in range(400)]
+    assert all(v.branch == -1 and len(v.tokens) == 1 for v in firsts)
+    share = sum(v.tokens[0] == 0 for v in firsts) / len(firsts)
+    assert 0.4 < share < 0.6
+
+
+def test_same_seed_same_sample():
+    gen = LookaheadGenerator(sharp_tiny_model(), config=LookaheadConfig(window=2, ngram=3, guess=4))
+    a = gen.generate([1, 2, 3], max_new_tokens=12, do_sample=True, seed=5).tokens
+    b = gen.generate([1, 2, 3], max_new_tokens=12, do_sample=True, seed=5).tokens
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(num_beams=4), "num_beams=4 is not supported"),
+        (dict(num_return_sequences=2), "num_return_sequences"),
+        (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha=0.6 is not supported"),
+        (dict(not_an_option=1), "unknown generation option"),
+        (dict(do_sample=True, temperature=0.0), "temperature"),
+    ],
+)
+def test_unsupported_options_are_named(options, message):
+    gen = LookaheadGenerator(tiny_llama())
+    with pytest.raises(ValueError, match=message):
+        gen.generate([1, 2, 3], max_new_tokens=4, **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(repetition_penalty=1.3),
+        dict(no_repeat_ngram_size=2),
+        dict(min_new_tokens=30),
+        dict(forced_eos_token_id=2),
+        dict(eos_token_id=[2, 28]),  # a second EOS: the first "." ends generation
+        dict(bad_words_ids=[[198], [30]]),
+        dict(temperature=0.5, top_k=5, top_p=0.5),  # warpers do nothing without do_sample, as in generate()
+    ],
+    ids=lambda o: ",".join(o),
+)
+def test_smollm2_greedy_with_processors_equals_generate(smollm2, options):
+    model, tok = smollm2
+    ids = tok.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, **options)[0, len(ids):].tolist()
+    out = LookaheadGenerator(model, tok, LookaheadConfig()).generate(ids, max_new_tokens=40, **options)
+    assert out.tokens == ref
+
+
+@pytest.mark.slow
+def test_smollm2_stop_strings_and_streamed_text(smollm2):
+    model, tok = smollm2
+    ids = tok("The three primary colours are")["input_ids"]
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, stop_strings=["."], tokenizer=tok)
+
+    class Capture(TextStreamer):
+        text = ""
+
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            Capture.text += text
+
+    streamer = Capture(tok, skip_prompt=True, skip_special_tokens=True)
+    out = LookaheadGenerator(model, tok).generate(ids, max_new_tokens=40, stop_strings=["."], streamer=streamer)
+    assert out.tokens == ref[0, len(ids):].tolist() and out.text.endswith(".") and out.finish_reason == "stop"
+    assert Capture.text == out.text
+
+
+@pytest.mark.slow
+def test_smollm2_sampling_matches_plain_sampling(smollm2):
+    """A real checkpoint: top_k=3 keeps 27 outcomes for 3 tokens; candidates for all of them are in the pool."""
+    model, tok = smollm2
+    prompt = tok("My favourite fruit is")["input_ids"]
+    processors = LogitsProcessorList([TemperatureLogitsWarper(1.5), TopKLogitsWarper(3)])
+    outcomes = [()]
+    with torch.inference_mode():
+        for _ in range(K):  # every sequence whose tokens are each in the top 3 after their prefix
+            outcomes = [s + (t,) for s in outcomes
+                        for t in model(torch.tensor([prompt + list(s)])).logits[0, -1].topk(3).indices.tolist()]
+    expected = exact_distribution(model, prompt, K, processors, outcomes)
+    pool = NGramPool(model.config.vocab_size, 3, slots_per_key=16)
+    pool.insert_many(np.array([list(s) for s in expected]))
+    gen = LookaheadGenerator(model, tok, LookaheadConfig(window=2, ngram=3, guess=9))
+    draws, counts = 300, {}
+    for seed in range(draws):
+        out = gen.generate(prompt, max_new_tokens=K, do_sample=True, temperature=1.5, top_k=3, seed=seed, pool=pool)
+        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
+    assert set(counts) <= set(expected)
+    p = chi_square_p(counts, expected, draws)
+    assert p > 0.01, f"chi-square p={p:.2g}"
