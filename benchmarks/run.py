@@ -29,7 +29,7 @@ from benchmarks.prompts import prompt_ids
 from lookahead import LookaheadConfig, LookaheadGenerator, models
 
 TIE = 1e-4
-GREEDY, PLD = "hf_greedy", "hf_prompt_lookup"
+GREEDY, PLD, PLAIN = "hf_greedy", "hf_prompt_lookup", "plain loop (--no-lookahead)"
 
 
 @dataclass
@@ -119,6 +119,7 @@ def run_all(args) -> dict:
         hf_generate(model, warm, 4, prompt_lookup_num_tokens=args.pld_tokens)
     for gen in gens.values():
         gen.generate(warm, max_new_tokens=4)
+        gen.generate(warm, max_new_tokens=4, lookahead=False)
     runs: list[Run] = []
     for i, p in enumerate(prompts):
         ids = prompt_ids(tokenizer, p.text, p.chat)
@@ -127,10 +128,12 @@ def run_all(args) -> dict:
             runs.append(Run(p.set, p.id, dtype, GREEDY, secs, ref, equal=True, equal_or_tie=True))
             toks, secs = hf_generate(model, ids, args.max_new_tokens, prompt_lookup_num_tokens=args.pld_tokens)
             runs.append(check(Run(p.set, p.id, dtype, PLD, secs, toks), ref, ids, model))
-            for c in configs:
-                out = gens[(dtype, method_name(c))].generate(ids, max_new_tokens=args.max_new_tokens)
+            # our own loop without the lookahead branches: how much of a speedup is the loop, not the algorithm
+            plain = [(PLAIN, gens[(dtype, method_name(configs[0]))], False)] if configs else []
+            for name, gen, on in plain + [(method_name(c), gens[(dtype, method_name(c))], True) for c in configs]:
+                out = gen.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=on)
                 secs = out.stats.prefill_s + out.stats.decode_s
-                run = Run(p.set, p.id, dtype, method_name(c), secs, out.tokens, out.stats.steps, dict(out.stats.accepted_by_source))
+                run = Run(p.set, p.id, dtype, name, secs, out.tokens, out.stats.steps, dict(out.stats.accepted_by_source))
                 runs.append(check(run, ref, ids, model))
         print(f"[{i + 1}/{len(prompts)}] {p.set}/{p.id} done", flush=True)
     curves = {dtype: cost_curve(model, args.cost_sizes) for dtype, (model, _) in loaded.items()}

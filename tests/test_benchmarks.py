@@ -21,7 +21,8 @@ def test_runner_smallest_mode_writes_json_markdown_and_plot(tmp_path):
     sets = {r["set"] for r in results["summary"]}
     assert sets == {"mt_bench", "humaneval", "gsm8k", "summarisation", "all"}
     overall = {r["method"]: r for r in results["summary"] if r["set"] == "all"}
-    assert set(overall) == {"hf_greedy", "hf_prompt_lookup", "lookahead W2 N2 G2"}
+    assert set(overall) == {"hf_greedy", "hf_prompt_lookup", "plain loop (--no-lookahead)", "lookahead W2 N2 G2"}
+    assert overall["plain loop (--no-lookahead)"]["compression"] == 1.0
     assert overall["hf_greedy"]["speedup_same_dtype"] == 1.0
     assert overall["lookahead W2 N2 G2"]["equal_or_tie_rate"] == 1.0  # lossless, as everywhere
     assert results["hardware"]["cores"] >= 1 and results["cost_curve"]["float32"]["1"] == 1.0
