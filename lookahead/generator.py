@@ -81,15 +81,14 @@ class LookaheadGenerator:
                 f"attention implementation {model.config._attn_implementation!r} cannot take a custom 4D mask; "
                 f"load the model with attn_implementation='sdpa' or 'eager'"
             )
-        layer_types = set(getattr(mc, "layer_types", None) or ["full_attention"])
-        if not layer_types <= {"full_attention", "sliding_attention"}:
-            raise ValueError(f"unsupported layer types {sorted(layer_types)}: only (sliding) attention layers can be rolled back")
+        layer_types = list(getattr(mc, "layer_types", None) or ["full_attention"])
+        if not set(layer_types) <= {"full_attention", "sliding_attention"}:
+            raise ValueError(f"unsupported layer types {sorted(set(layer_types))}: only (sliding) attention layers can be rolled back")
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(mc, "max_position_embeddings", 0) or 0) or None
-        types = list(getattr(mc, "layer_types", None) or ["full_attention"])
-        self.full_layer = types.index("full_attention") if "full_attention" in layer_types else None
-        self.sliding_layer = types.index("sliding_attention") if "sliding_attention" in layer_types else None
-        self.sliding_window = getattr(mc, "sliding_window", None) if self.sliding_layer is not None else None
+        # one mask per layer type: (a layer of that type, to ask the cache for its mask sizes; its window)
+        windows = {"full_attention": None, "sliding_attention": getattr(mc, "sliding_window", None)}
+        self.mask_layers = {kind: (layer_types.index(kind), windows[kind]) for kind in dict.fromkeys(layer_types)}
 
     @classmethod
     def from_pretrained(
@@ -250,25 +249,17 @@ class LookaheadGenerator:
         """Logits (rows, V) for ``layout.logit_rows``: the current token, the last level, the candidates."""
         device, dtype = self.model.device, self.model.dtype
         ids = layout.input_ids(current, torch.from_numpy(levels), torch.from_numpy(cands).long())
-        masks = {}
-        if self.full_layer is not None:
-            masks["full_attention"] = self._mask(layout, cache, self.full_layer, position, None, dtype)
-        if self.sliding_layer is not None:
-            masks["sliding_attention"] = self._mask(layout, cache, self.sliding_layer, position, self.sliding_window, dtype)
+        masks = {kind: layout.additive_mask(*cache.get_mask_sizes(layout.size, layer), position, window, dtype).to(device)
+                 for kind, (layer, window) in self.mask_layers.items()}
         out = self.model(
             input_ids=ids.to(device),
             position_ids=(position + layout.offsets).unsqueeze(0).to(device),
-            attention_mask={k: m.to(device) for k, m in masks.items()} if self.sliding_layer is not None else masks["full_attention"].to(device),
+            attention_mask=masks if "sliding_attention" in masks else masks["full_attention"],  # (1, 1, T, kv) each
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=layout.logit_rows.to(device),
         )
         return out.logits[0].float().cpu()
-
-    @staticmethod
-    def _mask(layout: StepLayout, cache: Cache, layer: int, position: int, sliding: int | None, dtype: torch.dtype) -> torch.Tensor:
-        kv_length, kv_offset = cache.get_mask_sizes(layout.size, layer)
-        return layout.additive_mask(kv_length, kv_offset, position, sliding, dtype)
 
     @staticmethod
     def _kept_rows(layout: StepLayout, verdict: Verdict) -> torch.Tensor:
