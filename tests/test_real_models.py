@@ -45,16 +45,15 @@ def test_smollm2_accepts_several_tokens_per_step_on_input_grounded_prompts(smoll
     assert stats.accepted_by_source["prompt"] > 0
 
 
-def test_smollm2_bf16_runs_end_to_end(smollm2):
-    """bf16 batched and one-by-one forwards round differently, so equality is checked up to bf16 ties."""
+def test_smollm2_bf16_equals_bf16_generate_up_to_bf16_ties():
+    """bf16 batched and one-by-one forwards round differently: a difference may start only at a bf16 tie."""
     model, tok = models.load("smollm2-135m", dtype="bfloat16")
     gen = LookaheadGenerator(model, tok, LookaheadConfig())
-    ids = prompt_ids(tok, PROMPTS[4][1], False)
-    out = gen.generate(ids, max_new_tokens=48)
-    ref = hf_greedy(model, ids, 48)
-    agree = next((i for i, (a, b) in enumerate(zip(out.tokens, ref)) if a != b), len(ref))
-    assert agree >= 16, f"bf16 lookahead left plain bf16 greedy after {agree} tokens"
-    assert out.text and out.stats.new_tokens == 48
+    for name, text, chat in (PROMPTS[0], PROMPTS[3], PROMPTS[4]):
+        ids = prompt_ids(tok, text, chat)
+        out = gen.generate(ids, max_new_tokens=48)
+        assert_greedy_equal(model, ids, out.tokens, hf_greedy(model, ids, 48))
+        assert out.text and out.stats.new_tokens == len(out.tokens) > 0
 
 
 def test_gguf_conversion_cache_reloads_identical_logits(smollm2, tmp_path):
