@@ -78,7 +78,7 @@ def main() -> None:
 @click.option("-W", "--window", type=int, default=LookaheadConfig.window, show_default=True, help="Jacobi window width W.")
 @click.option("-N", "--ngram", type=int, default=LookaheadConfig.ngram, show_default=True, help="N-gram size N.")
 @click.option("-G", "--guess", type=int, default=LookaheadConfig.guess, show_default=True, help="Candidates verified per step G.")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--no-lookahead", is_flag=True, help="Plain greedy decoding, one token per forward (for comparison).")
 @click.option("--ids", "ids_mode", is_flag=True,
