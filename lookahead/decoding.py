@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel, StopStringCriteria
 
-from lookahead.verify import ScoresAt, Verdict, greedy_accept, sampling_accept
+from lookahead.verify import Verdict, greedy_accept, sampling_accept
 
 # generate() options with no lossless single-sequence meaning here: (field, value that means "off")
 UNSUPPORTED = {
@@ -51,8 +51,16 @@ class Decoding:
             return logits
         return self.processors(torch.tensor([prefix], device=logits.device), logits[None].clone())[0]
 
-    def accept(self, scores_at: ScoresAt, cands: np.ndarray) -> Verdict:
-        """Greedy or sampling verification; only this differs between the two decoding modes."""
+    def verify(self, history: list[int], first: torch.Tensor, cand_logits: torch.Tensor | None, cands: np.ndarray) -> Verdict:
+        """The accepted candidate prefix and the next token, greedy or sampling (the only switch between them).
+
+        history: the tokens so far, the current one last; first (V,): logits after it; cand_logits
+        (C, N-1, V): logits after each candidate token; cands (C, N-1).
+        """
+
+        def scores_at(g: int, k: int) -> torch.Tensor:  # after candidate g's token k (k < 0: the current token)
+            return self.scores(first, history) if k < 0 else self.scores(cand_logits[g, k], history + cands[g, : k + 1].tolist())
+
         return sampling_accept(scores_at, cands, self.rng) if self.do_sample else greedy_accept(scores_at, cands)
 
     def stops(self, sequence: list[int]) -> bool:

@@ -190,10 +190,8 @@ class LookaheadGenerator:
             streamer.put(torch.tensor(prompt))
         # 0. prefill: one forward over the prompt fills the cache and gives the first token
         t0 = time.perf_counter()
-        cache = kv.new_cache(self.model)
-        logits = self.model(input_ids=torch.tensor([prompt], device=self.model.device), past_key_values=cache,
-                            use_cache=True, logits_to_keep=1).logits[0, -1].float().cpu()
-        out, done = self._until_stop(decoding, prompt, decoding.accept(lambda g, k: decoding.scores(logits, prompt), NO_CANDIDATES).tokens)
+        cache, logits = self._prefill(prompt)
+        out, done = self._until_stop(decoding, prompt, decoding.verify(prompt, logits, None, NO_CANDIDATES).tokens)
         window = JacobiWindow(cfg.window, cfg.ngram, np.asarray(prompt), cfg.seed)
         cands, sources = pool.lookup_with_sources(out[-1], guess)
         stats.prefill_s = time.perf_counter() - t0
@@ -206,11 +204,7 @@ class LookaheadGenerator:
                 self._forward(layout, cache, out[-1], window.active[: layout.levels], cands, len(prompt) + len(out) - 1))
             # 3. verify: the candidate prefix the model accepts (greedy or sampling), plus its own next token
             history = prompt + out
-
-            def scores_at(g: int, k: int) -> torch.Tensor:  # after candidate g's token k (k < 0: the current token)
-                return decoding.scores(first, history) if k < 0 else decoding.scores(cand_logits[g, k], history + cands[g, : k + 1].tolist())
-
-            verdict = decoding.accept(scores_at, cands)
+            verdict = decoding.verify(history, first, cand_logits, cands)
             # 4. keep the KV of the current token and the accepted candidate tokens only
             kv.compact(cache, layout.size, self._kept_rows(layout, verdict))
             # 5. window and pool: the last level's outputs become a level; finished columns become n-grams
@@ -228,6 +222,13 @@ class LookaheadGenerator:
         if streamer is not None:
             streamer.end()
         return out, stats, "stop" if done else "length"
+
+    def _prefill(self, prompt: list[int]) -> tuple[Cache, torch.Tensor]:
+        """A fresh cache holding the prompt, and the logits (V,) after its last token."""
+        cache = kv.new_cache(self.model)
+        ids = torch.tensor([prompt], device=self.model.device)
+        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        return cache, logits[0, -1].float().cpu()
 
     @staticmethod
     def _until_stop(decoding: Decoding, history: list[int], new: list[int]) -> tuple[list[int], bool]:
