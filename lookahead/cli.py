@@ -153,7 +153,7 @@ def models_(ctx: click.Context, cache_dir: Path | None) -> None:
     if ctx.invoked_subcommand is not None:
         return
     for model in models.EMBEDDED.values():
-        where = models.converted_dir(ctx.obj / "gguf" / f"{model.name}.gguf", ctx.obj)
+        where = models.embedded_dir(model.name, ctx.obj)
         state = f"cached at {where}" if (where / "config.json").is_file() else "not fetched yet"
         default = " (default)" if model.name == models.DEFAULT_MODEL else ""
         click.echo(f"{model.name}{default}: {model.description}; {state}")

@@ -212,7 +212,7 @@ class LookaheadGenerator:
             new, done = self._until_stop(decoding, history, verdict.tokens[: max_new_tokens - len(out)])
             out += new
             if cfg.pool_from_output:
-                pool.insert_sequence((prompt + out)[-(len(new) + cfg.ngram - 1) :], Source.OUTPUT)
+                pool.insert_sequence(history[-(cfg.ngram - 1) :] + new, Source.OUTPUT)  # n-grams ending in a new token
             stats.record(verdict, sources)
             cands, sources = pool.insert_and_lookup(trajectories, out[-1], guess)
             # 6. stream what was accepted

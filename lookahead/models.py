@@ -135,21 +135,22 @@ def fetch_embedded(name: str, cache_dir: Path, progress: Progress = _quiet) -> P
 # -- GGUF conversion ----------------------------------------------------------------------------
 
 
+def embedded_dir(name: str, cache_dir: Path) -> Path:
+    """Where an embedded model's dequantized copy lives."""
+    return cache_dir / "converted" / name
+
+
 def converted_dir(gguf: Path, cache_dir: Path) -> Path:
-    """Where a GGUF file's dequantized copy lives: by name for embedded models, else keyed by the file's
-    path, size and modification time."""
-    if gguf.parent == cache_dir / "gguf" and gguf.stem in EMBEDDED:
-        return cache_dir / "converted" / gguf.stem
+    """Where a user's GGUF file's dequantized copy lives: keyed by the file's path, size and modification time."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     return cache_dir / "converted" / f"{gguf.stem}-{key}"
 
 
-def convert_gguf(gguf: Path, cache_dir: Path, progress: Progress = _quiet) -> Path:
-    """Dequantize a GGUF file once into a safetensors + tokenizer directory; return that directory."""
+def convert_gguf(gguf: Path, target: Path, progress: Progress = _quiet) -> Path:
+    """Dequantize a GGUF file once into ``target`` (safetensors + tokenizer); return ``target``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = converted_dir(gguf, cache_dir)
     if (target / "config.json").is_file():
         return target
     progress(f"converting {gguf.name} to safetensors (once; cached in {target})")
@@ -183,15 +184,15 @@ def _one_line(e: BaseException) -> str:
 def resolve(spec: str, cache_dir: Path, progress: Progress = _quiet) -> str:
     """A loadable directory or hub id for ``spec`` (embedded name, GGUF file, directory or hub id)."""
     if spec in EMBEDDED:
-        ready = converted_dir(cache_dir / "gguf" / f"{spec}.gguf", cache_dir)
-        if (ready / "config.json").is_file():
-            return str(ready)
-        return str(convert_gguf(fetch_embedded(spec, cache_dir, progress), cache_dir, progress))
+        target = embedded_dir(spec, cache_dir)
+        if (target / "config.json").is_file():  # converted already: no need for the GGUF itself
+            return str(target)
+        return str(convert_gguf(fetch_embedded(spec, cache_dir, progress), target, progress))
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{spec}: a model file must be a .gguf checkpoint (or give a model directory)")
-        return str(convert_gguf(path, cache_dir, progress))
+        return str(convert_gguf(path, converted_dir(path, cache_dir), progress))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{spec}: directory has no config.json, so it is not a Hugging Face model")
