@@ -1,5 +1,8 @@
-"""A standalone, Numba-accelerated n-gram pool on numpy arrays (numpy and numba only: no torch)."""
+"""Standalone, Numba-accelerated drafting structures on numpy arrays (numpy and numba only: no torch):
+an n-gram pool, a suffix matcher and a token-recycling table."""
 
 from ngram_pool.pool import FORMAT_VERSION, NGramPool, PoolStats, Source
+from ngram_pool.recycle import RecycleTable, template
+from ngram_pool.suffix import SuffixDrafter
 
-__all__ = ["FORMAT_VERSION", "NGramPool", "PoolStats", "Source"]
+__all__ = ["FORMAT_VERSION", "NGramPool", "PoolStats", "RecycleTable", "Source", "SuffixDrafter", "template"]

@@ -29,3 +29,41 @@ class PyNGramPool:
 
     def lookup(self, key: int, max_candidates: int) -> list[tuple[int, ...]]:
         return self.rows.get(key, [])[:max_candidates]
+
+
+def py_suffix_drafts(seq: list[int], max_match: int, max_drafts: int, max_len: int, tokens_per_match: int) -> list[tuple[list[int], int]]:
+    """``suffix_drafts`` the slow way: (draft, match length) pairs, longest match first, then most recent."""
+    last = len(seq) - 1
+    matches = []
+    for j in range(last - 1, -1, -1):
+        k = 0
+        while k < max_match and j - k >= 0 and seq[j - k] == seq[last - k]:
+            k += 1
+        if k:
+            matches.append((-k, -j))
+    out: list[tuple[list[int], int]] = []
+    for neg_k, neg_j in sorted(matches):
+        k, j = -neg_k, -neg_j
+        draft = seq[j + 1 : j + 1 + min(max_len, k * tokens_per_match)]
+        if len(out) < max_drafts and not any(d[: len(draft)] == draft for d, _ in out):
+            out.append((draft, k))
+    return out
+
+
+class PyRecycleTable:
+    """Dict of lists: token -> its successors as last written."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.rows = k, {}
+
+    def update(self, tokens, successors) -> None:
+        for t, s in zip(tokens, successors):
+            row = self.rows.setdefault(int(t), [-1] * self.k)
+            row[: len(s)] = [int(x) for x in s[: self.k]]
+
+    def expand(self, root: int, parents, ranks) -> list[int]:
+        out: list[int] = []
+        for p, r in zip(parents, ranks):
+            parent = root if p < 0 else out[p]
+            out.append(-1 if parent < 0 else self.rows.get(parent, [-1] * self.k)[r])
+        return out

@@ -1,0 +1,169 @@
+"""Token recycling (Luo et al., 2025): every forward's top-k predictions, kept as token -> likeliest successors.
+
+    table  (vocab, k)  int32   row t: the k tokens the model last ranked likeliest after t, best first
+                               (-1: nothing seen yet); each occurrence of t overwrites its row
+
+A draft tree is grown from the table along a fixed template: template node i is the ``ranks[i]``-th
+successor of its parent's token (the root's parent: the current token). The template is chosen to
+maximise the expected number of accepted nodes for measured per-rank acceptance rates (``template``).
+
+    template (rates .6 .3, 5 nodes)      expansion from current token c
+        c                                    c         table[c] = [7 3], table[7] = [9 2],
+      0/  \\1                               / \\        table[9] = [4 ...]
+      n0   n1     n0 = rank 0 of c          7   3
+     0/ \\1                                / \\
+     n2  n3                              9   2
+    0/
+    n4                                  4
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+from numba import njit
+
+from ngram_pool.kernels import check_ids
+from ngram_pool.pool import _as_ids
+
+FORMAT_VERSION = 1
+
+
+@njit(cache=True)
+def update_table(table: np.ndarray, tokens: np.ndarray, successors: np.ndarray) -> np.ndarray:
+    """Row ``tokens[i]`` of ``table`` <- ``successors[i]`` (first k' columns), in order: later rows win.
+
+    Returns ``tokens``; ids are checked first (``ValueError``, nothing written)."""
+    vocab = table.shape[0]
+    check_ids(tokens, vocab)
+    check_ids(successors, vocab)
+    width = min(successors.shape[1], table.shape[1])
+    for i in range(tokens.size):
+        for r in range(width):
+            table[tokens[i], r] = successors[i, r]
+    return tokens
+
+
+@njit(cache=True)
+def expand_template(table: np.ndarray, root: int, parents: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Tokens (M,) of a template's nodes grown from ``root``: node i = table[its parent's token, ranks[i]]; -1
+    where the table has no such successor (and below it)."""
+    out = np.empty(parents.size, np.int64)
+    for i in range(parents.size):
+        parent = root if parents[i] < 0 else out[parents[i]]
+        out[i] = -1 if parent < 0 else table[parent, ranks[i]]
+    return out
+
+
+@njit(cache=True)
+def best_template(rank_rates: np.ndarray, size: int, max_depth: int) -> np.ndarray:
+    """(K, 3) int64 rows (parent, rank, depth) of the ``size`` nodes with the highest expected acceptance,
+    parents first, by depth: a node's expectation is the product of its path's rank rates."""
+    k = rank_rates.size
+    parent = np.empty(size, np.int64)
+    rank = np.empty(size, np.int64)
+    depth = np.empty(size, np.int64)
+    score = np.empty(size, np.float64)
+    # the frontier: children not taken yet, at most one per (taken node or root) and rank
+    f_parent = np.empty(size * k + k, np.int64)
+    f_rank = np.empty(size * k + k, np.int64)
+    f_depth = np.empty(size * k + k, np.int64)
+    f_score = np.empty(size * k + k, np.float64)
+    nf = 0
+    if max_depth >= 1:
+        for r in range(k):
+            f_parent[nf], f_rank[nf], f_depth[nf], f_score[nf] = -1, r, 1, rank_rates[r]
+            nf += 1
+    n = 0
+    while n < size and nf > 0:
+        best = 0
+        for i in range(1, nf):
+            if f_score[i] > f_score[best]:
+                best = i
+        parent[n], rank[n], depth[n], score[n] = f_parent[best], f_rank[best], f_depth[best], f_score[best]
+        nf -= 1
+        f_parent[best], f_rank[best], f_depth[best], f_score[best] = f_parent[nf], f_rank[nf], f_depth[nf], f_score[nf]
+        if depth[n] < max_depth:
+            for r in range(k):
+                f_parent[nf], f_rank[nf], f_depth[nf], f_score[nf] = n, r, depth[n] + 1, score[n] * rank_rates[r]
+                nf += 1
+        n += 1
+    # lay out by depth (a stable sort keeps the score order within a depth), parents re-indexed
+    order = np.argsort(depth[:n], kind="mergesort")
+    index = np.empty(n, np.int64)
+    for i in range(n):
+        index[order[i]] = i
+    out = np.empty((n, 3), np.int64)
+    for i in range(n):
+        j = order[i]
+        out[i, 0] = -1 if parent[j] < 0 else index[parent[j]]
+        out[i, 1] = rank[j]
+        out[i, 2] = depth[j]
+    return out
+
+
+def template(rank_rates: np.ndarray, size: int, max_depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The best template of ``size`` nodes for acceptance rates by rank (k,): parents, ranks, depths (K,)."""
+    rates = np.ascontiguousarray(rank_rates, dtype=np.float64)
+    if rates.ndim != 1 or ((rates < 0) | (rates > 1)).any():
+        raise ValueError(f"rank_rates must be a 1-D array of probabilities, got {rank_rates!r}")
+    rows = best_template(rates, max(int(size), 0), int(max_depth))
+    return rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
+
+
+class RecycleTable:
+    """Owner of the (vocab, k) successor table. Memory: ``vocab_size * k * 4`` bytes (128k x 8: 4 MB)."""
+
+    _warm = False
+
+    def __init__(self, vocab_size: int, k: int = 8) -> None:
+        for name, value in (("vocab_size", vocab_size), ("k", k)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.vocab_size, self.k = int(vocab_size), int(k)
+        self.table = np.full((self.vocab_size, self.k), -1, np.int32)
+        if not RecycleTable._warm:
+            for dtype in (np.int32, np.int64):
+                update_table(np.zeros((1, 1), np.int32), np.zeros(1, dtype), np.zeros((1, 1), dtype))
+            expand_template(np.zeros((1, 1), np.int32), 0, np.full(1, -1, np.int64), np.zeros(1, np.int64))
+            best_template(np.ones(1), 1, 1)
+            RecycleTable._warm = True
+
+    def update(self, tokens: np.ndarray, successors: np.ndarray) -> None:
+        """Rows (R,) of input tokens and (R, k') of their ranked next tokens; later rows overwrite earlier ones."""
+        tokens, successors = _as_ids("tokens", tokens, 1), _as_ids("successors", successors, 2)
+        if successors.shape[0] != tokens.size:
+            raise ValueError(f"successors must have one row per token, got {successors.shape} for {tokens.size} tokens")
+        update_table(self.table, tokens, successors)
+
+    def expand(self, root: int, parents: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """Tokens (M,) of the template (``parents``, ``ranks``) grown from ``root``; -1 where the table is empty."""
+        parents, ranks = _as_ids("parents", parents, 1).astype(np.int64), _as_ids("ranks", ranks, 1).astype(np.int64)
+        if not 0 <= root < self.vocab_size:
+            raise ValueError(f"root {root} is outside the vocabulary [0, {self.vocab_size})")
+        if parents.size != ranks.size or (ranks < 0).any() or (ranks >= self.k).any() \
+                or (parents >= np.arange(parents.size)).any() or (parents < -1).any():
+            raise ValueError("a template needs parents before children and ranks below k")
+        return expand_template(self.table, int(root), parents, ranks)
+
+    def save(self, path: str | Path) -> None:
+        np.savez_compressed(path, format_version=np.int64(FORMAT_VERSION), table=self.table)
+
+    @classmethod
+    def load(cls, path: str | Path, vocab_size: int | None = None) -> "RecycleTable":
+        """Read a table written by ``save``; a corrupt or mismatched file raises ``ValueError``."""
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                version, table = f["format_version"], f["table"]
+        except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
+            raise ValueError(f"{path}: not a readable recycling table ({type(e).__name__}: {e})") from None
+        if version.shape != () or int(version) != FORMAT_VERSION or table.dtype != np.int32 or table.ndim != 2 \
+                or table.shape[1] < 1 or (table < -1).any() or (table >= table.shape[0]).any():
+            raise ValueError(f"{path}: corrupt recycling table or unsupported version")
+        if vocab_size is not None and table.shape[0] != vocab_size:
+            raise ValueError(f"{path}: recycling table is for vocab_size={table.shape[0]}, not {vocab_size}")
+        out = cls(table.shape[0], table.shape[1])
+        out.table[:] = table
+        return out

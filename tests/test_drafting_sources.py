@@ -1,0 +1,141 @@
+"""The suffix matcher, the recycling table and its template against pure-Python references (property
+tests), plus their edge cases and persistence; and the drafting state's tree on top of them."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lookahead.config import LookaheadConfig
+from lookahead.drafting import SOURCES, DraftState
+from ngram_pool import RecycleTable, SuffixDrafter, template
+from ngram_pool.reference import PyRecycleTable, py_suffix_drafts
+
+
+@settings(max_examples=200, deadline=None)
+@given(seq=st.lists(st.integers(0, 4), min_size=0, max_size=60), max_match=st.integers(1, 6),
+       max_drafts=st.integers(0, 5), max_len=st.integers(0, 9), per_match=st.integers(1, 4))
+def test_suffix_drafts_match_the_reference(seq, max_match, max_drafts, max_len, per_match):
+    drafter = SuffixDrafter(5, max_match=max_match)
+    drafter.reset(seq[: len(seq) // 2])
+    drafter.extend(seq[len(seq) // 2 :])  # growing in two parts is the same as one
+    drafts, lengths = drafter.drafts(max_drafts, max_len, per_match)
+    expected = py_suffix_drafts(seq, max_match, max_drafts, max_len, per_match) if len(seq) >= 2 and max_len else []
+    assert drafts.shape == (len(expected), max_len) and lengths.tolist() == [k for _, k in expected]
+    for row, (draft, _) in zip(drafts.tolist(), expected):
+        assert row == draft + [-1] * (max_len - len(draft))
+
+
+def test_suffix_drafts_prefer_long_matches_and_grow_with_them():
+    drafter = SuffixDrafter(100, max_match=8)
+    drafter.reset([5, 1, 2, 3, 4, 9, 9, 9, 9, 9, 7, 3, 8, 1, 2, 3])
+    drafts, lengths = drafter.drafts(2, 16, tokens_per_match=2)
+    assert lengths.tolist() == [3, 1]
+    assert drafts[0, :6].tolist() == [4, 9, 9, 9, 9, 9] and drafts[0, 6] == -1  # 3 matched -> 6 tokens
+    assert drafts[1, :2].tolist() == [8, 1] and drafts[1, 2] == -1
+
+
+def test_suffix_drafter_rejects_bad_input():
+    drafter = SuffixDrafter(10)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        drafter.extend([3, 10])
+    with pytest.raises(ValueError, match="max_len"):
+        drafter.drafts(1, -1)
+    with pytest.raises(ValueError, match="max_match"):
+        SuffixDrafter(10, max_match=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(k=st.integers(1, 4), updates=st.lists(st.tuples(st.integers(0, 7), st.lists(st.integers(0, 7), min_size=1, max_size=4)), max_size=20),
+       shape=st.lists(st.tuples(st.integers(-1, 12), st.integers(0, 3)), max_size=12), root=st.integers(0, 7))
+def test_recycle_table_matches_the_reference(k, updates, shape, root):
+    table, ref = RecycleTable(8, k), PyRecycleTable(k)
+    width = min(len(s) for _, s in updates) if updates else 1
+    tokens = np.array([t for t, _ in updates], np.int64)
+    successors = np.array([s[:width] for _, s in updates], np.int64).reshape(len(updates), width)
+    table.update(tokens, successors)
+    ref.update(tokens, successors)
+    parents = np.array([min(p, i - 1) for i, (p, _) in enumerate(shape)], np.int64)
+    ranks = np.array([min(r, k - 1) for _, r in shape], np.int64)
+    assert table.expand(root, parents, ranks).tolist() == ref.expand(root, parents.tolist(), ranks.tolist())
+
+
+def expected_acceptance(parents, ranks, rates):
+    score = []
+    for p, r in zip(parents, ranks):
+        score.append(rates[r] * (score[p] if p >= 0 else 1.0))
+    return sum(score)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3), size=st.integers(0, 6), max_depth=st.integers(1, 4))
+def test_template_is_the_best_tree_of_its_size(rates, size, max_depth):
+    """Brute force over every tree of ``size`` nodes: none expects more accepted tokens than the template."""
+    rates = np.array(sorted(rates, reverse=True))
+    parents, ranks, depths = template(rates, size, max_depth)
+    assert parents.size == min(size, sum(len(rates) ** d for d in range(1, max_depth + 1)))
+    assert all(p < i for i, p in enumerate(parents)) and (np.diff(depths) >= 0).all() and depths.max(initial=0) <= max_depth
+    assert len({(p, r) for p, r in zip(parents, ranks)}) == parents.size  # no two nodes are the same successor
+    best = 0.0
+    nodes = [(-1, r, 1) for r in range(len(rates))]
+
+    def grow(chosen, frontier):  # every set of `size` nodes closed under parents, as (parent, rank) lists
+        nonlocal best
+        if len(chosen) == parents.size:
+            best = max(best, expected_acceptance([p for p, _, _ in chosen], [r for _, r, _ in chosen], rates))
+            return
+        for i, (p, r, d) in enumerate(frontier):
+            me = len(chosen)
+            kids = [(me, q, d + 1) for q in range(len(rates))] if d < max_depth else []
+            grow(chosen + [(p, r, d)], frontier[i + 1 :] + kids)
+
+    grow([], nodes)
+    assert expected_acceptance(parents, ranks, rates) >= best - 1e-9
+
+
+def test_recycle_table_save_load_and_corrupt_files(tmp_path):
+    table = RecycleTable(20, 3)
+    table.update(np.array([1, 2]), np.array([[3, 4, 5], [6, 7, 8]]))
+    table.save(tmp_path / "t.npz")
+    assert np.array_equal(RecycleTable.load(tmp_path / "t.npz", vocab_size=20).table, table.table)
+    with pytest.raises(ValueError, match="vocab_size=20"):
+        RecycleTable.load(tmp_path / "t.npz", vocab_size=21)
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="not a readable"):
+        RecycleTable.load(tmp_path / "bad.npz")
+    np.savez(tmp_path / "big.npz", format_version=np.int64(1), table=np.full((4, 2), 9, np.int32))
+    with pytest.raises(ValueError, match="corrupt"):
+        RecycleTable.load(tmp_path / "big.npz")
+
+
+def test_draft_state_merges_every_source_into_one_tree_and_round_trips(tmp_path):
+    cfg = LookaheadConfig(window=0, ngram=3, guess=2, tree_budget=12, suffix_drafts=2, suffix_length=4, recycle_k=2)
+    state = DraftState.for_config(50, cfg)
+    state.start([1, 2, 3, 9, 1, 2, 4, 1, 2], cfg)  # pool: (2,3,9), (2,4,1); suffix after "1 2": "3 9 1 2", "4 1 2"
+    state.recycle.update(np.array([2, 3]), np.array([[3, 7], [9, 8]]))
+    tree = state.propose(2, cfg, cfg.tree_budget, max_depth=8)
+    paths = {tuple(tree.tokens[tree.path(n)].tolist()) for n in range(len(tree))}
+    assert {(3, 9, 1, 2), (4, 1, 2), (7,), (3, 8)} <= paths
+    three = int(np.flatnonzero((tree.tokens == 3) & (tree.depths == 1))[0])  # proposed by the pool, the suffix and the table
+    assert tree.sources[three] == sum(1 << SOURCES.index(s) for s in ("prompt", "suffix", "recycle"))
+    assert len(tree) <= 12 and (tree.scores[tree.parents[tree.parents >= 0]] >= tree.scores[tree.parents >= 0] - 1e-12).all()
+    assert len(state.propose(2, cfg, 3, max_depth=1)) == 3
+    state.save(tmp_path / "state")
+    loaded = DraftState.load(tmp_path / "state")
+    loaded.start([1, 2, 3, 9, 1, 2, 4, 1, 2], cfg)
+    again = loaded.propose(2, cfg, cfg.tree_budget, max_depth=8)
+    assert np.array_equal(again.tokens, tree.tokens) and np.array_equal(again.parents, tree.parents)
+    (tmp_path / "state" / "acceptance.npz").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="acceptance"):
+        DraftState.load(tmp_path / "state")
+
+
+def test_drafting_modules_leave_torch_out():
+    import subprocess
+    import sys
+    code = "import sys, ngram_pool.suffix, ngram_pool.recycle; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
