@@ -7,6 +7,8 @@ from dataclasses import dataclass
 MAX_WINDOW = 128
 MAX_NGRAM = 16
 MAX_GUESS = 128
+MAX_TREE = 256
+MAX_RECYCLE = 64
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -19,26 +21,37 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
 
 @dataclass(frozen=True)
 class LookaheadConfig:
-    """Shape of one lookahead step (see ``layout.py``) and of the n-gram pool.
+    """Shape of one step (see ``layout.py``): the Jacobi window and the token tree, and its drafting sources.
 
-    window (W): Jacobi guesses advanced in parallel; ngram (N): n-gram length, so N-1 window levels
-    and N-1 tokens per candidate; guess (G): most candidates verified per step (0 = lookahead only).
+    window (W): Jacobi guesses advanced in parallel (0 = no lookahead branch); ngram (N): n-gram length,
+    so N-1 window levels and pool drafts of N-1 tokens; guess (G): pool n-grams offered to the tree;
+    tree_budget: most tree nodes verified per step (0 = no verification); suffix_drafts/suffix_length:
+    suffix-match drafts and their longest length (0 = off); recycle_k: successors kept per token by the
+    recycling table (0 = off).
     """
 
-    # small steps pay off on CPUs (see benchmarks/README.md); GPUs afford wider ones, e.g. W=15, N=5, G=15
+    # small steps pay off on CPUs (see benchmarks/README.md); GPUs afford wider ones
     window: int = 3
     ngram: int = 3
     guess: int = 3
+    tree_budget: int = 16
+    suffix_drafts: int = 4
+    suffix_length: int = 8
+    recycle_k: int = 8
     pool_slots: int = 16  # continuations kept per key; least recently used evicted
     pool_sparse: bool | None = None  # allocate pool rows on demand; None: when the vocabulary exceeds 65536
     seed_pool_from_prompt: bool = True  # harvest the prompt's n-grams before decoding (input-grounded tasks)
     pool_from_output: bool = True  # harvest the accepted output's n-grams too
-    seed: int = 0  # initial Jacobi window (drawn from the prompt) and sampling
+    seed: int = 0  # the initial Jacobi window's draw from the prompt (output-neutral); sampling takes generate(seed=)
 
     def __post_init__(self) -> None:
-        _check_int("window (W)", self.window, 1, MAX_WINDOW)
+        _check_int("window (W)", self.window, 0, MAX_WINDOW)
         _check_int("ngram (N)", self.ngram, 2, MAX_NGRAM)
         _check_int("guess (G)", self.guess, 0, MAX_GUESS)
+        _check_int("tree_budget", self.tree_budget, 0, MAX_TREE)
+        _check_int("suffix_drafts", self.suffix_drafts, 0, MAX_GUESS)
+        _check_int("suffix_length", self.suffix_length, 1, MAX_TREE)
+        _check_int("recycle_k", self.recycle_k, 0, MAX_RECYCLE)
         _check_int("pool_slots", self.pool_slots, 1)
         _check_int("seed", self.seed, 0)
         for name in ("seed_pool_from_prompt", "pool_from_output"):

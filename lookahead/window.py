@@ -30,3 +30,8 @@ class JacobiWindow:
             self.levels[self.filled] = outputs
             self.filled += 1
         return ngrams
+
+    def levels_within(self, room: int) -> int:
+        """How many levels the next step feeds: all filled ones, or none if its deepest row would sit more than
+        ``room`` positions past the current token (near the end of the request)."""
+        return self.filled if self.levels.shape[1] + self.filled - 1 <= room else 0

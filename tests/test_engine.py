@@ -10,15 +10,22 @@ import torch
 from conftest import assert_greedy_equal, hf_greedy, tiny_gemma3, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator, kv
 from lookahead.layout import build_layout
+from lookahead.tree import TokenTree
 from lookahead.window import JacobiWindow
 
 CONFIGS = [
     LookaheadConfig(),
-    LookaheadConfig(window=1, ngram=2, guess=0),  # smallest window, no verification
-    LookaheadConfig(window=4, ngram=2, guess=4),  # N=2: bigrams
-    LookaheadConfig(window=3, ngram=5, guess=64),  # G beyond what the pool holds
+    LookaheadConfig(window=1, ngram=2, guess=0, tree_budget=0),  # smallest window, no verification
+    LookaheadConfig(window=4, ngram=2, guess=4, suffix_drafts=0, recycle_k=0),  # N=2: bigrams from the pool only
+    LookaheadConfig(window=3, ngram=5, guess=64, tree_budget=64),  # G beyond what the pool holds, a big tree
+    LookaheadConfig(window=0, guess=0, suffix_drafts=0, recycle_k=4, tree_budget=8),  # recycling alone
+    LookaheadConfig(window=0, guess=0, recycle_k=0, suffix_drafts=4, suffix_length=12, tree_budget=1),  # one node
     LookaheadConfig(window=6, ngram=3, guess=2, seed_pool_from_prompt=False, pool_from_output=False),
 ]
+
+
+def config_id(c: LookaheadConfig) -> str:
+    return f"W{c.window}N{c.ngram}G{c.guess}T{c.tree_budget}S{c.suffix_drafts}R{c.recycle_k}"
 
 
 def repetitive_prompt(length: int = 24, seed: int = 1) -> list[int]:
@@ -27,7 +34,7 @@ def repetitive_prompt(length: int = 24, seed: int = 1) -> list[int]:
     return (motif * (length // 6 + 1))[:length]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"W{c.window}N{c.ngram}G{c.guess}")
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-window8"])
 def test_tiny_models_match_generate(make_model, config):
     model = make_model()
@@ -44,9 +51,34 @@ def test_statistics_add_up():
     gen = LookaheadGenerator(model, config=LookaheadConfig(window=4, ngram=4, guess=8))
     s = gen.generate(repetitive_prompt(60), max_new_tokens=64).stats
     assert sum(s.accepted_hist.values()) == s.steps
-    assert sum(k * v for k, v in s.accepted_hist.items()) + 1 >= s.new_tokens  # the last step may be cut
+    assert sum(k * v for k, v in s.accepted_hist.items()) + 1 == s.new_tokens  # emitted tokens only, the prefill's first aside
+    assert sum(s.accepted_by_source.values()) >= sum((k - 1) * v for k, v in s.accepted_hist.items()) > 0
     assert s.compression == pytest.approx(s.new_tokens / (s.steps + 1))
-    assert s.as_dict()["new_tokens"] == 64
+    assert s.as_dict()["new_tokens"] == 64 and s.tree_nodes <= 16 * s.steps
+    assert set(s.phase_s) == {"draft", "forward", "verify", "learn"}
+
+
+def test_statistics_count_only_what_was_emitted_when_a_stop_cuts_a_step():
+    model = tiny_llama(seed=3)
+    gen = LookaheadGenerator(model, config=LookaheadConfig(window=4, ngram=4, guess=8))
+    prompt = repetitive_prompt(60)
+    for n in (5, 17, 40):
+        s = gen.generate(prompt, max_new_tokens=n).stats
+        assert sum(k * v for k, v in s.accepted_hist.items()) + 1 == s.new_tokens == n
+
+
+def test_a_kept_state_seeds_the_prompt_and_tolerates_foreign_pool_sources():
+    model = tiny_llama(seed=3)
+    gen = LookaheadGenerator(model, config=LookaheadConfig(window=4, ngram=4, guess=8))
+    state = gen.new_state()
+    state.pool.insert_many(np.array([[5, 6, 7, 8]]), source=7)  # a source code the engine does not name
+    prompt = repetitive_prompt(60)
+    out = gen.generate(prompt, max_new_tokens=32, state=state)
+    assert_greedy_equal(model, prompt, out.tokens, hf_greedy(model, prompt, 32))
+    assert prompt[1:4] in state.pool.lookup(prompt[0]).tolist()  # the prompt's n-grams were harvested
+    assert state.suffix.tokens.tolist() == prompt + out.tokens
+    with pytest.raises(ValueError, match="drafting state is for 4-grams"):
+        LookaheadGenerator(model, config=LookaheadConfig(ngram=3)).generate(prompt, max_new_tokens=4, state=state)
 
 
 def test_plain_greedy_path_matches_generate():
@@ -94,13 +126,15 @@ def test_kv_compaction_equals_recomputing_the_accepted_prefix(make_model):
     with torch.inference_mode():
         cache = kv.new_cache(model)
         model(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
-        layout = build_layout(2, 3, levels=2, n_cands=2)
-        current, levels, cands = 7, np.array([[1, 2], [3, 4]]), np.array([[8, 9], [10, 11]])
-        gen._forward(layout, cache, current, levels, cands, position=len(prefix))
-        # keep the current token and the second candidate's two tokens (rows 5 and 6 of the layout)
-        kv.compact(cache, layout.size, torch.tensor([0, 7, 8]))
+        # two chains 8 9 and 10 11 after the current token 7, beside two levels of a window of 2
+        tree = TokenTree.merge(np.array([8, 9, 10, 11]), np.array([-1, 0, -1, 2]), np.array([0.9, 0.8, 0.7, 0.6]), np.ones(4, np.int64), 4)
+        layout = build_layout(2, levels=2, tree=tree)
+        ids = torch.tensor([7, 1, 2, 3, 4] + tree.tokens.tolist())  # tree order: 8, 10, 9, 11
+        gen._forward(layout, cache, ids, position=len(prefix))
+        # keep the current token and the second chain's two tokens (tree nodes 1 and 3: rows 6 and 8)
+        kv.compact(cache, layout.size, torch.tensor([0, 6, 8]))
         fresh = kv.new_cache(model)
-        model(input_ids=torch.tensor([prefix + [current, 10, 11]]), past_key_values=fresh, use_cache=True)
+        model(input_ids=torch.tensor([prefix + [7, 10, 11]]), past_key_values=fresh, use_cache=True)
         fresh.crop(0)  # sliding layers keep only their window, as after a compaction
     for got, want in zip(cache.layers, fresh.layers):
         assert got.keys.shape == want.keys.shape
@@ -122,8 +156,11 @@ def test_window_is_deterministic_for_a_seed_and_warms_up():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(window=0), r"window \(W\) must be in \[1, 128\], got 0"),
-        (dict(window=129), r"window \(W\) must be in \[1, 128\]"),
+        (dict(window=-1), r"window \(W\) must be in \[0, 128\], got -1"),
+        (dict(window=129), r"window \(W\) must be in \[0, 128\]"),
+        (dict(tree_budget=257), r"tree_budget must be in \[0, 256\]"),
+        (dict(suffix_length=0), r"suffix_length must be in \[1, 256\]"),
+        (dict(recycle_k=-2), r"recycle_k must be in \[0, 64\]"),
         (dict(ngram=1), r"ngram \(N\) must be in \[2, 16\], got 1"),
         (dict(guess=-1), r"guess \(G\) must be in \[0, 128\]"),
         (dict(window=2.5), r"window \(W\) must be an integer"),

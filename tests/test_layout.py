@@ -1,9 +1,12 @@
-"""The step layout against the diagram drawn in ``lookahead/layout.py``."""
+"""The step layout against the diagram drawn in ``lookahead/layout.py``, and the tree against ``lookahead/tree.py``."""
 
+import numpy as np
+import pytest
 import torch
 
 import lookahead.layout as layout_module
 from lookahead.layout import build_layout
+from lookahead.tree import TokenTree
 
 
 def diagram_from_docstring():
@@ -22,27 +25,65 @@ def diagram_from_docstring():
     return names, torch.tensor(allowed), positions
 
 
+def drawn_tree() -> TokenTree:
+    """The example of ``tree.py``: suffix 7 9 4, pool 7 9 5, recycled 7 2 and 3, merged under a budget of 6."""
+    tokens = np.array([7, 9, 4, 7, 9, 5, 7, 2, 3])
+    parents = np.array([-1, 0, 1, -1, 3, 4, -1, 6, -1])
+    scores = np.array([0.9, 0.8, 0.7, 0.9, 0.8, 0.6, 0.5, 0.3, 0.4])
+    sources = np.array([1, 1, 1, 2, 2, 2, 4, 4, 4])
+    return TokenTree.merge(tokens, parents, scores, sources, budget=6)
+
+
+def test_tree_merges_shared_prefixes_as_drawn():
+    tree = drawn_tree()
+    assert tree.tokens.tolist() == [7, 3, 9, 2, 4, 5]
+    assert tree.parents.tolist() == [-1, -1, 0, 0, 2, 2]
+    assert tree.depths.tolist() == [1, 1, 2, 2, 3, 3]
+    assert tree.sources.tolist() == [7, 4, 3, 4, 1, 2]  # 7 and 9 were proposed by several sources
+    assert tree.scores.tolist() == [0.9, 0.4, 0.8, 0.3, 0.7, 0.6]
+    assert tree.children(-1).tolist() == [0, 1] and tree.children(2).tolist() == [4, 5] and tree.path(5) == [0, 2, 5]
+
+
+def test_tree_budget_keeps_the_best_nodes_and_stays_a_tree():
+    full = drawn_tree()
+    for budget in range(7):
+        tree = TokenTree.merge(np.array([7, 9, 4, 7, 9, 5, 7, 2, 3]), np.array([-1, 0, 1, -1, 3, 4, -1, 6, -1]),
+                               np.array([0.9, 0.8, 0.7, 0.9, 0.8, 0.6, 0.5, 0.3, 0.4]), np.ones(9, np.int64), budget)
+        assert len(tree) == budget
+        assert sorted(tree.scores.tolist(), reverse=True) == sorted(full.scores.tolist(), reverse=True)[:budget]
+        assert all(p < i for i, p in enumerate(tree.parents))
+    assert len(full.pruned(2)) == 4 and full.pruned(2).depths.max() == 2
+
+
+def test_tree_drops_missing_tokens_with_their_descendants_and_rejects_bad_parents():
+    tree = TokenTree.merge(np.array([5, -1, 6, 8]), np.array([-1, 0, 1, 0]), np.ones(4), np.ones(4, np.int64), 10)
+    assert tree.tokens.tolist() == [5, 8]
+    with pytest.raises(ValueError, match="draft node 1 has parent 1"):
+        TokenTree.merge(np.array([5, 6]), np.array([-1, 1]), np.ones(2), np.ones(2, np.int64), 10)
+
+
 def test_layout_matches_the_drawn_diagram():
     names, allowed, positions = diagram_from_docstring()
-    layout = build_layout(window=3, ngram=3, levels=2, n_cands=2)
-    assert names == ["c", "a0", "a1", "a2", "b0", "b1", "b2", "v0", "v1", "w0", "w1"]
+    layout = build_layout(window=3, levels=2, tree=drawn_tree())
+    assert names == ["c", "a0", "a1", "a2", "b0", "b1", "b2", "t0", "t1", "t2", "t3", "t4", "t5"]
     assert torch.equal(layout.allowed, allowed)
     assert layout.offsets.tolist() == positions
-    # logits: the current token, the last level (b0..b2) and every candidate token
-    assert layout.logit_rows.tolist() == [0, 4, 5, 6, 7, 8, 9, 10]
+    # logits: the current token, the last level (b0..b2) and every tree node
+    assert layout.logit_rows.tolist() == [0, 4, 5, 6, 7, 8, 9, 10, 11, 12]
 
 
-def test_every_row_is_a_causal_sequence_of_consecutive_positions():
+@pytest.mark.parametrize("window, levels", [(1, 1), (4, 3), (5, 2), (2, 0), (3, 0)])
+def test_every_row_is_a_causal_sequence_of_consecutive_positions(window, levels):
     # for any shape, each row's visible rows (plus the cache) form positions 0..offset exactly once
-    for w, n, levels, cands in [(1, 2, 1, 0), (4, 5, 3, 2), (5, 4, 2, 5), (2, 3, 0, 1)]:
-        layout = build_layout(w, n, levels, cands)
+    for tree in (TokenTree.empty(), drawn_tree()):
+        layout = build_layout(window, levels, tree)
         for row in range(layout.size):
             seen = sorted(layout.offsets[layout.allowed[row]].tolist())
-            assert seen == list(range(int(layout.offsets[row]) + 1)), (w, n, levels, cands, row)
+            assert seen == list(range(int(layout.offsets[row]) + 1)), (window, levels, row)
 
 
 def test_additive_mask_hides_keys_beyond_the_sliding_window():
-    layout = build_layout(window=2, ngram=2, levels=1, n_cands=0)  # rows c, a0, a1 at offsets 0, 1, 2
+    layout = build_layout(window=2, levels=1, tree=TokenTree.empty())  # rows c, a0, a1 at offsets 0, 1, 2
     # cache holds positions 10..13 (kv_offset 10), current token at 14, window 4: query 14+d sees keys > 10+d
     mask = layout.additive_mask(kv_length=4 + 3, kv_offset=10, position=14, sliding_window=4, dtype=torch.float32)
     visible = (mask[0, 0] == 0).int().tolist()
@@ -53,3 +94,13 @@ def test_additive_mask_hides_keys_beyond_the_sliding_window():
     ]
     full = layout.additive_mask(kv_length=7, kv_offset=0, position=14, sliding_window=None, dtype=torch.bfloat16)
     assert full.dtype == torch.bfloat16 and (full[0, 0, :, :4] == 0).all()
+
+
+def test_sliding_window_also_applies_inside_the_step():
+    # a chain of 5 tree nodes at depths 1..5 under a window of 3: node at depth d sees only depths > d-3
+    chain = TokenTree.merge(np.arange(5), np.arange(-1, 4), np.linspace(1, 0.5, 5), np.ones(5, np.int64), 5)
+    layout = build_layout(window=1, levels=0, tree=chain)
+    mask = layout.additive_mask(kv_length=layout.size, kv_offset=0, position=0, sliding_window=3, dtype=torch.float32)
+    visible = (mask[0, 0] == 0).int()
+    assert visible[5].tolist() == [0, 0, 0, 1, 1, 1]  # depth 5 sees depths 3, 4 and itself, not c (depth 0)
+    assert visible[2].tolist() == [1, 1, 1, 0, 0, 0]

@@ -1,0 +1,189 @@
+"""Drafting: every free source proposes continuations of the current token; one tree is built from them.
+
+Sources (all torch-free structures of ``ngram_pool``):
+  pool     n-grams of the Jacobi trajectories, the prompt and earlier output (``NGramPool``), chains of N-1
+  suffix   the longest matches of the sequence's last tokens earlier in it (``SuffixDrafter``), long chains
+  recycle  token -> its k likeliest successors, rewritten from every forward's top-k (``RecycleTable``),
+           expanded breadth-first along a template into a real tree
+
+Each draft node is scored with the probability that it is accepted, measured online as the product of
+conditional acceptance rates along its path: per source and depth for chains (tried = its parent was
+accepted), per successor rank for the recycling table (how often the rank-r successor of an accepted token
+was the next token). ``DraftState`` owns the sources and the statistics; it lives across requests (pass
+it to ``generate(state=...)``), and saves and loads as a directory of ``.npz`` files.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from lookahead.config import LookaheadConfig
+from lookahead.tree import TokenTree
+from ngram_pool import NGramPool, RecycleTable, Source, SuffixDrafter, template
+
+SOURCES = ("trajectory", "prompt", "output", "other", "suffix", "recycle")  # bit i of a node's ``sources``
+POOL_SOURCES = {int(s): SOURCES.index(s.name.lower()) for s in Source}  # pool source code -> index; others: "other"
+SUFFIX, RECYCLE = SOURCES.index("suffix"), SOURCES.index("recycle")
+MAX_DEPTH = 32  # statistics buckets: depth for chains, rank for the recycling table
+PRIOR = np.array([0.3, 0.4, 0.4, 0.3, 0.5, 0.3])  # acceptance rates assumed before anything is measured
+PRIOR_WEIGHT = 4.0  # ... worth this many observations
+TEMPLATE_REFRESH = 16  # steps between re-derivations of the recycling template from the measured rank rates
+STATE_FORMAT = 1
+
+
+class DraftState:
+    """The drafting sources and their acceptance statistics for one vocabulary and n-gram length.
+
+    The drafting knobs (how many drafts of each source, the budget) come from the ``LookaheadConfig``
+    passed to each call, so one state serves generators that differ only in those.
+    """
+
+    def __init__(self, vocab_size: int, ngram: int, pool_slots: int = 16, recycle_k: int = 8, sparse: bool = False) -> None:
+        self.vocab_size = vocab_size
+        self.pool = NGramPool(vocab_size, ngram, pool_slots, sparse=sparse)
+        self.recycle = RecycleTable(vocab_size, max(recycle_k, 1))
+        self.suffix = SuffixDrafter(vocab_size)
+        self.tried = np.zeros((len(SOURCES), MAX_DEPTH))  # nodes offered whose parent was accepted
+        self.hits = np.zeros((len(SOURCES), MAX_DEPTH))  # ... and accepted
+        self._template, self._template_age = None, TEMPLATE_REFRESH
+
+    # -- per request ----------------------------------------------------------------------------
+
+    @classmethod
+    def for_config(cls, vocab_size: int, config: LookaheadConfig, sparse: bool = False) -> "DraftState":
+        return cls(vocab_size, config.ngram, config.pool_slots, config.recycle_k, sparse)
+
+    def check_fits(self, vocab_size: int, config: LookaheadConfig) -> None:
+        """ValueError unless this state can draft for a generator of this vocabulary and config."""
+        if self.vocab_size != vocab_size or self.pool.n != config.ngram or self.recycle.k < config.recycle_k:
+            raise ValueError(f"drafting state is for {self.pool.n}-grams over {self.vocab_size} ids with {self.recycle.k} "
+                             f"successors per token; this generator needs {config.ngram}-grams over {vocab_size} ids "
+                             f"and {config.recycle_k} successors")
+
+    def start(self, prompt: list[int], config: LookaheadConfig) -> None:
+        """A new request: the suffix source restarts from the prompt; the pool learns the prompt's n-grams."""
+        self.suffix.reset(np.asarray(prompt))
+        if config.seed_pool_from_prompt:
+            self.pool.insert_sequence(np.asarray(prompt), Source.PROMPT)
+
+    def rates(self) -> np.ndarray:
+        """(sources, MAX_DEPTH) estimated conditional acceptance rates, shrunk towards the prior."""
+        return (self.hits + PRIOR[:, None] * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
+
+    def propose(self, current: int, cfg: LookaheadConfig, budget: int, max_depth: int) -> TokenTree:
+        """The best tree of at most ``budget`` nodes, none deeper than ``max_depth``, after ``current``."""
+        if budget <= 0 or max_depth <= 0:
+            return TokenTree.empty()
+        rates = self.rates()
+        parts = []
+        if cfg.guess:
+            grams, codes = self.pool.lookup_with_sources(current, cfg.guess)
+            parts.append(_chains(grams, np.array([POOL_SOURCES.get(int(c), 3) for c in codes], np.int64), rates))
+        if cfg.suffix_drafts:
+            drafts, _ = self.suffix.drafts(cfg.suffix_drafts, cfg.suffix_length)
+            parts.append(_chains(drafts, np.full(drafts.shape[0], SUFFIX, np.int64), rates))
+        if cfg.recycle_k:
+            parents, ranks, scores = self._recycle_template(rates[RECYCLE, : cfg.recycle_k], budget, max_depth)
+            parts.append((self.recycle.expand(current, parents, ranks), parents, scores, np.full(parents.size, 1 << RECYCLE)))
+        if not parts:
+            return TokenTree.empty()
+        offsets = np.cumsum([0] + [p[0].size for p in parts[:-1]])
+        tokens = np.concatenate([p[0] for p in parts]).astype(np.int64)
+        parents = np.concatenate([np.where(p[1] >= 0, p[1] + o, -1) for p, o in zip(parts, offsets)]).astype(np.int64)
+        scores = np.concatenate([p[2] for p in parts]).astype(np.float64)
+        sources = np.concatenate([p[3] for p in parts]).astype(np.int64)
+        return TokenTree.merge(tokens, parents, scores, sources, budget).pruned(max_depth)
+
+    def _recycle_template(self, rank_rates: np.ndarray, budget: int, max_depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The recycling expansion's template for the measured rank rates (re-derived every few steps)."""
+        key = (budget, min(max_depth, MAX_DEPTH), rank_rates.size)
+        self._template_age += 1
+        if self._template is None or self._template[0] != key or self._template_age >= TEMPLATE_REFRESH:
+            parents, ranks, _ = template(rank_rates, budget, key[1])
+            scores = np.empty(parents.size)
+            for i, (p, r) in enumerate(zip(parents, ranks)):
+                scores[i] = rank_rates[r] * (scores[p] if p >= 0 else 1.0)
+            self._template, self._template_age = (key, parents, ranks, scores), 0
+        return self._template[1:]
+
+    def learn(self, cfg: LookaheadConfig, tree: TokenTree, path: list[int], emitted: list[int], trajectories: np.ndarray,
+              row_tokens: np.ndarray, row_topk: np.ndarray, history_tail: list[int]) -> None:
+        """After a step: acceptance statistics, then every source learns what the step showed.
+
+        path: accepted tree nodes; emitted: the tokens emitted this step (path tokens, then the model's
+        own); trajectories (W, N): finished Jacobi columns; row_tokens (R,) and row_topk (R, k): the input
+        token and the top-k next tokens of every row whose logits were computed, accepted rows last;
+        history_tail: the N-1 tokens before ``emitted``.
+        """
+        # 1. chains: every node whose parent was accepted was tried; the path's nodes were accepted
+        if len(tree):
+            accepted = np.zeros(len(tree) + 1, bool)  # index -1 (the current token) is always accepted
+            accepted[path] = True
+            accepted[-1] = True
+            tried = accepted[tree.parents]
+            bits = (tree.sources[:, None] >> np.arange(len(SOURCES))) & 1  # (K, sources)
+            depth = np.minimum(tree.depths, MAX_DEPTH) - 1
+            for s in np.flatnonzero(bits[tried].any(0)):
+                if s == RECYCLE:
+                    continue
+                on = tried & (bits[:, s] == 1)
+                np.add.at(self.tried[s], depth[on], 1)
+                np.add.at(self.hits[s], depth[on], accepted[:-1][on])
+        # 2. recycling ranks: where did each emitted token stand among its predecessor's successors?
+        if cfg.recycle_k:
+            before = self.recycle.table[np.asarray(history_tail[-1:] + emitted[:-1]), : cfg.recycle_k]  # (E, k) successors
+            self.tried[RECYCLE, : before.shape[1]] += (before >= 0).sum(0)
+            rank = before == np.asarray(emitted)[:, None]
+            self.hits[RECYCLE, : before.shape[1]] += rank.sum(0)
+            self.recycle.update(row_tokens, row_topk)
+        # 3. the pool: finished Jacobi columns and the n-grams ending in a new token; the suffix source: the tokens
+        if trajectories.size:
+            self.pool.insert_many(trajectories, Source.TRAJECTORY)
+        if cfg.pool_from_output:
+            self.pool.insert_sequence(history_tail + emitted, Source.OUTPUT)
+        self.suffix.extend(np.asarray(emitted))
+
+    # -- persistence ----------------------------------------------------------------------------
+
+    def save(self, directory: str | Path) -> None:
+        """Write ``pool.npz``, ``recycle.npz`` and ``acceptance.npz`` into ``directory``."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.pool.save(directory / "pool.npz")
+        self.recycle.save(directory / "recycle.npz")
+        np.savez(directory / "acceptance.npz", format_version=np.int64(STATE_FORMAT), tried=self.tried, hits=self.hits)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "DraftState":
+        """Read a state written by ``save``; a missing, corrupt or mismatched file raises ``ValueError``."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise ValueError(f"{directory}: no drafting state directory")
+        pool = NGramPool.load(directory / "pool.npz")
+        recycle = RecycleTable.load(directory / "recycle.npz", vocab_size=pool.vocab_size)
+        state = cls(pool.vocab_size, pool.n, pool.slots_per_key, recycle.k)
+        state.pool, state.recycle = pool, recycle
+        try:
+            with np.load(directory / "acceptance.npz", allow_pickle=False) as f:
+                version, tried, hits = int(f["format_version"]), f["tried"], f["hits"]
+        except (OSError, EOFError, KeyError, ValueError, TypeError, zipfile.BadZipFile) as e:
+            raise ValueError(f"{directory / 'acceptance.npz'}: not a readable acceptance file ({e})") from None
+        if version != STATE_FORMAT or tried.shape != state.tried.shape or hits.shape != state.hits.shape \
+                or (hits > tried).any() or (hits < 0).any():
+            raise ValueError(f"{directory / 'acceptance.npz'}: corrupt or from another version")
+        state.tried, state.hits = tried.astype(np.float64), hits.astype(np.float64)
+        return state
+
+
+def _chains(drafts: np.ndarray, source: np.ndarray, rates: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(D, L) drafts (-1 padded) from sources (D,) -> flat tokens, parents, scores, source bits of D chains."""
+    d, length = drafts.shape
+    index = np.arange(d * length).reshape(d, length)
+    parents = np.where(np.arange(length) > 0, index - 1, -1)
+    depth = np.minimum(np.arange(length), MAX_DEPTH - 1)
+    scores = np.cumprod(rates[source][:, depth], axis=1)
+    bits = np.broadcast_to((1 << source)[:, None], (d, length))
+    return drafts.ravel(), parents.ravel(), scores.ravel(), bits.ravel()

@@ -1,0 +1,152 @@
+r"""One token tree per step: the drafts of every source merged into a trie under a node budget.
+
+A draft is a small tree of its own (a suffix match or a pool n-gram is a chain; a recycled expansion is
+a real tree), given as flat arrays over all drafts: ``tokens``, ``parents`` (index of an earlier node of
+the same arrays, -1 = child of the current token), ``scores`` (estimated probability that the node is
+accepted; never above its parent's) and ``sources`` (a bit per source that proposed it). Merging keeps one
+node per distinct path (shared prefixes become one row, its score the best, its sources the union); the
+budget keeps the ``budget`` best nodes. Because a node never outscores its parent, the best nodes always
+form a tree. The result lists parents before children, and each node's children in score order:
+
+    drafts:  suffix  c -> 7 9 4        merged:        c              node  token parent depth
+             pool    c -> 7 9 5                       |                0     7     -1     1
+             recycle c -> 7 2, c -> 3               7   3              1     3     -1     1
+                                                   / \                 2     9      0     2
+                                                  9   2                3     2      0     2
+                                                 / \                   4     4      2     3
+                                                4   5                  5     5      2     3
+
+The expected number of accepted tokens of a tree is the sum of its nodes' scores, which is what lets a
+cost model size the tree (``expected_accepted``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+NO_PARENT = -1
+
+
+@njit(cache=True)
+def merge_drafts(
+    tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, budget: int
+) -> np.ndarray:
+    """Merge drafts into a trie and keep its ``budget`` best nodes.
+
+    Inputs are (M,) arrays (tokens int, parents int with parent < own index, scores float64, sources int).
+    Returns a (K, 4) float64 array of the kept nodes, parents first: columns token, parent (index into
+    the result, -1 = the current token), score, source bits. Raises ValueError on a bad parent index.
+    """
+    m = tokens.size
+    trie_token = np.empty(m, np.int64)
+    trie_parent = np.empty(m, np.int64)
+    trie_score = np.empty(m, np.float64)
+    trie_source = np.zeros(m, np.int64)
+    trie_depth = np.empty(m, np.int64)
+    node_of = np.empty(m, np.int64)
+    size = 0
+    # 1. merge: each draft node maps to the trie node with the same parent and token (created if new)
+    for i in range(m):
+        p = parents[i]
+        if p >= i or p < NO_PARENT:
+            raise ValueError("draft node " + str(i) + " has parent " + str(p) + ", not an earlier node or -1")
+        if tokens[i] < 0:
+            node_of[i] = -2  # a missing token (an empty table slot): it and its descendants are dropped
+            continue
+        parent = NO_PARENT if p == NO_PARENT else node_of[p]
+        if parent == -2:
+            node_of[i] = -2
+            continue
+        found = -1
+        for j in range(size):
+            if trie_parent[j] == parent and trie_token[j] == tokens[i]:
+                found = j
+                break
+        if found < 0:
+            found = size
+            size += 1
+            trie_token[found] = tokens[i]
+            trie_parent[found] = parent
+            trie_score[found] = scores[i]
+            trie_depth[found] = 1 if parent == NO_PARENT else trie_depth[parent] + 1
+        elif scores[i] > trie_score[found]:
+            trie_score[found] = scores[i]
+        trie_source[found] |= sources[i]
+        node_of[i] = found
+    # 2. keep the best nodes: score descending, then shallower first, so a parent always precedes its children
+    order = np.argsort(-trie_score[:size] + 1e-9 * trie_depth[:size], kind="mergesort")
+    keep = order[: min(budget, size)]
+    # 3. lay them out by depth, then by score (a stable sort of the score order), parents before children
+    keep = keep[np.argsort(trie_depth[keep], kind="mergesort")]
+    index = np.full(size, NO_PARENT, np.int64)
+    out = np.empty((keep.size, 4), np.float64)
+    for k in range(keep.size):
+        j = keep[k]
+        index[j] = k
+        out[k, 0] = trie_token[j]
+        out[k, 1] = NO_PARENT if trie_parent[j] == NO_PARENT else index[trie_parent[j]]
+        out[k, 2] = trie_score[j]
+        out[k, 3] = trie_source[j]
+    return out
+
+
+@njit(cache=True)
+def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
+    """(K, K) bool: node i may attend to node j iff j is i or one of its ancestors (parents before children)."""
+    k = parents.size
+    seen = np.zeros((k, k), np.bool_)
+    for i in range(k):
+        if parents[i] >= 0:
+            seen[i] = seen[parents[i]]
+        seen[i, i] = True
+    return seen
+
+
+@dataclass(frozen=True, eq=False)
+class TokenTree:
+    """The merged tree of one step (K nodes, parents before children)."""
+
+    tokens: np.ndarray  # (K,) int64
+    parents: np.ndarray  # (K,) int64, -1 = child of the current token
+    depths: np.ndarray  # (K,) int64, 1 = child of the current token
+    scores: np.ndarray  # (K,) float64, estimated probability of acceptance
+    sources: np.ndarray  # (K,) int64, bit per source that proposed the node
+
+    @classmethod
+    def merge(cls, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, budget: int) -> "TokenTree":
+        rows = merge_drafts(tokens, parents, scores, sources, budget)
+        parents_out = rows[:, 1].astype(np.int64)
+        depths = np.ones(parents_out.size, np.int64)
+        for i, p in enumerate(parents_out):
+            if p >= 0:
+                depths[i] = depths[p] + 1
+        return cls(rows[:, 0].astype(np.int64), parents_out, depths, rows[:, 2].copy(), rows[:, 3].astype(np.int64))
+
+    @classmethod
+    def empty(cls) -> "TokenTree":
+        return cls.merge(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0), np.empty(0, np.int64), 0)
+
+    def __len__(self) -> int:
+        return self.tokens.size
+
+    def children(self, node: int) -> np.ndarray:
+        """Indices of ``node``'s children (node -1: the current token's), best first."""
+        return np.flatnonzero(self.parents == node)
+
+    def path(self, node: int) -> list[int]:
+        """Nodes from the top of the tree down to ``node`` (empty for -1)."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = int(self.parents[node])
+        return out[::-1]
+
+    def pruned(self, max_depth: int) -> "TokenTree":
+        """The nodes no deeper than ``max_depth`` (ancestors have smaller depths, so indices stay valid)."""
+        keep = self.depths <= max_depth
+        if keep.all():
+            return self
+        return TokenTree(self.tokens[keep], self.parents[keep], self.depths[keep], self.scores[keep], self.sources[keep])
