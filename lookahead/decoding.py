@@ -3,10 +3,12 @@ sampling that ``model.generate()`` would use, plus the acceptance rule that matc
 
 from __future__ import annotations
 
-import numpy as np
+import time
+
 import torch
 from transformers import GenerationConfig, PreTrainedModel, StopStringCriteria
 
+from lookahead.tree import TokenTree
 from lookahead.verify import Verdict, greedy_accept, sampling_accept
 
 # generate() options with no lossless single-sequence meaning here: (field, value that means "off")
@@ -15,14 +17,19 @@ UNSUPPORTED = {
     "prompt_lookup_num_tokens": None, "assistant_confidence_threshold": 0.4, "constraints": None, "force_words_ids": None,
     "cache_implementation": None, "watermarking_config": None, "output_scores": False, "output_logits": False,
     "return_dict_in_generate": False, "diversity_penalty": 0.0, "low_memory": None,
+    "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,  # encoder-decoder options in generate()
 }
 
 
 class Decoding:
-    """The generation options of one request, resolved once: processors, acceptance rule, stops, RNG."""
+    """The generation options of one request, resolved once: processors, acceptance rule, stops, RNG.
+
+    ``seed=None`` samples from torch's global RNG, as ``generate()`` does (``torch.manual_seed`` before the
+    call reproduces it); an int seeds a private generator, reproducible whatever the global state.
+    """
 
     def __init__(self, model: PreTrainedModel, tokenizer, prompt_len: int, max_new_tokens: int,
-                 generation_config: GenerationConfig | None, seed: int, options: dict) -> None:
+                 generation_config: GenerationConfig | None, seed: int | None, options: dict) -> None:
         # the same helpers generate() uses, so defaults, validation and processor order match it exactly
         config, unused = model._prepare_generation_config(generation_config, **options)
         if unused:
@@ -43,7 +50,8 @@ class Decoding:
         if config.stop_strings and tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         self.stop_strings = StopStringCriteria(tokenizer, config.stop_strings) if config.stop_strings else None
-        self.rng = torch.Generator().manual_seed(seed)
+        self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.deadline = time.monotonic() + config.max_time if config.max_time is not None else None
 
     def scores(self, logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
         """Processed next-token scores (V,) from raw logits (V,) after the token sequence ``prefix``."""
@@ -51,17 +59,23 @@ class Decoding:
             return logits
         return self.processors(torch.tensor([prefix], device=logits.device), logits[None].clone())[0]
 
-    def verify(self, history: list[int], first: torch.Tensor, cand_logits: torch.Tensor | None, cands: np.ndarray) -> Verdict:
-        """The accepted candidate prefix and the next token, greedy or sampling (the only switch between them).
+    def verify(self, history: list[int], first: torch.Tensor, tree_logits: torch.Tensor | None, tree: TokenTree) -> Verdict:
+        """The accepted branch and the next token, greedy or sampling (the only switch between them).
 
-        history: the tokens so far, the current one last; first (V,): logits after it; cand_logits
-        (C, N-1, V): logits after each candidate token; cands (C, N-1).
+        history: the tokens so far, the current one last; first (V,): logits after it; tree_logits
+        (K, V): logits after each tree node; tree: the K nodes.
         """
 
-        def scores_at(g: int, k: int) -> torch.Tensor:  # after candidate g's token k (k < 0: the current token)
-            return self.scores(first, history) if k < 0 else self.scores(cand_logits[g, k], history + cands[g, : k + 1].tolist())
+        def scores_at(node: int) -> torch.Tensor:  # after tree node ``node`` (-1: the current token)
+            if node < 0:
+                return self.scores(first, history)
+            return self.scores(tree_logits[node], history + tree.tokens[tree.path(node)].tolist())
 
-        return sampling_accept(scores_at, cands, self.rng) if self.do_sample else greedy_accept(scores_at, cands)
+        return sampling_accept(scores_at, tree, self.rng) if self.do_sample else greedy_accept(scores_at, tree)
+
+    def out_of_time(self) -> bool:
+        """``max_time`` has passed since the request began (checked between steps, as generate() checks between tokens)."""
+        return self.deadline is not None and time.monotonic() > self.deadline
 
     def stops(self, sequence: list[int]) -> bool:
         """Whether generation ends with the last token of ``sequence`` (EOS or a stop string)."""

@@ -10,19 +10,54 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import Cache, GenerationConfig, PreTrainedModel
+from jinja2 import TemplateError
+from transformers import Cache, GenerationConfig, PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from lookahead import kv, models
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
+from lookahead.drafting import SOURCES, DraftState
 from lookahead.layout import StepLayout, build_layout
-from lookahead.verify import Verdict
+from lookahead.tree import TokenTree
 from lookahead.window import JacobiWindow
-from ngram_pool import NGramPool, Source
 
 SPARSE_POOL_VOCAB = 65536
-NO_CANDIDATES = np.empty((0, 0), dtype=np.int32)
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def _mask_layers(config: PreTrainedConfig) -> dict[str, tuple[int, int | None]]:
+    """Layer type -> (its first layer, its sliding window or None): one 4D mask per type.
+
+    The types and windows are read exactly as ``DynamicCache`` reads them, so the masks window the same
+    layers the cache windows (also for configs with ``sliding_window`` but no ``layer_types``).
+    """
+    layer_types, kwargs = get_layer_types_and_kwargs(config)
+    if not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"unsupported layer types {sorted(set(layer_types))}: only (sliding) attention layers can be rolled back")
+    layers = {}
+    for i, (kind, kw) in enumerate(zip(layer_types, kwargs)):
+        window = kw.get("sliding_window")
+        if layers.setdefault(kind, (i, window))[1] != window:
+            raise ValueError(f"layers of type {kind} have different sliding windows; lookahead needs one mask per layer type")
+    if len(layers) > 1 and getattr(config, "layer_types", None) is None:
+        raise ValueError("the model mixes sliding and full attention without declaring layer_types; its masks cannot be given per layer")
+    return layers
+
+
+class _Clock:
+    """Seconds since the last lap, for the per-phase timings of the stats."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        return elapsed
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start
 
 
 @dataclass
@@ -31,14 +66,21 @@ class GenerationStats:
     steps: int = 0  # decode forwards (the prefill not counted)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    tree_nodes: int = 0  # tree nodes verified, all steps together
     accepted_hist: Counter = field(default_factory=Counter)  # tokens emitted in a step -> number of steps
-    accepted_by_source: Counter = field(default_factory=Counter)  # candidate tokens accepted, by pool source
+    accepted_by_source: Counter = field(default_factory=Counter)  # emitted draft tokens, by each source that proposed them
+    drafted_by_source: Counter = field(default_factory=Counter)  # tree nodes verified, by each source that proposed them
+    phase_s: Counter = field(default_factory=Counter)  # decode time by phase: draft, forward, verify, learn
 
-    def record(self, verdict: Verdict, sources: np.ndarray) -> None:
+    def record(self, tree: TokenTree, path: list[int], emitted: int) -> None:
+        """One step that verified ``tree``, accepted ``path`` and emitted ``emitted`` tokens (cut by stops or length)."""
         self.steps += 1
-        self.accepted_hist[len(verdict.tokens)] += 1
-        if verdict.branch >= 0:
-            self.accepted_by_source[Source(int(sources[verdict.branch])).name.lower()] += len(verdict.tokens) - 1
+        self.tree_nodes += len(tree)
+        self.accepted_hist[emitted] += 1
+        for counter, nodes in ((self.drafted_by_source, tree.sources), (self.accepted_by_source, tree.sources[path[:emitted]])):
+            for bit, name in enumerate(SOURCES):
+                if count := int(((nodes >> bit) & 1).sum()):
+                    counter[name] += count
 
     @property
     def compression(self) -> float:
@@ -54,8 +96,10 @@ class GenerationStats:
             "new_tokens": self.new_tokens, "steps": self.steps, "compression": round(self.compression, 4),
             "tokens_per_s": round(self.tokens_per_s, 3), "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4), "time_to_first_token_s": round(self.prefill_s, 4),
+            "mean_tree_nodes": round(self.tree_nodes / max(self.steps, 1), 3),
             "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
-            "accepted_by_source": dict(self.accepted_by_source),
+            "accepted_by_source": dict(self.accepted_by_source), "drafted_by_source": dict(self.drafted_by_source),
+            "phase_s": {k: round(v, 4) for k, v in self.phase_s.items()},
         }
 
 
@@ -81,14 +125,9 @@ class LookaheadGenerator:
                 f"attention implementation {model.config._attn_implementation!r} cannot take a custom 4D mask; "
                 f"load the model with attn_implementation='sdpa' or 'eager'"
             )
-        layer_types = list(getattr(mc, "layer_types", None) or ["full_attention"])
-        if not set(layer_types) <= {"full_attention", "sliding_attention"}:
-            raise ValueError(f"unsupported layer types {sorted(set(layer_types))}: only (sliding) attention layers can be rolled back")
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(mc, "max_position_embeddings", 0) or 0) or None
-        # one mask per layer type: (a layer of that type, to ask the cache for its mask sizes; its window)
-        windows = {"full_attention": None, "sliding_attention": getattr(mc, "sliding_window", None)}
-        self.mask_layers = {kind: (layer_types.index(kind), windows[kind]) for kind in dict.fromkeys(layer_types)}
+        self.mask_layers = _mask_layers(mc)
 
     @classmethod
     def from_pretrained(
@@ -116,7 +155,7 @@ class LookaheadGenerator:
         streamer=None,
         lookahead: bool = True,
         generation_config: GenerationConfig | None = None,
-        pool: NGramPool | None = None,
+        state: DraftState | None = None,
         seed: int | None = None,
         **options,
     ) -> GenerationResult:
@@ -127,8 +166,10 @@ class LookaheadGenerator:
         ``min_new_tokens``, ``forced_eos_token_id``, ``eos_token_id``, ``stop_strings``, ... (the model's own
         generation config fills the rest). ``lookahead=False`` decodes one token per forward through the same
         loop. ``streamer`` gets ``put(ids)`` with the prompt, then every accepted token in order, then ``end()``.
-        ``pool`` reuses an n-gram pool across requests (it keeps learning). ``seed`` (default: the config's)
-        makes sampling reproducible.
+        ``state`` (from ``new_state()`` or ``DraftState.load``) keeps the drafting sources and their
+        acceptance statistics across requests, so later requests draft better. Sampling draws from torch's
+        global RNG like ``generate()`` (``torch.manual_seed`` reproduces it), or, with ``seed=<int>``, from a
+        private generator: the same seed gives the same sample whatever the global state.
         """
         ids = self._prompt_ids(prompt, chat, system)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -137,13 +178,13 @@ class LookaheadGenerator:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {self.max_context} tokens"
             )
-        if pool is not None and (pool.vocab_size != self.vocab_size or pool.n != self.config.ngram):
-            raise ValueError(f"pool holds {pool.n}-grams over {pool.vocab_size} ids; this generator needs "
-                             f"{self.config.ngram}-grams over {self.vocab_size}")
-        seed = self.config.seed if seed is None else seed
+        if state is not None:
+            state.check_fits(self.vocab_size, self.config)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
         decoding = Decoding(self.model, self.tokenizer, len(ids), max_new_tokens, generation_config, seed, options)
         with torch.inference_mode():
-            tokens, stats, reason = self._decode(ids, max_new_tokens, streamer, lookahead, decoding, pool or self._new_pool(ids))
+            tokens, stats, reason = self._decode(ids, max_new_tokens, streamer, lookahead, decoding, state or self.new_state())
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationResult(tokens, text, stats, reason)
 
@@ -157,7 +198,10 @@ class LookaheadGenerator:
                 if not self.tokenizer.chat_template:
                     raise ValueError("this model's tokenizer has no chat template; generate without chat")
                 messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+                try:
+                    ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+                except TemplateError as e:  # raised from inside the template (e.g. "no system role")
+                    raise ValueError(f"the chat template rejected the messages: {e}") from None
             else:
                 ids = self.tokenizer(prompt)["input_ids"]
         else:
@@ -181,43 +225,59 @@ class LookaheadGenerator:
             raise ValueError("input_ids must be a list of ints, a LongTensor, or a text prompt")
         return list(prompt)
 
+    def new_state(self) -> DraftState:
+        """An empty drafting state for this generator; pass it to ``generate(state=...)`` to keep it learning."""
+        cfg = self.config
+        sparse = cfg.pool_sparse if cfg.pool_sparse is not None else self.vocab_size > SPARSE_POOL_VOCAB
+        return DraftState.for_config(self.vocab_size, cfg, sparse)
+
     # -- the decode loop ------------------------------------------------------------------------
 
-    def _decode(self, prompt: list[int], max_new_tokens: int, streamer, lookahead: bool, decoding: Decoding, pool: NGramPool):
-        cfg, stats = self.config, GenerationStats()
-        levels, guess = (cfg.ngram - 1, cfg.guess) if lookahead else (0, 0)
+    def _decode(self, prompt: list[int], max_new_tokens: int, streamer, lookahead: bool, decoding: Decoding, state: DraftState):
+        cfg, stats, clock = self.config, GenerationStats(), _Clock()
+        budget = cfg.tree_budget if lookahead else 0
+        last_position = len(prompt) + max_new_tokens - 2  # the last position generate() feeds; no row goes beyond
         if streamer is not None:
             streamer.put(torch.tensor(prompt))
         # 0. prefill: one forward over the prompt fills the cache and gives the first token
-        t0 = time.perf_counter()
         cache, logits = self._prefill(prompt)
-        out, done = self._until_stop(decoding, prompt, decoding.verify(prompt, logits, None, NO_CANDIDATES).tokens)
-        window = JacobiWindow(cfg.window, cfg.ngram, np.asarray(prompt), cfg.seed)
-        cands, sources = pool.lookup_with_sources(out[-1], guess)
-        stats.prefill_s = time.perf_counter() - t0
+        out, done = self._until_stop(decoding, prompt, decoding.verify(prompt, logits, None, TokenTree.empty()).tokens)
+        state.start(prompt + out, cfg)
+        window = JacobiWindow(cfg.window, cfg.ngram, np.asarray(prompt), cfg.seed) if lookahead and cfg.window else None
+        stats.prefill_s = clock.lap()
         self._emit(streamer, out)
-        while not done and len(out) < max_new_tokens:
-            # 1. layout: current token + window levels + candidates (built once per shape)
-            layout = build_layout(cfg.window, cfg.ngram, min(window.filled, levels), len(cands))
-            # 2. one forward, logits only for the rows the step reads
-            first, last_level, cand_logits = layout.split_logits(
-                self._forward(layout, cache, out[-1], window.active[: layout.levels], cands, len(prompt) + len(out) - 1))
-            # 3. verify: the candidate prefix the model accepts (greedy or sampling), plus its own next token
+        while not done and len(out) < max_new_tokens and not decoding.out_of_time():
+            position = len(prompt) + len(out) - 1  # of the current token, out[-1]
+            room = last_position - position
+            # 1. draft: every source proposes continuations of the current token, merged into one tree
+            tree = state.propose(out[-1], cfg, budget, room)
+            levels = window.levels_within(room) if window else 0
+            stats.phase_s["draft"] += clock.lap()
+            # 2. layout and one forward: logits only for the current token, the window's last level and the tree
+            layout = build_layout(cfg.window, levels, tree)
+            ids = torch.cat([torch.tensor([out[-1]]), torch.from_numpy(window.active[:levels].ravel() if levels else np.empty(0, np.int64)),
+                             torch.from_numpy(tree.tokens)])
+            logits = self._forward(layout, cache, ids, position)
+            first, last_level, tree_logits = layout.split_logits(logits)
+            stats.phase_s["forward"] += clock.lap()
+            # 3. verify: the deepest branch the model agrees with (greedy or sampling), plus its own next token
             history = prompt + out
-            verdict = decoding.verify(history, first, cand_logits, cands)
-            # 4. keep the KV of the current token and the accepted candidate tokens only
-            kv.compact(cache, layout.size, self._kept_rows(layout, verdict))
-            # 5. window and pool: the last level's outputs become a level; finished columns become n-grams
-            trajectories = window.advance(last_level.argmax(-1).numpy()) if layout.levels else np.empty((0, cfg.ngram), np.int64)
+            verdict = decoding.verify(history, first, tree_logits, tree)
             new, done = self._until_stop(decoding, history, verdict.tokens[: max_new_tokens - len(out)])
+            stats.phase_s["verify"] += clock.lap()
+            # 4. keep the KV of the current token and the accepted branch only
+            accepted_rows = [0] + [layout.first_tree_row + n for n in verdict.path]
+            kv.compact(cache, layout.size, torch.tensor(accepted_rows))
+            # 5. learn: the window advances; the sources take the trajectories, the new tokens and every row's top-k
+            trajectories = window.advance(last_level.argmax(-1).numpy()) if levels else np.empty((0, cfg.ngram), np.int64)
+            row_tokens, row_topk = self._ranked_rows(layout, ids, logits, verdict.path, cfg.recycle_k)
+            state.learn(cfg, tree, verdict.path, new, trajectories, row_tokens, row_topk, history[-(cfg.ngram - 1):])
             out += new
-            if cfg.pool_from_output:
-                pool.insert_sequence(history[-(cfg.ngram - 1) :] + new, Source.OUTPUT)  # n-grams ending in a new token
-            stats.record(verdict, sources)
-            cands, sources = pool.insert_and_lookup(trajectories, out[-1], guess)
+            stats.record(tree, verdict.path, len(new))
+            stats.phase_s["learn"] += clock.lap()
             # 6. stream what was accepted
             self._emit(streamer, new)
-        stats.decode_s = time.perf_counter() - t0 - stats.prefill_s
+        stats.decode_s = clock.total() - stats.prefill_s
         stats.new_tokens = len(out)
         if streamer is not None:
             streamer.end()
@@ -238,24 +298,15 @@ class LookaheadGenerator:
                 return new[: i + 1], True
         return new, False
 
-    def _new_pool(self, prompt: list[int]) -> NGramPool:
-        cfg = self.config
-        sparse = cfg.pool_sparse if cfg.pool_sparse is not None else self.vocab_size > SPARSE_POOL_VOCAB
-        pool = NGramPool(self.vocab_size, cfg.ngram, cfg.pool_slots, sparse=sparse)
-        if cfg.seed_pool_from_prompt:
-            pool.insert_sequence(np.asarray(prompt), Source.PROMPT)
-        return pool
-
-    def _forward(self, layout: StepLayout, cache: Cache, current: int, levels: np.ndarray, cands: np.ndarray, position: int) -> torch.Tensor:
-        """Logits (rows, V) for ``layout.logit_rows``: the current token, the last level, the candidates."""
+    def _forward(self, layout: StepLayout, cache: Cache, ids: torch.Tensor, position: int) -> torch.Tensor:
+        """Logits (rows, V) for ``layout.logit_rows`` of the step's tokens ``ids`` (T,), the first at ``position``."""
         device, dtype = self.model.device, self.model.dtype
-        ids = layout.input_ids(current, torch.from_numpy(levels), torch.from_numpy(cands).long())
         masks = {kind: layout.additive_mask(*cache.get_mask_sizes(layout.size, layer), position, window, dtype).to(device)
                  for kind, (layer, window) in self.mask_layers.items()}
         out = self.model(
-            input_ids=ids.to(device),
+            input_ids=ids.unsqueeze(0).to(device),
             position_ids=(position + layout.offsets).unsqueeze(0).to(device),
-            attention_mask=masks if "sliding_attention" in masks else masks["full_attention"],  # (1, 1, T, kv) each
+            attention_mask=masks if len(masks) > 1 else next(iter(masks.values())),  # (1, 1, T, kv) each
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=layout.logit_rows.to(device),
@@ -263,11 +314,15 @@ class LookaheadGenerator:
         return out.logits[0].float().cpu()
 
     @staticmethod
-    def _kept_rows(layout: StepLayout, verdict: Verdict) -> torch.Tensor:
-        """Row 0 (the current token) and the accepted candidate's first len(tokens)-1 rows."""
-        accepted = len(verdict.tokens) - 1
-        start = layout.first_candidate_row + max(verdict.branch, 0) * (layout.ngram - 1)
-        return torch.cat([torch.tensor([0]), torch.arange(start, start + accepted)])
+    def _ranked_rows(layout: StepLayout, ids: torch.Tensor, logits: torch.Tensor, path: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Input token (R,) and top-k next tokens (R, k) of every row with logits, the accepted rows last (they win)."""
+        if not k:
+            return np.empty(0, np.int64), np.empty((0, 0), np.int64)
+        first_tree = layout.logit_rows.numel() - (layout.size - layout.first_tree_row)
+        trusted = torch.zeros(layout.logit_rows.numel(), dtype=torch.bool)
+        trusted[[0] + [first_tree + n for n in path]] = True
+        order = torch.cat([torch.nonzero(~trusted).flatten(), torch.nonzero(trusted).flatten()])
+        return ids[layout.logit_rows[order]].numpy(), torch.topk(logits[order], min(k, logits.shape[-1])).indices.numpy()
 
     @staticmethod
     def _emit(streamer, tokens: list[int]) -> None:

@@ -15,7 +15,7 @@ from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
 from conftest import hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator
 from lookahead.verify import sampling_accept
-from ngram_pool import NGramPool
+from lookahead.tree import TokenTree
 
 VOCAB, K = 5, 3  # outcomes: the first K new tokens over a VOCAB-token model -> VOCAB**K cells
 
@@ -54,32 +54,41 @@ def chi_square_p(counts: dict, expected_probs: dict, draws: int) -> float:
     return float(chisquare(obs, exp).pvalue)
 
 
-def full_pool(n: int, slots: int) -> NGramPool:
-    """Every n-gram over the vocabulary: each key always has candidates, so verification really rejects."""
-    pool = NGramPool(VOCAB, n, slots_per_key=slots)
-    pool.insert_many(np.array(list(itertools.product(range(VOCAB), repeat=n))))
-    return pool
+def state_with(gen: LookaheadGenerator, ngrams: np.ndarray):
+    """A drafting state whose pool holds ``ngrams`` (with the suffix and recycling sources on top)."""
+    state = gen.new_state()
+    state.pool.insert_many(ngrams)
+    return state
 
 
-@pytest.mark.parametrize(
-    "options, processors",
-    [
-        (dict(temperature=1.0), []),
-        (dict(temperature=0.7, top_p=0.9), [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)]),
-        (dict(top_k=3, repetition_penalty=1.5), [RepetitionPenaltyLogitsProcessor(1.5), TopKLogitsWarper(3)]),
-    ],
-    ids=["t1.0", "t0.7-top_p0.9", "top_k3-rep1.5"],
-)
-def test_sampling_matches_the_plain_sampling_distribution(options, processors):
-    model, prompt, draws = sharp_tiny_model(), [1, 2, 3, 4, 1, 2, 3], 2000
-    gen = LookaheadGenerator(model, config=LookaheadConfig(window=2, ngram=3, guess=6))
-    pool = full_pool(3, slots=VOCAB * VOCAB)
+def sample_counts(gen, prompt, draws: int, seeded: bool, ngrams: np.ndarray, **options) -> tuple[dict, dict]:
+    """Outcome counts of ``draws`` sampled calls (private seeds, or the global RNG seeded once) and the accepted-length histogram."""
     counts, hist = {}, {}
+    torch.manual_seed(1234)
     for seed in range(draws):
-        out = gen.generate(prompt, max_new_tokens=K, do_sample=True, seed=seed, pool=pool, **options)
+        out = gen.generate(prompt, max_new_tokens=K, do_sample=True, seed=seed if seeded else None,
+                           state=state_with(gen, ngrams), **options)
         counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
         for size, n in out.stats.accepted_hist.items():
             hist[size] = hist.get(size, 0) + n
+    return counts, hist
+
+
+@pytest.mark.parametrize(
+    "options, processors, seeded",
+    [
+        (dict(temperature=1.0), [], True),
+        (dict(temperature=1.0), [], False),
+        (dict(temperature=0.7, top_p=0.9), [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)], True),
+        (dict(top_k=3, repetition_penalty=1.5), [RepetitionPenaltyLogitsProcessor(1.5), TopKLogitsWarper(3)], True),
+    ],
+    ids=["t1.0", "t1.0-unseeded", "t0.7-top_p0.9", "top_k3-rep1.5"],
+)
+def test_sampling_matches_the_plain_sampling_distribution(options, processors, seeded):
+    model, prompt, draws = sharp_tiny_model(), [1, 2, 3, 4, 1, 2, 3], 2000
+    gen = LookaheadGenerator(model, config=LookaheadConfig(window=2, ngram=3, guess=6, tree_budget=24))
+    # every 3-gram over the vocabulary: each key always has candidates, so verification really rejects
+    counts, hist = sample_counts(gen, prompt, draws, seeded, np.array(list(itertools.product(range(VOCAB), repeat=3))), **options)
     # candidates were offered at every step: some were accepted (>1 token) and some rejected (1 token)
     assert hist.get(1, 0) > 0 and sum(v for s, v in hist.items() if s > 1) > 0
     outcomes = list(itertools.product(range(VOCAB), repeat=K))
@@ -93,18 +102,37 @@ def test_sampling_rule_rejects_then_samples_the_residual():
     # p = [0.5, 0.5, 0]: candidate token 2 has p=0 so it is always rejected; the residual is then p itself
     scores = torch.log(torch.tensor([0.5, 0.5, 1e-30]))
     rng = torch.Generator().manual_seed(0)
-    cands = np.array([[2, 0], [2, 1]])  # both candidates start with the impossible token
-    firsts = [sampling_accept(lambda g, k: scores, cands, rng) for _ in range(400)]
-    assert all(v.branch == -1 and len(v.tokens) == 1 for v in firsts)
+    tree = TokenTree.merge(np.array([2, 0, 1]), np.array([-1, 0, 0]), np.array([0.9, 0.5, 0.4]), np.zeros(3, np.int64), 8)
+    firsts = [sampling_accept(lambda node: scores, tree, rng) for _ in range(400)]
+    assert all(v.path == [] and len(v.tokens) == 1 for v in firsts)
     share = sum(v.tokens[0] == 0 for v in firsts) / len(firsts)
     assert 0.4 < share < 0.6
 
 
-def test_same_seed_same_sample():
+def test_same_seed_same_sample_whatever_the_global_state():
     gen = LookaheadGenerator(sharp_tiny_model(), config=LookaheadConfig(window=2, ngram=3, guess=4))
+    torch.manual_seed(1)
     a = gen.generate([1, 2, 3], max_new_tokens=12, do_sample=True, seed=5).tokens
+    torch.manual_seed(2)
     b = gen.generate([1, 2, 3], max_new_tokens=12, do_sample=True, seed=5).tokens
     assert a == b
+
+
+def test_unseeded_sampling_draws_from_the_global_rng():
+    gen = LookaheadGenerator(sharp_tiny_model(), config=LookaheadConfig(window=2, ngram=3, guess=4))
+    samples = [tuple(gen.generate([1, 2, 3], max_new_tokens=12, do_sample=True).tokens) for _ in range(10)]
+    assert len(set(samples)) >= 3, "unseeded calls repeat one sample"
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(42)
+        runs.append([gen.generate([1, 2, 3], max_new_tokens=12, do_sample=True).tokens for _ in range(3)])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("seed", [1.5, -1, True, "3", 2**64])
+def test_bad_seed_is_a_value_error(seed):
+    with pytest.raises(ValueError, match="seed"):
+        LookaheadGenerator(tiny_llama()).generate([1, 2, 3], max_new_tokens=2, do_sample=True, seed=seed)
 
 
 @pytest.mark.parametrize(
@@ -115,12 +143,24 @@ def test_same_seed_same_sample():
         (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha=0.6 is not supported"),
         (dict(not_an_option=1), "unknown generation option"),
         (dict(do_sample=True, temperature=0.0), "temperature"),
+        (dict(encoder_repetition_penalty=1.3), "encoder_repetition_penalty=1.3 is not supported"),
+        (dict(encoder_no_repeat_ngram_size=2), "encoder_no_repeat_ngram_size=2 is not supported"),
     ],
 )
 def test_unsupported_options_are_named(options, message):
     gen = LookaheadGenerator(tiny_llama())
     with pytest.raises(ValueError, match=message):
         gen.generate([1, 2, 3], max_new_tokens=4, **options)
+
+
+def test_max_time_stops_generation_as_generate_does():
+    model = tiny_llama()
+    gen = LookaheadGenerator(model)
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=50, do_sample=False, max_time=0.0)[0, 3:].tolist()
+    out = gen.generate([1, 2, 3], max_new_tokens=50, max_time=0.0)
+    assert out.tokens == ref and len(ref) < 50 and out.finish_reason == "length"
+    assert len(gen.generate([1, 2, 3], max_new_tokens=50, max_time=60.0).tokens) == 50
 
 
 @pytest.mark.slow
@@ -178,13 +218,9 @@ def test_smollm2_sampling_matches_plain_sampling(smollm2):
             outcomes = [s + (t,) for s in outcomes
                         for t in model(torch.tensor([prompt + list(s)])).logits[0, -1].topk(3).indices.tolist()]
     expected = exact_distribution(model, prompt, K, processors, outcomes)
-    pool = NGramPool(model.config.vocab_size, 3, slots_per_key=16)
-    pool.insert_many(np.array([list(s) for s in expected]))
-    gen = LookaheadGenerator(model, tok, LookaheadConfig(window=2, ngram=3, guess=9))
-    draws, counts = 300, {}
-    for seed in range(draws):
-        out = gen.generate(prompt, max_new_tokens=K, do_sample=True, temperature=1.5, top_k=3, seed=seed, pool=pool)
-        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
+    gen = LookaheadGenerator(model, tok, LookaheadConfig(window=2, ngram=3, guess=9, tree_budget=32))
+    draws = 300
+    counts, _ = sample_counts(gen, prompt, draws, True, np.array([list(s) for s in expected]), temperature=1.5, top_k=3)
     assert set(counts) <= set(expected)
     p = chi_square_p(counts, expected, draws)
     assert p > 0.01, f"chi-square p={p:.2g}"
