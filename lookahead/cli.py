@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,9 @@ class _Printer:
         self.shown = text
 
     def end(self) -> None:
+        """Print what is still held back (text ending in an incomplete character), then the newline."""
+        if self.tokens:
+            click.echo(self.tokenizer.decode(self.tokens, skip_special_tokens=True)[len(self.shown) :], nl=False)
         click.echo()
 
 
@@ -77,47 +81,65 @@ def main() -> None:
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
 @click.option("-W", "--window", type=int, default=LookaheadConfig.window, show_default=True, help="Jacobi window width W.")
 @click.option("-N", "--ngram", type=int, default=LookaheadConfig.ngram, show_default=True, help="N-gram size N.")
-@click.option("-G", "--guess", type=int, default=LookaheadConfig.guess, show_default=True, help="Candidates verified per step G.")
+@click.option("-G", "--guess", type=int, default=LookaheadConfig.guess, show_default=True, help="Pool n-grams offered to the tree G.")
+@click.option("-T", "--tree-budget", type=int, default=LookaheadConfig.tree_budget, show_default=True,
+              help="Most draft-tree nodes verified per step (0: no drafts).")
+@click.option("--suffix-drafts", type=int, default=LookaheadConfig.suffix_drafts, show_default=True,
+              help="Suffix-match drafts per step (0: off).")
+@click.option("--suffix-length", type=int, default=LookaheadConfig.suffix_length, show_default=True, help="Longest suffix draft.")
+@click.option("--recycle-k", type=int, default=LookaheadConfig.recycle_k, show_default=True,
+              help="Successors per token in the recycling table (0: off).")
+@click.option("--state", "state_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Drafting state directory: loaded if it exists, saved after the run (warm pools and tables).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--no-lookahead", is_flag=True, help="Plain greedy decoding, one token per forward (for comparison).")
+@click.option("--seed", type=click.IntRange(min=0), help="Seed for --sample (default: fresh randomness on every run).")
+@click.option("--no-lookahead", is_flag=True, help="Plain decoding, one token per forward (for comparison).")
 @click.option("--ids", "ids_mode", is_flag=True,
               help="Token ids in and out (no tokenizer needed): PROMPT is '1,2,3' or a JSON list; without PROMPT, one request per stdin line.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) per request instead of streaming.")
-@click.option("--sample", is_flag=True, help="Sample instead of greedy (implied by --temperature/--top-k/--top-p); lossless.")
+@click.option("--sample", is_flag=True,
+              help="Sample instead of greedy (implied by --temperature/--top-k/--top-p); lossless. Without it decoding is "
+                   "greedy, whatever the model's generation config says.")
 @click.option("--temperature", type=float, help="Sampling temperature (> 0).")
 @click.option("--top-k", type=int, help="Sample among the k most likely tokens.")
 @click.option("--top-p", type=float, help="Nucleus sampling: the smallest set with this probability mass.")
 @click.option("--repetition-penalty", type=float, help="Penalise tokens already present (as in generate()).")
 @click.option("--stop", multiple=True, help="Stop after this string (repeatable; needs a tokenizer).")
-def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, cache_dir, window, ngram, guess,
-             max_new_tokens, seed, no_lookahead, ids_mode, as_json, sample, temperature, top_k, top_p,
-             repetition_penalty, stop) -> None:
+def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, cache_dir, window, ngram, guess, tree_budget,
+             suffix_drafts, suffix_length, recycle_k, state_dir, max_new_tokens, seed, no_lookahead, ids_mode, as_json,
+             sample, temperature, top_k, top_p, repetition_penalty, stop) -> None:
     """Generate a continuation of PROMPT (an argument, --file, or standard input)."""
     warpers = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     options = {k: v for k, v in (warpers | {"repetition_penalty": repetition_penalty}).items() if v is not None}
-    if sample or any(v is not None for v in warpers.values()):
-        options["do_sample"] = True
+    options["do_sample"] = sample or any(v is not None for v in warpers.values())
     if stop:
         options["stop_strings"] = list(stop)
     try:
-        config = LookaheadConfig(window=window, ngram=ngram, guess=guess, seed=seed)
+        config = LookaheadConfig(window=window, ngram=ngram, guess=guess, tree_budget=tree_budget, suffix_drafts=suffix_drafts,
+                                 suffix_length=suffix_length, recycle_k=recycle_k)
         requests = _read_requests(prompt, prompt_file, ids_mode)
+        from lookahead.drafting import DraftState
         from lookahead.generator import LookaheadGenerator
 
         gen = LookaheadGenerator.from_pretrained(model_spec, config, dtype=dtype, device=device, cache_dir=cache_dir, progress=_progress)
+        state = DraftState.load(state_dir) if state_dir is not None and state_dir.exists() else gen.new_state()
         if chat is None:
             chat = not ids_mode and gen.tokenizer is not None and bool(gen.tokenizer.chat_template)
         for request in requests:
             streamer = None if (as_json or ids_mode or gen.tokenizer is None) else _Printer(gen.tokenizer)
-            out = gen.generate(request, max_new_tokens, chat=chat and not ids_mode, system=system,
-                               streamer=streamer, lookahead=not no_lookahead, **options)
+            out = gen.generate(request, max_new_tokens, chat=chat and not ids_mode, system=system, streamer=streamer,
+                               lookahead=not no_lookahead, state=state, seed=seed, **options)
             if as_json:
                 click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
                                        "stats": out.stats.as_dict()}))
             elif ids_mode:
                 click.echo(",".join(map(str, out.tokens)))
             click.echo(_summary(out.stats), err=True)
+        if state_dir is not None:
+            state.save(state_dir)
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as other CLIs do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
 
@@ -130,21 +152,17 @@ def _read_requests(prompt: str | None, prompt_file: Path | None, ids_mode: bool)
             prompt = prompt_file.read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise click.BadParameter(f"cannot read {prompt_file}: {e}", param_hint="--file") from None
-    if prompt is None:
+    elif prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise click.UsageError("no prompt: pass PROMPT, --file, or pipe it to standard input")
         prompt = sys.stdin.read()
-        if ids_mode:
-            lines = [line for line in prompt.splitlines() if line.strip()]
-            if not lines:
-                raise click.UsageError("the prompt is empty")
-            return [_parse_ids(line) for line in lines]
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
-    return [_parse_ids(prompt)] if ids_mode else [prompt]
+    # token ids: one request per non-empty line (a file or stdin); text: the whole input is one prompt
+    return [_parse_ids(line) for line in prompt.splitlines() if line.strip()] if ids_mode else [prompt]
 
 
-@main.group(context_settings=CONTEXT, invoke_without_command=True)
+@main.group("models", context_settings=CONTEXT, invoke_without_command=True)
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
 @click.pass_context
 def models_(ctx: click.Context, cache_dir: Path | None) -> None:
@@ -158,8 +176,6 @@ def models_(ctx: click.Context, cache_dir: Path | None) -> None:
         default = " (default)" if model.name == models.DEFAULT_MODEL else ""
         click.echo(f"{model.name}{default}: {model.description}; {state}")
 
-
-main.add_command(models_, name="models")
 
 
 @models_.command(context_settings=CONTEXT)

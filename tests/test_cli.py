@@ -47,7 +47,10 @@ def test_ids_mode_reads_one_request_per_stdin_line(tokenizerless_dir):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["-W", "0", "hi"], "window (W) must be in [1, 128], got 0"),
+        (["-W", "200", "hi"], "window (W) must be in [0, 128], got 200"),
+        (["-T", "999", "hi"], "tree_budget must be in [0, 256], got 999"),
+        (["--recycle-k", "-1", "hi"], "recycle_k must be in [0, 64], got -1"),
+        (["--seed", "-1", "--sample", "hi"], "-1 is not in the range x>=0"),
         (["-N", "1", "hi"], "ngram (N) must be in [2, 16], got 1"),
         (["-G", "500", "hi"], "guess (G) must be in [0, 128], got 500"),
         (["--model", "/no/such/model", "hi"], "/no/such/model: no such model file or directory"),
@@ -91,6 +94,8 @@ def test_sampling_options_reach_the_generator(tokenizerless_dir):
     assert a["tokens"] == b["tokens"]  # reproducible for a seed
     draws = {tuple(json.loads(run(*args, "--sample", "--seed", str(s)).stdout)["tokens"]) for s in range(4)}
     assert len(draws) > 1  # and really sampled
+    unseeded = {tuple(json.loads(run(*args, "--sample", "--temperature", "1.5").stdout)["tokens"]) for _ in range(4)}
+    assert len(unseeded) > 1  # without --seed every run draws fresh randomness
     bad = run(*args, "--temperature", "0")
     assert bad.exit_code == 1 and "temperature" in bad.output
     no_tok = run(*args, "--stop", ".")
@@ -101,6 +106,71 @@ def test_models_lists_the_embedded_models(tmp_path):
     result = run("models", "--cache-dir", str(tmp_path))
     assert result.exit_code == 0
     assert "smollm2-135m (default)" in result.output and "gemma3-270m" in result.output and "not fetched yet" in result.output
+    commands = run("--help").output.split("Commands:")[1].split()
+    assert "models" in commands and "models-" not in commands
+
+
+def test_ids_file_runs_one_request_per_line(tokenizerless_dir, tmp_path):
+    prompts = tmp_path / "ids.txt"
+    prompts.write_text("1,2,3\n\n4 5 6 7\n[8]\n")
+    result = run("generate", "--model", tokenizerless_dir, "--ids", "--file", str(prompts), "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+    single = [run("generate", "--model", tokenizerless_dir, "--ids", p, "--max-new-tokens", "3").stdout for p in ("1,2,3", "4,5,6,7", "8")]
+    assert result.stdout == "".join(single)
+
+
+def test_greedy_unless_sample_even_when_the_model_config_samples(tmp_path):
+    from transformers import GenerationConfig
+
+    from conftest import hf_greedy
+
+    model = tiny_llama(seed=3)
+    model.generation_config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0)
+    model.save_pretrained(tmp_path)
+    args = ["generate", "--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "10"]
+    expected = ",".join(map(str, hf_greedy(model, [5, 6, 7], 10)))
+    for extra in ([], [], ["--no-lookahead"]):
+        assert run(*args, *extra).stdout.strip() == expected
+
+
+def test_state_directory_is_saved_and_loaded(tokenizerless_dir, tmp_path):
+    args = ["generate", "--model", tokenizerless_dir, "--ids", "1,2,3,1,2,3", "--max-new-tokens", "8", "--state", str(tmp_path / "st")]
+    first = run(*args)
+    assert first.exit_code == 0, first.output and (tmp_path / "st" / "pool.npz").is_file()
+    second = run(*args)
+    assert second.exit_code == 0 and second.stdout == first.stdout
+    (tmp_path / "st" / "pool.npz").write_bytes(b"junk")
+    bad = run(*args)
+    assert bad.exit_code == 1 and "not a readable n-gram pool file" in bad.output
+
+
+def test_printer_flushes_a_held_incomplete_character(capsys):
+    import torch
+
+    from lookahead.cli import _Printer
+
+    class Bytes:  # token i is byte i; a lone lead byte of a 4-byte character decodes to U+FFFD
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    printer = _Printer(Bytes())
+    printer.put(torch.tensor([1]))  # the prompt
+    printer.put(torch.tensor(list(b"sea: ")))
+    printer.put(torch.tensor([0xF0]))  # cut off by max_new_tokens inside a character
+    printer.end()
+    assert capsys.readouterr().out == "sea: \ufffd\n"
+
+
+def test_a_closed_pipe_ends_the_run_quietly(tokenizerless_dir, tmp_path):
+    prompts = tmp_path / "many.txt"
+    prompts.write_text("1,2,3\n" * 300)
+    cmd = [sys.executable, "-m", "lookahead.cli", "generate", "--model", tokenizerless_dir, "--ids", "--file", str(prompts),
+           "--max-new-tokens", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline()
+    proc.stdout.close()  # like `| head -n 1`
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0 and "Broken pipe" not in stderr and "Traceback" not in stderr
 
 
 @pytest.mark.slow
@@ -121,3 +191,22 @@ def test_chat_mode_json_and_no_lookahead_agree(smollm2):
     a, b = json.loads(la.stdout), json.loads(plain.stdout)
     assert a["tokens"] == b["tokens"] and "Italy" in a["text"]
     assert b["stats"]["steps"] + 1 == b["stats"]["new_tokens"]
+
+
+def test_a_chat_template_that_rejects_the_system_role_is_one_error_line(tmp_path):
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "hello", "world"] + [f"w{i}" for i in range(125)]
+    backend = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }} {% endfor %}")
+    tiny_llama().save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    ok = run("generate", "--model", str(tmp_path), "hello world", "--max-new-tokens", "3")
+    assert ok.exit_code == 0, ok.output
+    bad = run("generate", "--model", str(tmp_path), "hello world", "--system", "Be brief.", "--max-new-tokens", "3")
+    assert bad.exit_code == 1 and "Error: the chat template rejected the messages: System role not supported" in bad.output
+    assert "Traceback" not in bad.output
