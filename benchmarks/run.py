@@ -1,8 +1,10 @@
 """Speed, compression and exactness of lookahead decoding, side by side with plain HF greedy and HF prompt-lookup
 decoding, interleaved in ONE process on the same model, dtypes and prompts.
 
-    python -m benchmarks.run            # --quick: 2 prompts per set, 64 new tokens, fp32 and bf16 (~10 min, 2 cores)
-    python -m benchmarks.run --full     # every prompt of every set, 128 new tokens
+    python -m benchmarks.run              # quick: 2 prompts per set, 64 new tokens, fp32 and bf16 (~10 min, 2 cores)
+    python -m benchmarks.run --full       # every prompt of every set, 128 new tokens
+    python -m benchmarks.run --ablation   # also each drafting source alone, and without the Jacobi branch
+    python -m benchmarks.run --config default --config tree_budget=32,recycle_k=4   # presets or field=value lists
 
 Speedups are ratios of tokens/s in the same run: against HF greedy in the same dtype, and against the fastest
 HF greedy in any dtype measured (a bf16 speedup over a slow bf16 baseline alone would flatter us).
@@ -27,6 +29,7 @@ import lookahead
 from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
 from lookahead import LookaheadConfig, LookaheadGenerator, models
+from lookahead.drafting import SOURCES
 
 TIE = 1e-4
 GREEDY, PLD, PLAIN = "hf_greedy", "hf_prompt_lookup", "plain loop (--no-lookahead)"
@@ -42,12 +45,35 @@ class Run:
     tokens: list[int]
     steps: int | None = None  # forwards after the prefill (lookahead only)
     accepted_by_source: dict = field(default_factory=dict)
+    drafted_by_source: dict = field(default_factory=dict)
+    tree_nodes: int = 0
+    phase_s: dict = field(default_factory=dict)  # decode time by phase (draft, forward, verify, learn)
     equal: bool | None = None  # same tokens as HF greedy in the same dtype
     equal_or_tie: bool | None = None  # ... or first differs where the reference's top-2 logits tie (see is_tie)
 
 
-def method_name(cfg: LookaheadConfig) -> str:
-    return f"lookahead W{cfg.window} N{cfg.ngram} G{cfg.guess}"
+# named configurations: the default, wave 1's W3N3G3 (pool candidates only, 6 tree rows), and the ablation
+PRESETS = {
+    "default": {},
+    "wave1-W3N3G3": dict(window=3, ngram=3, guess=3, tree_budget=6, suffix_drafts=0, recycle_k=0),
+}
+ABLATION = {
+    "jacobi-pool-only": dict(suffix_drafts=0, recycle_k=0),
+    "suffix-only": dict(window=0, guess=0, recycle_k=0),
+    "recycle-only": dict(window=0, guess=0, suffix_drafts=0),
+    "no-jacobi": dict(window=0),
+}
+
+
+def parse_config(spec: str) -> tuple[str, LookaheadConfig]:
+    """A preset name, or ``field=value,...`` over ``LookaheadConfig``'s integer fields -> (method name, config)."""
+    if spec in PRESETS | ABLATION:
+        return f"lookahead {spec}", LookaheadConfig(**(PRESETS | ABLATION)[spec])
+    try:
+        fields = {k.strip(): int(v) for k, v in (item.split("=") for item in spec.split(","))}
+        return f"lookahead {spec}", LookaheadConfig(**fields)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--config {spec!r}: a preset ({', '.join(PRESETS | ABLATION)}) or field=value,... ({e})") from None
 
 
 def hf_generate(model, ids: list[int], max_new_tokens: int, **kwargs) -> tuple[list[int], float]:
@@ -114,10 +140,10 @@ def hardware() -> dict:
 def run_all(args) -> dict:
     cache_dir = args.cache_dir or models.default_cache_dir()
     machine = hardware()  # before the run, so the commit recorded is the one measured
-    configs = [LookaheadConfig(window=w, ngram=n, guess=g) for w, n, g in args.configs]
+    configs = dict(parse_config(spec) for spec in args.configs)
     loaded = {dtype: models.load(args.model, dtype=dtype, cache_dir=cache_dir) for dtype in args.dtypes}
     tokenizer = next(iter(loaded.values()))[1]
-    gens = {(dtype, method_name(c)): LookaheadGenerator(m, tok, c) for dtype, (m, tok) in loaded.items() for c in configs}
+    gens = {(dtype, name): LookaheadGenerator(m, tok, c) for dtype, (m, tok) in loaded.items() for name, c in configs.items()}
     prompts = datasets.load(args.sets, args.limit, cache_dir)
     # warm up every method once (allocator, numba, first-call overheads) before timing anything
     warm = prompt_ids(tokenizer, prompts[0].text, prompts[0].chat)
@@ -128,6 +154,7 @@ def run_all(args) -> dict:
         gen.generate(warm, max_new_tokens=4)
         gen.generate(warm, max_new_tokens=4, lookahead=False)
     runs: list[Run] = []
+    start = time.perf_counter()
     for i, p in enumerate(prompts):
         ids = prompt_ids(tokenizer, p.text, p.chat)
         for dtype, (model, _) in loaded.items():
@@ -136,13 +163,16 @@ def run_all(args) -> dict:
             toks, secs = hf_generate(model, ids, args.max_new_tokens, prompt_lookup_num_tokens=args.pld_tokens)
             runs.append(check(Run(p.set, p.id, dtype, PLD, secs, toks), ref, ids, model))
             # our own loop without the lookahead branches: how much of a speedup is the loop, not the algorithm
-            plain = [(PLAIN, gens[(dtype, method_name(configs[0]))], False)] if configs else []
-            for name, gen, on in plain + [(method_name(c), gens[(dtype, method_name(c))], True) for c in configs]:
+            plain = [(PLAIN, gens[(dtype, next(iter(configs)))], False)] if configs else []
+            for name, gen, on in plain + [(name, gens[(dtype, name)], True) for name in configs]:
                 out = gen.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=on)
-                secs = out.stats.prefill_s + out.stats.decode_s
-                run = Run(p.set, p.id, dtype, name, secs, out.tokens, out.stats.steps, dict(out.stats.accepted_by_source))
+                st = out.stats
+                run = Run(p.set, p.id, dtype, name, st.prefill_s + st.decode_s, out.tokens, st.steps, dict(st.accepted_by_source),
+                          dict(st.drafted_by_source), st.tree_nodes, dict(st.phase_s))
                 runs.append(check(run, ref, ids, model))
-        print(f"[{i + 1}/{len(prompts)}] {p.set}/{p.id} done", flush=True)
+        elapsed = time.perf_counter() - start
+        print(f"[{i + 1}/{len(prompts)}] {p.set}/{p.id} done; {elapsed:.0f} s, about {elapsed / (i + 1) * (len(prompts) - i - 1):.0f} s left",
+              flush=True)
     curves = {dtype: cost_curve(model, args.cost_sizes) for dtype, (model, _) in loaded.items()}
     return {"hardware": machine, "model": args.model, "max_new_tokens": args.max_new_tokens, "dtypes": args.dtypes,
             "pld_tokens": args.pld_tokens, "summary": summarise(runs), "cost_curve": curves, "runs": [asdict(r) for r in runs]}
@@ -173,8 +203,11 @@ def summarise(runs: list[Run]) -> list[dict]:
         if rs[0].steps is not None:
             steps = sum(r.steps for r in rs)
             sources = sum((Counter(r.accepted_by_source) for r in rs), Counter())
-            row |= {"compression": row["tokens"] / (steps + len(rs)),
-                    "mean_accepted": sum(sources.values()) / max(steps, 1), "accepted_by_source": dict(sources)}
+            drafted = sum((Counter(r.drafted_by_source) for r in rs), Counter())
+            phases = sum((Counter(r.phase_s) for r in rs), Counter())
+            row |= {"compression": row["tokens"] / (steps + len(rs)), "mean_tree_nodes": sum(r.tree_nodes for r in rs) / max(steps, 1),
+                    "accepted_by_source": dict(sources), "drafted_by_source": dict(drafted),
+                    "phase_ms_per_step": {k: v * 1000 / max(steps, 1) for k, v in phases.items()}}
         rows.append(row)
     return rows
 
@@ -192,12 +225,19 @@ def write_report(results: dict, out: Path) -> None:
              f"{hw['transformers']}; commit {hw['commit']}; {results['max_new_tokens']} new tokens per prompt, greedy.", "",
              "equal: same tokens as HF greedy in the same dtype; equal or tie: or the first difference is at a step where the "
              "reference's top-2 logits tie (fp32: margin < 1e-4; bf16: margin within that step's own rounding noise, measured by computing it in two orders).", "",
-             "| set | dtype | method | prompts | tokens/s | speedup vs HF greedy (same dtype) | vs fastest HF greedy | compression | mean accepted | equal | equal or tie |",
+             "| set | dtype | method | prompts | tokens/s | speedup vs HF greedy (same dtype) | vs fastest HF greedy | compression | tree nodes per step | equal | equal or tie |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["summary"]:
         lines.append(f"| {r['set']} | {r['dtype']} | {r['method']} | {r['prompts']} | {r['tokens_per_s']:.2f} | {r['speedup_same_dtype']:.2f}x | "
-                     f"{r['speedup_vs_fastest_greedy']:.2f}x | {fmt(r.get('compression'))} | {fmt(r.get('mean_accepted'))} | "
+                     f"{r['speedup_vs_fastest_greedy']:.2f}x | {fmt(r.get('compression'))} | {fmt(r.get('mean_tree_nodes'), '.1f')} | "
                      f"{r['equal_rate']:.0%} | {r['equal_or_tie_rate']:.0%} |")
+    overall = [r for r in results["summary"] if r["set"] == "all" and "phase_ms_per_step" in r]
+    lines += ["", "Overall, by drafting source (accepted / drafted tree nodes) and where a step's time goes (ms per step):", "",
+              "| dtype | method | " + " | ".join(SOURCES) + " | draft | forward | verify | learn |", "|---|---|" + "---|" * (len(SOURCES) + 4)]
+    for r in overall:
+        acc, dr, ph = r["accepted_by_source"], r["drafted_by_source"], r["phase_ms_per_step"]
+        lines.append(f"| {r['dtype']} | {r['method']} | " + " | ".join(f"{acc.get(s, 0)} / {dr.get(s, 0)}" for s in SOURCES)
+                     + " | " + " | ".join(fmt(ph.get(k)) for k in ("draft", "forward", "verify", "learn")) + " |")
     lines += ["", "Forward cost c(T)/c(1) of adding T tokens to a 128-token cache:", "",
               "| dtype | ms at T=1 | " + " | ".join(f"T={t}" for t in next(iter(results["cost_curve"].values())) if t != "ms_at_1") + " |",
               "|---|---|" + "---|" * (len(next(iter(results["cost_curve"].values()))) - 1)]
@@ -246,7 +286,9 @@ def parse_args(argv=None):
     parser.add_argument("--limit", type=int, help="prompts per set (quick: 2, full: all)")
     parser.add_argument("--max-new-tokens", type=int, help="quick: 64, full: 128")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--config", dest="configs", action="append", help="W,N,G (repeatable)")
+    parser.add_argument("--config", dest="configs", action="append",
+                        help="a preset (default, wave1-W3N3G3, " + ", ".join(ABLATION) + ") or field=value,... (repeatable)")
+    parser.add_argument("--ablation", action="store_true", help="add each source alone and the no-Jacobi configuration")
     parser.add_argument("--pld-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     parser.add_argument("--cost-sizes", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--cache-dir", type=Path)
@@ -256,7 +298,7 @@ def parse_args(argv=None):
     args.dtypes = args.dtypes.split(",")
     args.limit = args.limit if args.limit is not None else (None if args.full else 2)
     args.max_new_tokens = args.max_new_tokens or (128 if args.full else 64)
-    args.configs = [tuple(int(v) for v in c.split(",")) for c in (args.configs or ["3,3,3", "5,4,5"])]
+    args.configs = (args.configs or list(PRESETS)) + (list(ABLATION) if args.ablation else [])
     args.cost_sizes = [int(v) for v in args.cost_sizes.split(",")]
     return args
 
