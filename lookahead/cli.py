@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -76,19 +77,19 @@ def main() -> None:
 @click.option("--system", help="System message for chat mode.")
 @click.option("--model", "model_spec", default=models.DEFAULT_MODEL, show_default=True,
               help="Embedded model name, Hugging Face directory, hub id or .gguf file.")
-@click.option("--dtype", type=click.Choice(list(models.DTYPES)), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", *models.DTYPES]), default="auto", show_default=True,
+              help="auto: float32 or bfloat16, whichever decodes fastest on this machine (measured once, cached).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
-@click.option("-W", "--window", type=int, default=LookaheadConfig.window, show_default=True, help="Jacobi window width W.")
-@click.option("-N", "--ngram", type=int, default=LookaheadConfig.ngram, show_default=True, help="N-gram size N.")
-@click.option("-G", "--guess", type=int, default=LookaheadConfig.guess, show_default=True, help="Pool n-grams offered to the tree G.")
-@click.option("-T", "--tree-budget", type=int, default=LookaheadConfig.tree_budget, show_default=True,
-              help="Most draft-tree nodes verified per step (0: no drafts).")
-@click.option("--suffix-drafts", type=int, default=LookaheadConfig.suffix_drafts, show_default=True,
-              help="Suffix-match drafts per step (0: off).")
-@click.option("--suffix-length", type=int, default=LookaheadConfig.suffix_length, show_default=True, help="Longest suffix draft.")
-@click.option("--recycle-k", type=int, default=LookaheadConfig.recycle_k, show_default=True,
-              help="Successors per token in the recycling table (0: off).")
+@click.option("-W", "--window", type=int, help=f"Jacobi window width W [default: {LookaheadConfig.window}].")
+@click.option("-N", "--ngram", type=int, help=f"N-gram size N [default: {LookaheadConfig.ngram}].")
+@click.option("-G", "--guess", type=int, help=f"Pool n-grams offered to the tree G [default: {LookaheadConfig.guess}].")
+@click.option("-T", "--tree-budget", type=int, help=f"Most draft-tree nodes per step, 0: none [default: {LookaheadConfig.tree_budget}].")
+@click.option("--suffix-drafts", type=int, help=f"Suffix-match drafts per step, 0: off [default: {LookaheadConfig.suffix_drafts}].")
+@click.option("--suffix-length", type=int, help=f"Longest suffix draft [default: {LookaheadConfig.suffix_length}].")
+@click.option("--recycle-k", type=int, help=f"Successors per token in the recycling table, 0: off [default: {LookaheadConfig.recycle_k}].")
+@click.option("--auto/--no-auto", default=None,
+              help="Let the measured cost model size each step within the shape (default: on unless a shape option is given).")
 @click.option("--state", "state_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Drafting state directory: loaded if it exists, saved after the run (warm pools and tables).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
@@ -106,7 +107,7 @@ def main() -> None:
 @click.option("--repetition-penalty", type=float, help="Penalise tokens already present (as in generate()).")
 @click.option("--stop", multiple=True, help="Stop after this string (repeatable; needs a tokenizer).")
 def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, cache_dir, window, ngram, guess, tree_budget,
-             suffix_drafts, suffix_length, recycle_k, state_dir, max_new_tokens, seed, no_lookahead, ids_mode, as_json,
+             suffix_drafts, suffix_length, recycle_k, auto, state_dir, max_new_tokens, seed, no_lookahead, ids_mode, as_json,
              sample, temperature, top_k, top_p, repetition_penalty, stop) -> None:
     """Generate a continuation of PROMPT (an argument, --file, or standard input)."""
     warpers = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
@@ -115,8 +116,9 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, cache
     if stop:
         options["stop_strings"] = list(stop)
     try:
-        config = LookaheadConfig(window=window, ngram=ngram, guess=guess, tree_budget=tree_budget, suffix_drafts=suffix_drafts,
-                                 suffix_length=suffix_length, recycle_k=recycle_k)
+        shape = {k: v for k, v in dict(window=window, ngram=ngram, guess=guess, tree_budget=tree_budget, suffix_drafts=suffix_drafts,
+                                       suffix_length=suffix_length, recycle_k=recycle_k).items() if v is not None}
+        config = LookaheadConfig(**shape, auto=not shape if auto is None else auto)  # an explicit shape is run as given
         requests = _read_requests(prompt, prompt_file, ids_mode)
         from lookahead.drafting import DraftState
         from lookahead.generator import LookaheadGenerator
@@ -131,7 +133,8 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, cache
                                lookahead=not no_lookahead, state=state, seed=seed, **options)
             if as_json:
                 click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
-                                       "stats": out.stats.as_dict()}))
+                                       "stats": out.stats.as_dict(), "dtype": str(gen.model.dtype).split(".")[-1],
+                                       "config": dataclasses.asdict(config)}))
             elif ids_mode:
                 click.echo(",".join(map(str, out.tokens)))
             click.echo(_summary(out.stats), err=True)
@@ -160,6 +163,39 @@ def _read_requests(prompt: str | None, prompt_file: Path | None, ids_mode: bool)
         raise click.UsageError("the prompt is empty")
     # token ids: one request per non-empty line (a file or stdin); text: the whole input is one prompt
     return [_parse_ids(line) for line in prompt.splitlines() if line.strip()] if ids_mode else [prompt]
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--model", "model_spec", default=models.DEFAULT_MODEL, show_default=True, help="Model to measure.")
+@click.option("--dtype", type=click.Choice(["auto", *models.DTYPES]), default="auto", show_default=True,
+              help="auto: float32 and bfloat16 both.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models and curves live.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Also draw the curves into this PNG.")
+def tune(model_spec, dtype, device, cache_dir, plot) -> None:
+    """Measure this machine's forward cost r(T) = c(T)/c(1) anew, cache it, and print what it implies."""
+    from lookahead import tuner
+
+    cache_dir = cache_dir or models.default_cache_dir()
+    curves = {}
+    try:
+        for name in tuner.AUTO_DTYPES if dtype == "auto" else (dtype,):
+            model, _ = models.load(model_spec, dtype=name, device=device, cache_dir=cache_dir, progress=_progress)
+            tuner.curve_file(model, cache_dir).unlink(missing_ok=True)
+            curves[name] = tuner.cached_curve(model, cache_dir, _progress)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo("dtype     ms/token(T=1)  " + "  ".join(f"r({t})" for t in curves[name].sizes))
+    for name, curve in curves.items():
+        click.echo(f"{name:9} {curve.ms_at_1:13.1f}  " + "  ".join(f"{r:5.2f}".rjust(len(f"r({t})")) for t, r in zip(curve.sizes, curve.ratios)))
+    fastest = min(curves, key=lambda n: curves[n].ms_at_1)
+    click.echo(f"fastest plain decoding: {fastest} ({1000 / curves[fastest].ms_at_1:.1f} tokens/s); --dtype auto picks it")
+    for p in (0.3, 0.5, 0.8):  # a chain whose every node is accepted with probability p given its parent
+        nodes = tuner.choose(curves[fastest], tuner.chain_tree(p, 64), 0, 0.0)
+        click.echo(f"drafts accepted with p={p}: verify {nodes.nodes} nodes per step, {nodes.value:.2f}x plain decoding expected")
+    if plot:
+        tuner.plot_curves(curves, plot)
+        click.echo(f"plot: {plot}")
 
 
 @main.group("models", context_settings=CONTEXT, invoke_without_command=True)

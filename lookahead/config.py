@@ -27,7 +27,9 @@ class LookaheadConfig:
     so N-1 window levels and pool drafts of N-1 tokens; guess (G): pool n-grams offered to the tree;
     tree_budget: most tree nodes verified per step (0 = no verification); suffix_drafts/suffix_length:
     suffix-match drafts and their longest length (0 = off); recycle_k: successors kept per token by the
-    recycling table (0 = off).
+    recycling table (0 = off). auto: each step, the measured cost model (``tuner.py``) picks how many of
+    the tree's best nodes to verify and whether to run the Jacobi branch, within the shape above; False:
+    always the full shape.
     """
 
     # small steps pay off on CPUs (see benchmarks/README.md); GPUs afford wider ones
@@ -38,6 +40,7 @@ class LookaheadConfig:
     suffix_drafts: int = 4
     suffix_length: int = 8
     recycle_k: int = 8
+    auto: bool = True
     pool_slots: int = 16  # continuations kept per key; least recently used evicted
     pool_sparse: bool | None = None  # allocate pool rows on demand; None: when the vocabulary exceeds 65536
     seed_pool_from_prompt: bool = True  # harvest the prompt's n-grams before decoding (input-grounded tasks)
@@ -54,7 +57,7 @@ class LookaheadConfig:
         _check_int("recycle_k", self.recycle_k, 0, MAX_RECYCLE)
         _check_int("pool_slots", self.pool_slots, 1)
         _check_int("seed", self.seed, 0)
-        for name in ("seed_pool_from_prompt", "pool_from_output"):
+        for name in ("auto", "seed_pool_from_prompt", "pool_from_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.pool_sparse is not None and not isinstance(self.pool_sparse, bool):

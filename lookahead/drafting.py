@@ -26,7 +26,7 @@ from ngram_pool import NGramPool, RecycleTable, Source, SuffixDrafter, template
 
 SOURCES = ("trajectory", "prompt", "output", "other", "suffix", "recycle")  # bit i of a node's ``sources``
 POOL_SOURCES = {int(s): SOURCES.index(s.name.lower()) for s in Source}  # pool source code -> index; others: "other"
-SUFFIX, RECYCLE = SOURCES.index("suffix"), SOURCES.index("recycle")
+TRAJECTORY, SUFFIX, RECYCLE = SOURCES.index("trajectory"), SOURCES.index("suffix"), SOURCES.index("recycle")
 MAX_DEPTH = 32  # statistics buckets: depth for chains, rank for the recycling table
 PRIOR = np.array([0.3, 0.4, 0.4, 0.3, 0.5, 0.3])  # acceptance rates assumed before anything is measured
 PRIOR_WEIGHT = 4.0  # ... worth this many observations

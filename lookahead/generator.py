@@ -17,9 +17,10 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from lookahead import kv, models
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
-from lookahead.drafting import SOURCES, DraftState
+from lookahead.drafting import SOURCES, TRAJECTORY, DraftState
 from lookahead.layout import StepLayout, build_layout
 from lookahead.tree import TokenTree
+from lookahead.tuner import CostCurve, JacobiWorth, cached_curve, choose, fastest_dtype
 from lookahead.window import JacobiWindow
 
 SPARSE_POOL_VOCAB = 65536
@@ -67,15 +68,20 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     tree_nodes: int = 0  # tree nodes verified, all steps together
+    window_steps: int = 0  # steps that ran the Jacobi branch
+    plain_steps: int = 0  # steps that fed the current token alone (nothing drafted, or nothing worth its cost)
     accepted_hist: Counter = field(default_factory=Counter)  # tokens emitted in a step -> number of steps
     accepted_by_source: Counter = field(default_factory=Counter)  # emitted draft tokens, by each source that proposed them
     drafted_by_source: Counter = field(default_factory=Counter)  # tree nodes verified, by each source that proposed them
     phase_s: Counter = field(default_factory=Counter)  # decode time by phase: draft, forward, verify, learn
 
-    def record(self, tree: TokenTree, path: list[int], emitted: int) -> None:
-        """One step that verified ``tree``, accepted ``path`` and emitted ``emitted`` tokens (cut by stops or length)."""
+    def record(self, tree: TokenTree, levels: int, path: list[int], emitted: int) -> None:
+        """One step that fed ``levels`` window levels, verified ``tree``, accepted ``path`` and emitted ``emitted`` tokens
+        (cut by stops or length)."""
         self.steps += 1
         self.tree_nodes += len(tree)
+        self.window_steps += levels > 0
+        self.plain_steps += levels == 0 and len(tree) == 0
         self.accepted_hist[emitted] += 1
         for counter, nodes in ((self.drafted_by_source, tree.sources), (self.accepted_by_source, tree.sources[path[:emitted]])):
             for bit, name in enumerate(SOURCES):
@@ -96,7 +102,8 @@ class GenerationStats:
             "new_tokens": self.new_tokens, "steps": self.steps, "compression": round(self.compression, 4),
             "tokens_per_s": round(self.tokens_per_s, 3), "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4), "time_to_first_token_s": round(self.prefill_s, 4),
-            "mean_tree_nodes": round(self.tree_nodes / max(self.steps, 1), 3),
+            "mean_tree_nodes": round(self.tree_nodes / max(self.steps, 1), 3), "window_steps": self.window_steps,
+            "plain_steps": self.plain_steps,
             "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
             "accepted_by_source": dict(self.accepted_by_source), "drafted_by_source": dict(self.drafted_by_source),
             "phase_s": {k: round(v, 4) for k, v in self.phase_s.items()},
@@ -114,9 +121,13 @@ class GenerationResult:
 class LookaheadGenerator:
     """Lossless lookahead decoding over any loaded Hugging Face causal LM (token ids in, token ids out)."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None, config: LookaheadConfig | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer=None, config: LookaheadConfig | None = None, *,
+                 cost: CostCurve | None = None, cache_dir: Path | None = None, progress: models.Progress = models._quiet) -> None:
+        """``cost``: this machine's forward-cost curve for ``config.auto`` (default: measured at first use and
+        cached under ``cache_dir``, see ``tuner.py``)."""
         self.model, self.tokenizer = model, tokenizer
         self.config = config or LookaheadConfig()
+        self._cost, self._cache_dir, self._progress = cost, cache_dir, progress
         mc = model.config.get_text_config(decoder=True)
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError(f"{type(model).__name__} is an encoder-decoder model; lookahead needs a decoder-only LM")
@@ -134,14 +145,28 @@ class LookaheadGenerator:
         cls,
         spec: str = models.DEFAULT_MODEL,
         config: LookaheadConfig | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         cache_dir: Path | None = None,
         progress: models.Progress = models._quiet,
     ) -> "LookaheadGenerator":
-        """Load a hub id, model directory, GGUF file or embedded model name (see ``lookahead.models``)."""
-        model, tokenizer = models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress)
-        return cls(model, tokenizer, config)
+        """Load a hub id, model directory, GGUF file or embedded model name (see ``lookahead.models``).
+
+        ``dtype="auto"``: float32 or bfloat16, whichever gives the fastest plain step on this machine (measured
+        once, cached); bfloat16 output equals bfloat16 ``generate()`` up to its rounding ties."""
+        cache_dir = cache_dir or models.default_cache_dir()
+        loaded = None
+        if dtype == "auto":
+            dtype, loaded = fastest_dtype(spec, device, cache_dir, progress)
+        model, tokenizer = loaded or models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress)
+        return cls(model, tokenizer, config, cache_dir=cache_dir, progress=progress)
+
+    @property
+    def cost(self) -> CostCurve:
+        """This machine's forward-cost curve for the model (probed once and cached on disk)."""
+        if self._cost is None:
+            self._cost = cached_curve(self.model, self._cache_dir or models.default_cache_dir(), self._progress)
+        return self._cost
 
     # -- public entry point ---------------------------------------------------------------------
 
@@ -234,8 +259,10 @@ class LookaheadGenerator:
     # -- the decode loop ------------------------------------------------------------------------
 
     def _decode(self, prompt: list[int], max_new_tokens: int, streamer, lookahead: bool, decoding: Decoding, state: DraftState):
-        cfg, stats, clock = self.config, GenerationStats(), _Clock()
+        cfg, stats = self.config, GenerationStats()
         budget = cfg.tree_budget if lookahead else 0
+        curve, worth = (self.cost, JacobiWorth()) if cfg.auto and lookahead else (None, None)
+        clock = _Clock()
         last_position = len(prompt) + max_new_tokens - 2  # the last position generate() feeds; no row goes beyond
         if streamer is not None:
             streamer.put(torch.tensor(prompt))
@@ -252,6 +279,9 @@ class LookaheadGenerator:
             # 1. draft: every source proposes continuations of the current token, merged into one tree
             tree = state.propose(out[-1], cfg, budget, room)
             levels = window.levels_within(room) if window else 0
+            if curve is not None:  # the cost model keeps only what is expected to pay (possibly nothing: a plain step)
+                choice = choose(curve, tree, levels * cfg.window, worth.value)
+                tree, levels = tree.best(choice.nodes), levels if worth.runs(choice.window) else 0
             stats.phase_s["draft"] += clock.lap()
             # 2. layout and one forward: logits only for the current token, the window's last level and the tree
             layout = build_layout(cfg.window, levels, tree)
@@ -272,8 +302,10 @@ class LookaheadGenerator:
             trajectories = window.advance(last_level.argmax(-1).numpy()) if levels else np.empty((0, cfg.ngram), np.int64)
             row_tokens, row_topk = self._ranked_rows(layout, ids, logits, verdict.path, cfg.recycle_k)
             state.learn(cfg, tree, verdict.path, new, trajectories, row_tokens, row_topk, history[-(cfg.ngram - 1):])
+            if worth is not None and levels:
+                worth.update(int((tree.sources[verdict.path] == 1 << TRAJECTORY).sum()))
             out += new
-            stats.record(tree, verdict.path, len(new))
+            stats.record(tree, levels, verdict.path, len(new))
             stats.phase_s["learn"] += clock.lap()
             # 6. stream what was accepted
             self._emit(streamer, new)

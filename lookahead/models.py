@@ -21,7 +21,7 @@ from typing import BinaryIO, Callable
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL = "smollm2-135m"
 Progress = Callable[[str], None]
 

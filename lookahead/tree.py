@@ -144,6 +144,12 @@ class TokenTree:
             node = int(self.parents[node])
         return out[::-1]
 
+    def best(self, nodes: int) -> "TokenTree":
+        """The ``nodes`` highest-scoring nodes (a tree, since no node outscores its parent)."""
+        if nodes >= len(self):
+            return self
+        return TokenTree.merge(self.tokens, self.parents, self.scores, self.sources, nodes)
+
     def pruned(self, max_depth: int) -> "TokenTree":
         """The nodes no deeper than ``max_depth`` (ancestors have smaller depths, so indices stay valid)."""
         keep = self.depths <= max_depth

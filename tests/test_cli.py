@@ -127,7 +127,7 @@ def test_greedy_unless_sample_even_when_the_model_config_samples(tmp_path):
     model = tiny_llama(seed=3)
     model.generation_config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0)
     model.save_pretrained(tmp_path)
-    args = ["generate", "--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "10"]
+    args = ["generate", "--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "10", "--dtype", "float32"]
     expected = ",".join(map(str, hf_greedy(model, [5, 6, 7], 10)))
     for extra in ([], [], ["--no-lookahead"]):
         assert run(*args, *extra).stdout.strip() == expected
@@ -210,3 +210,12 @@ def test_a_chat_template_that_rejects_the_system_role_is_one_error_line(tmp_path
     bad = run("generate", "--model", str(tmp_path), "hello world", "--system", "Be brief.", "--max-new-tokens", "3")
     assert bad.exit_code == 1 and "Error: the chat template rejected the messages: System role not supported" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_tune_measures_prints_and_plots(tokenizerless_dir, tmp_path):
+    result = run("tune", "--model", tokenizerless_dir, "--cache-dir", str(tmp_path / "cache"), "--plot", str(tmp_path / "c.png"))
+    assert result.exit_code == 0, result.output
+    assert "float32" in result.stdout and "bfloat16" in result.stdout and "--dtype auto picks it" in result.stdout
+    assert "verify" in result.stdout and (tmp_path / "c.png").stat().st_size > 1000
+    assert len(list((tmp_path / "cache" / "costs").glob("*.json"))) == 2
+    assert "no such model" in run("tune", "--model", "/no/such").output

@@ -1,0 +1,226 @@
+"""The cost model: how much a step of T tokens costs on this machine, and what step is worth running.
+
+A forward that feeds T new tokens costs c(T) = c(1) x r(T), and r depends on the machine, the dtype and
+the thread count far more than on the model's name (a 2-core CPU: r(16) from 1.2 to 2.1). ``probe`` times
+forwards of T = 1..64 tokens over a realistic cache once; the curve is cached on disk per (model, dtype,
+device, threads, CPU, torch), so the price (a few seconds) is paid once.
+
+Each step, ``choose`` takes the drafted tree and the estimated value of the Jacobi branch and picks the
+tree size k and whether to feed the window, maximising expected tokens per unit of cost:
+
+    value(k, window) = (1 + S(k) + window x J) / r(1 + k + window x W(N-1))
+
+where S(k) is the sum of the k best node scores (each the estimated probability that the node is
+accepted, so the sum is the expected number of accepted draft tokens) and J the Jacobi branch's measured
+worth (draft tokens accepted per step that only its trajectories proposed). Plain decoding is value 1: when
+nothing beats it, the step is plain (T = 1), and the tree keeps being drafted (cheap), so an input-grounded
+stretch (a long suffix match) turns drafting back on by itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from lookahead import kv, models
+from lookahead.tree import TokenTree
+
+PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+PROBE_CONTEXT = 256
+CURVE_FORMAT = 1
+AUTO_DTYPES = ("float32", "bfloat16")  # what --dtype auto chooses from (float16 on CPU is slow and lossy)
+JACOBI_PRIOR = 0.15  # draft tokens per step credited to the Jacobi branch before any is measured
+JACOBI_DECAY = 0.05  # weight of each step in its running estimate
+JACOBI_RETRY = 32  # steps after which a Jacobi branch the chooser left off runs once more, to re-measure it
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """r(T) = c(T)/c(1) at the measured sizes, and c(1) itself."""
+
+    sizes: tuple[int, ...]
+    ratios: tuple[float, ...]
+    ms_at_1: float
+    probe_s: float = 0.0  # what measuring it cost
+
+    def ratio(self, tokens: int) -> float:
+        """r(T), interpolated between measured sizes and extrapolated linearly beyond the largest."""
+        sizes, ratios = np.asarray(self.sizes, float), np.asarray(self.ratios, float)
+        if tokens <= sizes[-1]:
+            return float(np.interp(tokens, sizes, ratios))
+        slope = (ratios[-1] - ratios[-2]) / (sizes[-1] - sizes[-2])
+        return float(ratios[-1] + slope * (tokens - sizes[-1]))
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostCurve":
+        """ValueError unless ``text`` is a curve written by ``to_json`` with sane values."""
+        try:
+            data = json.loads(text)
+            if data.pop("format") != CURVE_FORMAT:
+                raise ValueError("another format")
+            curve = cls(tuple(int(s) for s in data["sizes"]), tuple(float(r) for r in data["ratios"]),
+                        float(data["ms_at_1"]), float(data.get("probe_s", 0.0)))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not a cost curve ({e})") from None
+        if len(curve.sizes) < 2 or len(curve.sizes) != len(curve.ratios) or curve.sizes[0] != 1 \
+                or list(curve.sizes) != sorted(set(curve.sizes)) or not all(r > 0 for r in curve.ratios) or not curve.ms_at_1 > 0:
+            raise ValueError("not a cost curve (bad values)")
+        return curve
+
+    def to_json(self) -> str:
+        return json.dumps({"format": CURVE_FORMAT} | asdict(self))
+
+
+def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT, reps: int = 3,
+          progress: Callable[[str], None] = lambda _: None) -> CostCurve:
+    """Time one forward adding T tokens to a ``context``-token cache for each T (median of ``reps``)."""
+    start = time.perf_counter()
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 1 << 20
+    sizes = tuple(s for s in sizes if s <= limit // 2) or sizes[:2]  # a tiny context: the sizes it can hold
+    context = max(1, min(context, limit - max(sizes)))
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    progress(f"measuring forward cost for {len(sizes)} step sizes (once for this machine, model and dtype)")
+    device = model.device
+    with torch.inference_mode():
+        cache = kv.new_cache(model)
+        model(input_ids=torch.randint(0, vocab, (1, context), device=device), past_key_values=cache, logits_to_keep=1)
+        times = {}
+        for size in (sizes[0],) + tuple(sizes):  # the first size twice: the first forward warms up
+            samples = []
+            for _ in range(reps):
+                ids = torch.randint(0, vocab, (1, size), device=device)
+                t0 = time.perf_counter()
+                model(input_ids=ids, past_key_values=cache, logits_to_keep=size)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                samples.append(time.perf_counter() - t0)
+                cache.crop(-size)  # back to the context (a negative count in transformers 5.x)
+            times[size] = sorted(samples)[len(samples) // 2]
+    base = times[sizes[0]]
+    ratios = [max(times[s] / base, 1.0 if s == sizes[0] else 1e-3) for s in sizes]
+    return CostCurve(tuple(sizes), tuple(ratios), base * 1000, time.perf_counter() - start)
+
+
+def curve_file(model: PreTrainedModel, cache_dir: Path) -> Path:
+    """Where this (model, dtype, device, threads, CPU, torch)'s curve is cached."""
+    name = model.config._name_or_path or hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:16]
+    return curve_path(str(name), model.dtype, model.device.type, cache_dir)
+
+
+def curve_path(name: str, dtype: torch.dtype, device: str, cache_dir: Path) -> Path:
+    """``curve_file`` before loading: ``name`` is the directory the model is loaded from."""
+    key = json.dumps([name, str(dtype), torch.device(device).type, torch.get_num_threads(), _cpu(), torch.__version__])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir / "costs" / f"{Path(name).name or 'model'}-{str(dtype).split('.')[-1]}-{digest}.json"
+
+
+def fastest_dtype(spec: str, device: str, cache_dir: Path, progress: Callable[[str], None] = lambda _: None):
+    """(dtype name, (model, tokenizer) if it had to be loaded for measuring, else None): the dtype among
+    ``AUTO_DTYPES`` whose plain step is fastest here, from the cached curves (probed where missing)."""
+    source = models.resolve(spec, cache_dir, progress)
+    best = None
+    for dtype in AUTO_DTYPES:
+        loaded = None
+        try:
+            ms = CostCurve.from_json(curve_path(source, models.DTYPES[dtype], device, cache_dir).read_text()).ms_at_1
+        except (OSError, UnicodeDecodeError, ValueError):
+            loaded = models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress)
+            ms = cached_curve(loaded[0], cache_dir, progress).ms_at_1
+        if best is None or ms < best[1]:
+            best = (dtype, ms, loaded)
+    progress(f"fastest plain step here: {best[0]} ({best[1]:.1f} ms)")
+    return best[0], best[2]
+
+
+def cached_curve(model: PreTrainedModel, cache_dir: Path, progress: Callable[[str], None] = lambda _: None) -> CostCurve:
+    """The cached curve, or a new probe (also when the file is missing, unreadable or corrupt), saved."""
+    path = curve_file(model, cache_dir)
+    try:
+        return CostCurve.from_json(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        curve = probe(model, progress=progress)
+        progress(f"forward cost measured in {curve.probe_s:.1f} s: r(16) = {curve.ratio(16):.2f}, r(32) = {curve.ratio(32):.2f}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(curve.to_json())
+        except OSError:
+            pass  # a read-only cache: probe again next time
+        return curve
+
+
+def _cpu() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+@dataclass(frozen=True)
+class Choice:
+    nodes: int  # tree nodes verified (the best ``nodes`` by score)
+    window: bool  # whether the Jacobi branch runs
+    value: float  # expected tokens per unit of plain-step cost (plain decoding: 1.0)
+
+
+def choose(curve: CostCurve, tree: TokenTree, window_rows: int, window_value: float) -> Choice:
+    """The step that maximises expected emitted tokens per cost (see the module docstring)."""
+    gain = np.concatenate([[0.0], np.cumsum(np.sort(tree.scores)[::-1])])  # S(k), k = 0..K
+    best = Choice(0, False, 1.0)
+    for window in ((False, True) if window_rows else (False,)):
+        extra_rows, extra_gain = (window_rows, window_value) if window else (0, 0.0)
+        for k in range(gain.size):
+            value = (1.0 + gain[k] + extra_gain) / curve.ratio(1 + k + extra_rows)
+            if value > best.value + 1e-9:
+                best = Choice(k, window, value)
+    return best
+
+
+class JacobiWorth:
+    """Running estimate of the draft tokens per step that only the Jacobi trajectories proposed; a branch
+    left off is retried now and then, since its worth is only measured while it runs."""
+
+    def __init__(self) -> None:
+        self.value, self.idle = JACOBI_PRIOR, 0
+
+    def runs(self, chosen: bool) -> bool:
+        """Whether the branch runs this step: when chosen, or after ``JACOBI_RETRY`` steps without."""
+        self.idle = 0 if chosen or self.idle >= JACOBI_RETRY else self.idle + 1
+        return self.idle == 0
+
+    def update(self, tokens: int) -> None:
+        self.value += JACOBI_DECAY * (tokens - self.value)
+
+
+def chain_tree(p: float, length: int) -> TokenTree:
+    """A chain of ``length`` drafts, each accepted with probability ``p`` given its parent (what ``tune`` prints for)."""
+    scores = p ** np.arange(1, length + 1)
+    return TokenTree.merge(np.zeros(length, np.int64), np.arange(length) - 1, scores, np.ones(length, np.int64), length)
+
+
+def plot_curves(curves: dict[str, CostCurve], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curve in curves.items():
+        ax.plot(curve.sizes, curve.ratios, marker="o", label=f"{name} (c(1) = {curve.ms_at_1:.1f} ms)")
+    ax.set_xlabel("tokens T fed in one forward")
+    ax.set_ylabel("r(T) = c(T) / c(1)")
+    ax.set_title(_cpu(), fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

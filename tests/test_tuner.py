@@ -1,0 +1,81 @@
+"""The cost model: the chooser on synthetic curves and trees, the probe and its on-disk cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import hf_greedy, tiny_llama
+from lookahead import LookaheadConfig, LookaheadGenerator
+from lookahead.tree import TokenTree
+from lookahead.tuner import CostCurve, JacobiWorth, cached_curve, choose, curve_file, probe
+
+FLAT = CostCurve((1, 64), (1.0, 1.05), 10.0)
+STEEP = CostCurve((1, 2, 64), (1.0, 1.9, 60.0), 10.0)
+
+
+def chain(scores: list[float]) -> TokenTree:
+    n = len(scores)
+    return TokenTree.merge(np.arange(n), np.arange(n) - 1, np.array(scores), np.ones(n, np.int64), n)
+
+
+def test_steep_curve_decodes_plain():
+    choice = choose(STEEP, chain([0.6, 0.4, 0.2]), window_rows=6, window_value=0.2)
+    assert choice.nodes == 0 and not choice.window and choice.value == 1.0
+
+
+def test_flat_curve_and_high_acceptance_verify_a_wide_tree():
+    scores = [0.9 ** (i + 1) for i in range(40)]
+    choice = choose(FLAT, chain(scores), window_rows=6, window_value=0.2)
+    assert choice.nodes == 40 and choice.window and choice.value > 5
+
+
+def test_moderate_curve_keeps_only_the_nodes_that_pay():
+    curve = CostCurve((1, 8, 32), (1.0, 1.2, 2.4), 10.0)  # each node beyond 8 costs ~0.05 of a step
+    choice = choose(curve, chain([0.9, 0.8, 0.7] + [0.01] * 20), window_rows=0, window_value=0.0)
+    assert choice.nodes == 3
+
+
+def test_curve_interpolates_and_extrapolates():
+    curve = CostCurve((1, 8, 16), (1.0, 1.5, 2.0), 5.0)
+    assert curve.ratio(4) == pytest.approx(1 + 3 / 14) and curve.ratio(24) == pytest.approx(2.5)
+
+
+def test_jacobi_branch_is_retried_after_a_while():
+    worth = JacobiWorth()
+    runs = [worth.runs(False) for _ in range(70)]
+    assert sum(runs) == 2 and worth.runs(True)
+
+
+def test_probe_is_cached_and_bad_files_are_reprobed(tmp_path):
+    model = tiny_llama()
+    curve = cached_curve(model, tmp_path)
+    path = curve_file(model, tmp_path)
+    assert path.is_file() and CostCurve.from_json(path.read_text()) == curve
+    assert curve.sizes[0] == 1 and curve.ratios[0] == 1.0 and curve.ms_at_1 > 0
+    assert cached_curve(model, tmp_path) == curve  # read back, not measured again
+    for junk in ("{not json", '{"format": 1, "sizes": [1], "ratios": [1.0], "ms_at_1": 1.0}', '{"format": 99}', "[]"):
+        path.write_text(junk)
+        with pytest.raises(ValueError, match="not a cost curve"):
+            CostCurve.from_json(junk)
+        fresh = cached_curve(model, tmp_path)
+        assert fresh.sizes[0] == 1 and CostCurve.from_json(path.read_text()) == fresh
+
+
+def test_auto_off_on_a_steep_curve_is_plain_and_exact():
+    model = tiny_llama(seed=2)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    gen = LookaheadGenerator(model, config=LookaheadConfig(), cost=STEEP)
+    out = gen.generate(prompt, max_new_tokens=30)
+    assert out.tokens == hf_greedy(model, prompt, 30)
+    assert out.stats.plain_steps == out.stats.steps - out.stats.window_steps and out.stats.tree_nodes == 0
+    wide = LookaheadGenerator(model, config=LookaheadConfig(), cost=FLAT).generate(prompt, max_new_tokens=30)
+    assert wide.tokens == out.tokens and wide.stats.tree_nodes > 0 and wide.stats.plain_steps <= 2 < out.stats.plain_steps
+
+
+def test_probe_on_a_short_context_model_stays_inside_it():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=32, n_embd=32, n_layer=1, n_head=2)).eval()
+    curve = probe(model, reps=1)
+    assert max(curve.sizes) <= 16 and len(curve.sizes) >= 2
