@@ -1,6 +1,8 @@
 """Lossless Lookahead (Jacobi) decoding for Hugging Face causal LMs: faster, no draft model, same output."""
 
 from lookahead.config import LookaheadConfig
+from lookahead.drafting import DraftState
 from lookahead.generator import GenerationResult, GenerationStats, LookaheadGenerator
+from lookahead.tuner import CostCurve
 
-__all__ = ["GenerationResult", "GenerationStats", "LookaheadConfig", "LookaheadGenerator"]
+__all__ = ["CostCurve", "DraftState", "GenerationResult", "GenerationStats", "LookaheadConfig", "LookaheadGenerator"]

@@ -198,6 +198,34 @@ def tune(model_spec, dtype, device, cache_dir, plot) -> None:
         click.echo(f"plot: {plot}")
 
 
+@main.command(context_settings=CONTEXT)
+@click.option("--model", "model_spec", default=models.DEFAULT_MODEL, show_default=True,
+              help="Embedded model name, Hugging Face directory, hub id or .gguf file.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", *models.DTYPES]), default="auto", show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
+@click.option("--state", "state_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Warm drafting state directory: loaded at start if it exists, saved on shutdown.")
+@click.option("--queue-limit", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Requests waiting or running beyond which the server answers 429.")
+def serve(model_spec, host, port, dtype, device, cache_dir, state_dir, queue_limit) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (needs the [serve] extra)."""
+    try:
+        from lookahead import server
+    except ImportError as e:
+        raise click.ClickException(f"serving needs the serve extra: pip install 'lookahead[serve]' ({e})") from None
+    from lookahead.generator import LookaheadGenerator
+
+    try:
+        gen = LookaheadGenerator.from_pretrained(model_spec, LookaheadConfig(), dtype=dtype, device=device, cache_dir=cache_dir,
+                                                 progress=_progress)
+        server.serve(gen, model_spec, host, port, state_dir, queue_limit)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e).strip().splitlines()[0]) from None
+
+
 @main.group("models", context_settings=CONTEXT, invoke_without_command=True)
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
 @click.pass_context

@@ -9,7 +9,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, StopStringCriteria
 
 from lookahead.tree import TokenTree
-from lookahead.verify import Verdict, greedy_accept, sampling_accept
+from lookahead.verify import Verdict, accept, gumbel
 
 # generate() options with no lossless single-sequence meaning here: (field, value that means "off")
 UNSUPPORTED = {
@@ -60,7 +60,8 @@ class Decoding:
         return self.processors(torch.tensor([prefix], device=logits.device), logits[None].clone())[0]
 
     def verify(self, history: list[int], first: torch.Tensor, tree_logits: torch.Tensor | None, tree: TokenTree) -> Verdict:
-        """The accepted branch and the next token, greedy or sampling (the only switch between them).
+        """The accepted branch and the next token: the argmax walk over the processed scores, Gumbel-perturbed
+        when sampling (the only difference between the two).
 
         history: the tokens so far, the current one last; first (V,): logits after it; tree_logits
         (K, V): logits after each tree node; tree: the K nodes.
@@ -68,10 +69,12 @@ class Decoding:
 
         def scores_at(node: int) -> torch.Tensor:  # after tree node ``node`` (-1: the current token)
             if node < 0:
-                return self.scores(first, history)
-            return self.scores(tree_logits[node], history + tree.tokens[tree.path(node)].tolist())
+                scores = self.scores(first, history)
+            else:
+                scores = self.scores(tree_logits[node], history + tree.tokens[tree.path(node)].tolist())
+            return scores.double() + gumbel(scores.numel(), self.rng) if self.do_sample else scores
 
-        return sampling_accept(scores_at, tree, self.rng) if self.do_sample else greedy_accept(scores_at, tree)
+        return accept(scores_at, tree)
 
     def out_of_time(self) -> bool:
         """``max_time`` has passed since the request began (checked between steps, as generate() checks between tokens)."""

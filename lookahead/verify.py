@@ -1,8 +1,15 @@
-"""Acceptance rules: which branch of the token tree the target model agrees with, plus its own next token.
+"""The acceptance rule: which branch of the token tree the target model agrees with, plus its own next token.
 
-Both rules walk the tree from the current token down. ``scores_at(node)`` gives the processed next-token
-scores (V,) after tree node ``node`` (-1: after the current token), i.e. after the branch ending there.
-The children of a node carry distinct tokens (the tree is a trie), so at most one child can match.
+The walk goes from the current token down. ``scores_at(node)`` gives the next-token scores (V,) after tree
+node ``node`` (-1: after the current token), i.e. after the branch ending there; it is called exactly once
+per emitted token, in order. The children of a node carry distinct tokens (the tree is a trie), so at most
+one child can match.
+
+Greedy decoding walks the argmax of the model's processed scores. Sampling walks the argmax of the same
+scores plus fresh Gumbel noise per position (``gumbel``): by the Gumbel-max trick that argmax is an exact
+sample from softmax(scores), so the accepted tokens are distributed exactly as plain sampling, and as the
+noise is drawn once per emitted position, in order, a seed gives the same sample whatever was drafted (with
+lookahead on or off, cold or warm).
 """
 
 from __future__ import annotations
@@ -23,8 +30,8 @@ class Verdict:
     path: list[int]  # the accepted tree nodes, top down
 
 
-def greedy_accept(scores_at: ScoresAt, tree: TokenTree) -> Verdict:
-    """The deepest branch equal to the model's argmax chain, plus the bonus token (also after a leaf)."""
+def accept(scores_at: ScoresAt, tree: TokenTree) -> Verdict:
+    """The deepest branch equal to the argmax chain of ``scores_at``, plus the bonus token (also after a leaf)."""
     node, path = -1, []
     token = int(scores_at(node).argmax())
     while True:
@@ -37,29 +44,7 @@ def greedy_accept(scores_at: ScoresAt, tree: TokenTree) -> Verdict:
     return Verdict([int(tree.tokens[n]) for n in path] + [token], path)
 
 
-def sampling_accept(scores_at: ScoresAt, tree: TokenTree, rng: torch.Generator | None) -> Verdict:
-    """Lossless multi-candidate speculative sampling over a tree of deterministic (one-hot) drafts.
-
-    At each node its children x are tried in order: x is accepted with probability p(x); on rejection
-    p(x) is set to 0 and p renormalised (the residual of a one-hot draft). When all are rejected, or at
-    a leaf, the next token is sampled from what remains of p. The emitted tokens are then distributed
-    exactly as with plain sampling from p.
-    """
-    node, path = -1, []
-    probs = torch.softmax(scores_at(node), dim=-1)
-    while True:
-        chosen = None
-        for child in tree.children(node):
-            x = int(tree.tokens[child])
-            if torch.rand((), generator=rng) < probs[x]:
-                chosen = int(child)
-                break
-            probs[x] = 0.0
-            probs /= probs.sum()
-        if chosen is None:
-            break
-        node = chosen
-        path.append(node)
-        probs = torch.softmax(scores_at(node), dim=-1)
-    token = int(torch.multinomial(probs, 1, generator=rng))
-    return Verdict([int(tree.tokens[n]) for n in path] + [token], path)
+def gumbel(size: int, rng: torch.Generator | None) -> torch.Tensor:
+    """(size,) independent standard Gumbel noise from ``rng`` (None: torch's global RNG)."""
+    u = torch.rand(size, generator=rng, dtype=torch.float64).clamp_(min=1e-300)
+    return -torch.log(-torch.log(u))

@@ -20,6 +20,22 @@ def tiny_llama(seed: int = 0, vocab: int = 128) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
+def tiny_tokenizer(chat_template: str | None = None):
+    """A 128-word tokenizer matching ``tiny_llama``'s vocabulary ("<unk>", "hello", "world", "w3".."w126"), words marked
+    sentencepiece-style, so stop strings and streaming decode as with real tokenizers."""
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # "abcdef": the probe StopStringCriteria tokenizes to learn each token's string
+    words = ["<unk>"] + ["▁" + w for w in ["hello", "world"] + [f"w{i}" for i in range(3, 127)] + ["abcdef"]]
+    backend = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()  # sentencepiece-style: "▁" marks a word start
+    backend.decoder = decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tok.chat_template = chat_template or "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    return tok
+
+
 def tiny_gemma3(seed: int = 0, sliding_window: int = 8) -> Gemma3ForCausalLM:
     """Alternating sliding/full layers with a tiny window, so short prompts already exceed it."""
     torch.manual_seed(seed)
@@ -32,7 +48,8 @@ def tiny_gemma3(seed: int = 0, sliding_window: int = 8) -> Gemma3ForCausalLM:
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+        ids = torch.tensor([prompt])  # an explicit mask: generate() would otherwise mask every id equal to pad_token_id
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=0, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 

@@ -194,14 +194,9 @@ def test_chat_mode_json_and_no_lookahead_agree(smollm2):
 
 
 def test_a_chat_template_that_rejects_the_system_role_is_one_error_line(tmp_path):
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from conftest import tiny_tokenizer
 
-    words = ["<unk>", "hello", "world"] + [f"w{i}" for i in range(125)]
-    backend = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+    tok = tiny_tokenizer("{% for m in messages %}{% if m['role'] == 'system' %}"
                          "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }} {% endfor %}")
     tiny_llama().save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)

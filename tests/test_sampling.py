@@ -14,7 +14,7 @@ from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
 
 from conftest import hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator
-from lookahead.verify import sampling_accept
+from lookahead.verify import accept, gumbel
 from lookahead.tree import TokenTree
 
 VOCAB, K = 5, 3  # outcomes: the first K new tokens over a VOCAB-token model -> VOCAB**K cells
@@ -98,15 +98,26 @@ def test_sampling_matches_the_plain_sampling_distribution(options, processors, s
     assert p > 0.01, f"lookahead sampling deviates from plain sampling (chi-square p={p:.2g})"
 
 
-def test_sampling_rule_rejects_then_samples_the_residual():
-    # p = [0.5, 0.5, 0]: candidate token 2 has p=0 so it is always rejected; the residual is then p itself
-    scores = torch.log(torch.tensor([0.5, 0.5, 1e-30]))
+def test_gumbel_walk_rejects_impossible_drafts_and_samples_the_rest():
+    # p = [0.5, 0.5, 0]: the drafted token 2 has p=0 so it is never accepted; the next token is 0 or 1 evenly
+    scores = torch.log(torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64))
     rng = torch.Generator().manual_seed(0)
     tree = TokenTree.merge(np.array([2, 0, 1]), np.array([-1, 0, 0]), np.array([0.9, 0.5, 0.4]), np.zeros(3, np.int64), 8)
-    firsts = [sampling_accept(lambda node: scores, tree, rng) for _ in range(400)]
+    firsts = [accept(lambda node: scores + gumbel(3, rng), tree) for _ in range(400)]
     assert all(v.path == [] and len(v.tokens) == 1 for v in firsts)
     share = sum(v.tokens[0] == 0 for v in firsts) / len(firsts)
     assert 0.4 < share < 0.6
+
+
+def test_a_seed_gives_the_same_sample_whatever_was_drafted():
+    """The noise is drawn once per emitted position, so drafts (on, off, cold, warm) never change a seeded sample."""
+    gen = LookaheadGenerator(sharp_tiny_model(), config=LookaheadConfig(window=2, ngram=3, guess=4, auto=False))
+    prompt, state = [1, 2, 3, 1, 2, 3], gen.new_state()
+    plain = gen.generate(prompt, max_new_tokens=24, do_sample=True, seed=11, lookahead=False).tokens
+    for _ in range(3):  # the shared state grows warmer each time
+        out = gen.generate(prompt, max_new_tokens=24, do_sample=True, seed=11, state=state)
+        assert out.tokens == plain
+    assert out.stats.steps < 23  # drafts were accepted, so the walks really differed from plain decoding
 
 
 def test_same_seed_same_sample_whatever_the_global_state():

@@ -1,0 +1,190 @@
+"""``lookahead serve``, started for real on a free loopback port and spoken to with the official ``openai``
+client (and raw HTTP for what the client hides): completions from text and token ids, chat, streaming,
+stop strings, seeds, errors with their status codes, the queue limit, disconnects and the warm state."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from conftest import hf_greedy, tiny_llama, tiny_tokenizer
+from lookahead import LookaheadConfig, LookaheadGenerator
+from lookahead.drafting import DraftState
+from lookahead.server import Server, background as running
+
+
+MODEL = tiny_llama(seed=4)
+with torch.no_grad():
+    MODEL.lm_head.weight.mul_(3.0)  # repetitive greedy text, so drafts get accepted
+
+
+@pytest.fixture(scope="module")
+def text_server():
+    server = Server(LookaheadGenerator(MODEL, tiny_tokenizer(), LookaheadConfig(auto=False)), "tiny")
+    with running(server) as url:
+        yield server, url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ids_server():
+    server = Server(LookaheadGenerator(MODEL, None, LookaheadConfig(auto=False)), "tiny-ids")
+    with running(server) as url:
+        yield server, url
+
+
+def test_text_completion_equals_hf_greedy(text_server):
+    server, _, client = text_server
+    tok = server.gen.tokenizer
+    prompt = "hello world w5 w6 w7"
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    choice = out.choices[0]
+    ref = hf_greedy(MODEL, tok(prompt)["input_ids"], 20)
+    assert choice.model_extra["token_ids"] == ref and choice.text == tok.decode(ref) and choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 20 and out.usage.prompt_tokens == 5
+    assert out.model_extra["lookahead"]["new_tokens"] == 20
+
+
+def test_token_id_prompt_on_a_tokenizer_free_server(ids_server):
+    _, url = ids_server
+    reply = httpx.post(url + "/v1/completions", json={"prompt": [5, 9, 11, 5, 9], "max_tokens": 16, "temperature": 0}).json()
+    assert reply["choices"][0]["token_ids"] == hf_greedy(MODEL, [5, 9, 11, 5, 9], 16)
+    again = httpx.post(url + "/v1/completions", json={"prompt": [[5, 9, 11, 5, 9]], "max_tokens": 16, "temperature": 0}).json()
+    assert again["choices"][0]["token_ids"] == reply["choices"][0]["token_ids"]
+
+
+def test_chat_completion_uses_the_chat_template(text_server):
+    server, _, client = text_server
+    messages = [{"role": "user", "content": "hello w9 w9"}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    ids = server.gen.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert out.choices[0].message.content == server.gen.tokenizer.decode(hf_greedy(MODEL, ids, 12))
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+
+
+def test_streaming_concatenates_to_the_non_streamed_output(text_server):
+    _, _, client = text_server
+    kwargs = dict(model="tiny", prompt="w10 w11 w12 w10 w11", max_tokens=30, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == whole and len(chunks) > 2
+    assert chunks[-1].choices[0].finish_reason == "length"
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "w20 w21"}], max_tokens=20, temperature=0)
+    whole = client.chat.completions.create(**chat).choices[0].message.content
+    parts = list(client.chat.completions.create(stream=True, **chat))
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == whole
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(text_server):
+    server, _, client = text_server
+    kwargs = dict(model="tiny", prompt="w30 w31 w32", max_tokens=30, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    stop = full.split()[4]  # a word from inside the output (this tokenizer's tokens are whole words)
+    out = client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert out.text == full[: full.index(stop)] and out.finish_reason == "stop"
+    streamed = list(client.completions.create(stop=stop, stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in streamed) == out.text and streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeds_reproduce_and_unseeded_requests_vary(text_server):
+    _, _, client = text_server
+    kwargs = dict(model="tiny", prompt="hello", max_tokens=12, temperature=1.5)
+    a = client.completions.create(seed=7, **kwargs).choices[0].text
+    assert client.completions.create(seed=7, **kwargs).choices[0].text == a
+    assert len({client.completions.create(**kwargs).choices[0].text for _ in range(5)}) > 1
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"model": "other", "prompt": "hello"}, 404, "does not exist"),
+        ({"prompt": "hello", "n": 2}, 400, "n=2 is not supported"),
+        ({"prompt": "hello", "best_of": 3}, 400, "best_of=3"),
+        ({"prompt": "hello", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "hello", "frobnicate": 1}, 400, "unsupported parameter(s): frobnicate"),
+        ({"prompt": [1, 2, 999]}, 400, "token id 999 is outside the vocabulary"),
+        ({"prompt": [1] * 600, "max_tokens": 5}, 400, "exceeds the model's context"),
+        ({"prompt": "hello", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
+        ({"prompt": "hello", "temperature": -1}, 400, "temperature"),
+        ({}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_style_errors(text_server, body, status, message):
+    _, url, _ = text_server
+    reply = httpx.post(url + "/v1/completions", json=body)
+    assert reply.status_code == status and message in reply.json()["error"]["message"]
+    assert httpx.get(url + "/health").json()["status"] == "ok"  # still serving
+
+
+def test_malformed_json_and_the_client_sees_status_errors(text_server):
+    _, url, client = text_server
+    reply = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and "error" in reply.json()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hello")
+    with pytest.raises(openai.BadRequestError, match="n=3"):
+        client.completions.create(model="tiny", prompt="hello", n=3)
+
+
+def test_queue_limit_answers_429(text_server):
+    server, url, _ = text_server
+    server.pending += server.queue_limit  # as if that many requests were waiting
+    try:
+        reply = httpx.post(url + "/v1/completions", json={"prompt": "hello"})
+    finally:
+        server.pending -= server.queue_limit
+    assert reply.status_code == 429 and "busy" in reply.json()["error"]["message"]
+
+
+def test_a_client_leaving_mid_stream_frees_its_slot(text_server):
+    server, url, client = text_server
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "hello", "max_tokens": 400, "temperature": 0,
+                                                             "stream": True}) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data:"):
+                break  # one chunk, then hang up
+    deadline = time.time() + 30
+    while server.pending and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.pending == 0
+    assert client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0).choices[0].text
+
+
+def test_models_health_and_metrics(text_server):
+    _, url, client = text_server
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+    metrics = httpx.get(url + "/metrics").text
+    assert "lookahead_generated_tokens_total" in metrics and "lookahead_queue_length" in metrics
+    assert 'lookahead_accepted_draft_tokens_total{source="suffix"}' in metrics
+
+
+def test_warm_state_is_shared_saved_on_shutdown_and_loaded(tmp_path):
+    gen = LookaheadGenerator(MODEL, None, LookaheadConfig(auto=False))
+    server = Server(gen, "tiny", state_path=tmp_path / "state")
+    with running(server) as url:
+        first = httpx.post(url + "/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 40, "temperature": 0}).json()
+        second = httpx.post(url + "/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 40, "temperature": 0}).json()
+    assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
+    assert second["lookahead"]["steps"] < first["lookahead"]["steps"]  # the second request drafts from the warm state
+    loaded = DraftState.load(tmp_path / "state")
+    assert loaded.pool.stats.ngrams_stored == server.state.pool.stats.ngrams_stored > 0
+
+
+@pytest.mark.slow
+def test_smollm2_served_equals_hf_greedy(smollm2):
+    model, tok = smollm2
+    server = Server(LookaheadGenerator(model, tok, LookaheadConfig()), "smollm2-135m")
+    with running(server) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "List three colours."}]
+        chunks = list(client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=32, temperature=0,
+                                                     stream=True))
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ref = tok.decode(hf_greedy(model, ids, 32), skip_special_tokens=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref
