@@ -298,10 +298,12 @@ class LookaheadGenerator:
             # 4. keep the KV of the current token and the accepted branch only
             accepted_rows = [0] + [layout.first_tree_row + n for n in verdict.path]
             kv.compact(cache, layout.size, torch.tensor(accepted_rows))
-            # 5. learn: the window advances; the sources take the trajectories, the new tokens and every row's top-k
-            trajectories = window.advance(last_level.argmax(-1).numpy()) if levels else np.empty((0, cfg.ngram), np.int64)
-            row_tokens, row_topk = self._ranked_rows(layout, ids, logits, verdict.path, cfg.recycle_k)
-            state.learn(cfg, tree, verdict.path, new, trajectories, row_tokens, row_topk, history[-(cfg.ngram - 1):])
+            # 5. learn (not in plain decoding): the window advances; the sources take the trajectories, the new
+            #    tokens and every row's top-k
+            if lookahead:
+                trajectories = window.advance(last_level.argmax(-1).numpy()) if levels else np.empty((0, cfg.ngram), np.int64)
+                row_tokens, row_topk = self._ranked_rows(layout, ids, logits, verdict.path, cfg.recycle_k)
+                state.learn(cfg, tree, verdict.path, new, trajectories, row_tokens, row_topk, history[-(cfg.ngram - 1):])
             if worth is not None and levels:
                 worth.update(int((tree.sources[verdict.path] == 1 << TRAJECTORY).sum()))
             out += new

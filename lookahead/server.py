@@ -272,7 +272,7 @@ def create_app(server: Server) -> FastAPI:
         channel = _Channel(asyncio.get_running_loop())
         kind = "chat.completion.chunk" if chat else "text_completion"
         hold = max((len(s) for s in stops), default=1) - 1
-        started, task = time.perf_counter(), None
+        started, task, getter = time.perf_counter(), None, None
 
         def chunk(text: str, ids: list[int], reason: str | None, **extra) -> str:
             choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
@@ -322,6 +322,8 @@ def create_app(server: Server) -> FastAPI:
         finally:  # also when the client went away: the generation stops at its next step (``state_lock`` keeps
             channel.cancelled = True  # the next request's generation from starting before that)
             server.pending -= 1
+            if getter is not None:
+                getter.cancel()
             if task is not None:
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: nothing to log
 

@@ -64,7 +64,7 @@ def test_sliding_window_without_layer_types_matches_generate(name):
 def test_sliding_window_smaller_than_the_step(ngram):
     # a window of 5 with Jacobi columns of N-1 levels and trees of depth up to 8: rows see only the window
     model = build("gemma3", seed=1, window=5)
-    config = LookaheadConfig(window=1, ngram=ngram, guess=16, suffix_length=8)
+    config = LookaheadConfig(auto=False, window=1, ngram=ngram, guess=16, suffix_length=8)
     for prompt in ([3, 7, 3, 7, 3, 7, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]):
         run_and_compare(model, config, prompt, 40)
 
@@ -73,7 +73,7 @@ def test_sliding_window_smaller_than_the_step(ngram):
 def test_generating_up_to_the_last_position_of_the_context(name):
     model = build(name)
     for prompt in ([1, 2, 3, 4], [5, 9, 5, 9, 5, 9]):
-        run_and_compare(model, LookaheadConfig(window=3, ngram=4, guess=4), prompt, CONTEXT - len(prompt))
+        run_and_compare(model, LookaheadConfig(auto=False, window=3, ngram=4, guess=4), prompt, CONTEXT - len(prompt))
 
 
 def test_fuzz_architectures_shapes_and_prompt_lengths():
@@ -83,7 +83,7 @@ def test_fuzz_architectures_shapes_and_prompt_lengths():
     for trial in range(24):
         name = ARCHITECTURES[trial % len(ARCHITECTURES)]
         model = models.setdefault(name, build(name, window=int(rng.integers(3, 9))))
-        config = LookaheadConfig(window=int(rng.integers(0, 5)), ngram=int(rng.integers(2, 6)), guess=int(rng.integers(0, 6)),
+        config = LookaheadConfig(auto=bool(rng.integers(0, 2)), window=int(rng.integers(0, 5)), ngram=int(rng.integers(2, 6)), guess=int(rng.integers(0, 6)),
                                  tree_budget=int(rng.integers(0, 24)), suffix_drafts=int(rng.integers(0, 4)),
                                  suffix_length=int(rng.integers(1, 10)), recycle_k=int(rng.integers(0, 6)))
         motif = rng.integers(0, 40, size=int(rng.integers(1, 6))).tolist()

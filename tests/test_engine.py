@@ -15,12 +15,12 @@ from lookahead.window import JacobiWindow
 
 CONFIGS = [
     LookaheadConfig(),
-    LookaheadConfig(window=1, ngram=2, guess=0, tree_budget=0),  # smallest window, no verification
-    LookaheadConfig(window=4, ngram=2, guess=4, suffix_drafts=0, recycle_k=0),  # N=2: bigrams from the pool only
-    LookaheadConfig(window=3, ngram=5, guess=64, tree_budget=64),  # G beyond what the pool holds, a big tree
-    LookaheadConfig(window=0, guess=0, suffix_drafts=0, recycle_k=4, tree_budget=8),  # recycling alone
-    LookaheadConfig(window=0, guess=0, recycle_k=0, suffix_drafts=4, suffix_length=12, tree_budget=1),  # one node
-    LookaheadConfig(window=6, ngram=3, guess=2, seed_pool_from_prompt=False, pool_from_output=False),
+    LookaheadConfig(auto=False, window=1, ngram=2, guess=0, tree_budget=0),  # smallest window, no verification
+    LookaheadConfig(auto=False, window=4, ngram=2, guess=4, suffix_drafts=0, recycle_k=0),  # N=2: bigrams from the pool only
+    LookaheadConfig(auto=False, window=3, ngram=5, guess=64, tree_budget=64),  # G beyond what the pool holds, a big tree
+    LookaheadConfig(auto=False, window=0, guess=0, suffix_drafts=0, recycle_k=4, tree_budget=8),  # recycling alone
+    LookaheadConfig(auto=False, window=0, guess=0, recycle_k=0, suffix_drafts=4, suffix_length=12, tree_budget=1),  # one node
+    LookaheadConfig(auto=False, window=6, ngram=3, guess=2, seed_pool_from_prompt=False, pool_from_output=False),
 ]
 
 
@@ -48,7 +48,7 @@ def test_tiny_models_match_generate(make_model, config):
 
 def test_statistics_add_up():
     model = tiny_llama(seed=3)
-    gen = LookaheadGenerator(model, config=LookaheadConfig(window=4, ngram=4, guess=8))
+    gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False, window=4, ngram=4, guess=8))
     s = gen.generate(repetitive_prompt(60), max_new_tokens=64).stats
     assert sum(s.accepted_hist.values()) == s.steps
     assert sum(k * v for k, v in s.accepted_hist.items()) + 1 == s.new_tokens  # emitted tokens only, the prefill's first aside
@@ -60,7 +60,7 @@ def test_statistics_add_up():
 
 def test_statistics_count_only_what_was_emitted_when_a_stop_cuts_a_step():
     model = tiny_llama(seed=3)
-    gen = LookaheadGenerator(model, config=LookaheadConfig(window=4, ngram=4, guess=8))
+    gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False, window=4, ngram=4, guess=8))
     prompt = repetitive_prompt(60)
     for n in (5, 17, 40):
         s = gen.generate(prompt, max_new_tokens=n).stats
@@ -69,7 +69,7 @@ def test_statistics_count_only_what_was_emitted_when_a_stop_cuts_a_step():
 
 def test_a_kept_state_seeds_the_prompt_and_tolerates_foreign_pool_sources():
     model = tiny_llama(seed=3)
-    gen = LookaheadGenerator(model, config=LookaheadConfig(window=4, ngram=4, guess=8))
+    gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False, window=4, ngram=4, guess=8))
     state = gen.new_state()
     state.pool.insert_many(np.array([[5, 6, 7, 8]]), source=7)  # a source code the engine does not name
     prompt = repetitive_prompt(60)
@@ -96,7 +96,7 @@ def test_stops_at_eos_and_never_emits_past_it():
     eos = ref[10]
     first = ref.index(eos)
     model.generation_config.eos_token_id = [eos, 127]
-    out = LookaheadGenerator(model, config=LookaheadConfig(window=3, ngram=3, guess=3)).generate(prompt, max_new_tokens=40)
+    out = LookaheadGenerator(model, config=LookaheadConfig(auto=False, window=3, ngram=3, guess=3)).generate(prompt, max_new_tokens=40)
     assert out.tokens == ref[: first + 1] and out.finish_reason == "stop"
     assert out.tokens == hf_greedy(model, prompt, 40)
 
@@ -121,7 +121,7 @@ def test_streamer_receives_prompt_then_every_token_in_order():
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-window8"])
 def test_kv_compaction_equals_recomputing_the_accepted_prefix(make_model):
     model = make_model()
-    gen = LookaheadGenerator(model, config=LookaheadConfig(window=2, ngram=3, guess=2))
+    gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False, window=2, ngram=3, guess=2))
     prefix = repetitive_prompt(20)  # longer than the gemma window of 8
     with torch.inference_mode():
         cache = kv.new_cache(model)

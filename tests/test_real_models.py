@@ -14,10 +14,10 @@ pytestmark = pytest.mark.slow
 
 SMOLLM_CONFIGS = [
     LookaheadConfig(),  # the default
-    LookaheadConfig(window=1, ngram=3, guess=3, tree_budget=1),  # a one-node tree
-    LookaheadConfig(window=4, ngram=2, guess=4, tree_budget=8),  # N=2, an 8-node tree
-    LookaheadConfig(window=0, tree_budget=32, suffix_length=16),  # no Jacobi branch, a 32-node tree
-    LookaheadConfig(window=3, ngram=5, guess=100, tree_budget=64, recycle_k=16),  # every pool n-gram, a 64-node tree
+    LookaheadConfig(auto=False, window=1, ngram=3, guess=3, tree_budget=1),  # a one-node tree
+    LookaheadConfig(auto=False, window=4, ngram=2, guess=4, tree_budget=8),  # N=2, an 8-node tree
+    LookaheadConfig(auto=False, window=0, tree_budget=32, suffix_length=16),  # no Jacobi branch, a 32-node tree
+    LookaheadConfig(auto=False, window=3, ngram=5, guess=100, tree_budget=64, recycle_k=16),  # every pool n-gram, a 64-node tree
 ]
 
 
@@ -38,7 +38,7 @@ def test_smollm2_fp32_equals_generate(smollm2, smollm_references, config):
 
 def test_smollm2_accepts_several_tokens_per_step_on_input_grounded_prompts(smollm2, smollm_references):
     model, tok = smollm2
-    gen = LookaheadGenerator(model, tok, LookaheadConfig())
+    gen = LookaheadGenerator(model, tok, LookaheadConfig(auto=False))
     ids, _ = smollm_references["summarise"]  # the answer quotes the passage: suffix and prompt drafts get accepted
     stats = gen.generate(ids, max_new_tokens=64).stats
     assert stats.compression > 1.8 and max(stats.accepted_hist) >= 5
@@ -86,7 +86,7 @@ def test_gemma3_equals_generate_beyond_its_sliding_window(gemma3):
     assert model.config.sliding_window == 512
     long_ids = long_prompt(tok, 600)
     assert len(long_ids) > 512
-    for config in (LookaheadConfig(window=4, ngram=4, guess=4, tree_budget=8), LookaheadConfig(tree_budget=64, suffix_length=16)):
+    for config in (LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=8), LookaheadConfig(tree_budget=64, suffix_length=16)):
         gen = LookaheadGenerator(model, tok, config)
         for ids in (prompt_ids(tok, PROMPTS[0][1], False), prompt_ids(tok, PROMPTS[5][1], False), long_ids):
             out = gen.generate(ids, max_new_tokens=48)
@@ -97,13 +97,13 @@ def test_gemma3_generation_crosses_the_window_boundary(gemma3):
     # prompt just under 512: the cache fills the sliding window during decoding
     model, tok = gemma3
     ids = long_prompt(tok, 490)[:490]
-    out = LookaheadGenerator(model, tok, LookaheadConfig(tree_budget=32)).generate(ids, max_new_tokens=48)
+    out = LookaheadGenerator(model, tok, LookaheadConfig(auto=False, tree_budget=32)).generate(ids, max_new_tokens=48)
     assert_greedy_equal(model, ids, out.tokens, hf_greedy(model, ids, 48))
 
 
 def test_qwen2_coder_equals_generate():
     model, tok = models.load("qwen2.5-coder-0.5b", dtype="float32")
-    gen = LookaheadGenerator(model, tok, LookaheadConfig(window=4, ngram=4, guess=4, tree_budget=32))
+    gen = LookaheadGenerator(model, tok, LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=32))
     for name, text, chat in (PROMPTS[0], PROMPTS[3]):
         ids = prompt_ids(tok, text, chat)
         out = gen.generate(ids, max_new_tokens=48)
