@@ -38,9 +38,9 @@ PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROBE_CONTEXT = 256
 CURVE_FORMAT = 1
 AUTO_DTYPES = ("float32", "bfloat16")  # what --dtype auto chooses from (float16 on CPU is slow and lossy)
-JACOBI_PRIOR = 0.15  # draft tokens per step credited to the Jacobi branch before any is measured
+JACOBI_PRIOR = 0.05  # draft tokens per step credited to the Jacobi branch before any is measured (SmolLM2: ~0)
 JACOBI_DECAY = 0.05  # weight of each step in its running estimate
-JACOBI_RETRY = 32  # steps after which a Jacobi branch the chooser left off runs once more, to re-measure it
+JACOBI_RETRY = 64  # steps after which a Jacobi branch the chooser left off runs once more, to re-measure it
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def test_curve_interpolates_and_extrapolates():
 
 def test_jacobi_branch_is_retried_after_a_while():
     worth = JacobiWorth()
-    runs = [worth.runs(False) for _ in range(70)]
+    runs = [worth.runs(False) for _ in range(140)]
     assert sum(runs) == 2 and worth.runs(True)
 
 
