@@ -13,6 +13,7 @@ HF greedy in any dtype measured (a bf16 speedup over a slow bf16 baseline alone 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -66,11 +67,13 @@ ABLATION = {
 
 
 def parse_config(spec: str) -> tuple[str, LookaheadConfig]:
-    """A preset name, or ``field=value,...`` over ``LookaheadConfig``'s integer fields -> (method name, config)."""
+    """A preset name, or ``field=value,...`` over ``LookaheadConfig``'s integer and 0/1 fields -> (method name, config)."""
     if spec in PRESETS | ABLATION:
         return f"lookahead {spec}", LookaheadConfig(**(PRESETS | ABLATION)[spec])
+    flags = {f.name for f in dataclasses.fields(LookaheadConfig) if f.type in (bool, "bool")}
     try:
         fields = {k.strip(): int(v) for k, v in (item.split("=") for item in spec.split(","))}
+        fields = {k: bool(v) if k in flags else v for k, v in fields.items()}
         return f"lookahead {spec}", LookaheadConfig(**fields)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"--config {spec!r}: a preset ({', '.join(PRESETS | ABLATION)}) or field=value,... ({e})") from None

@@ -9,7 +9,8 @@ Sources (all torch-free structures of ``ngram_pool``):
 Each draft node is scored with the probability that it is accepted, measured online as the product of
 conditional acceptance rates along its path: per source and depth for chains (tried = its parent was
 accepted), per successor rank for the recycling table (how often the rank-r successor of an accepted token
-was the next token). ``DraftState`` owns the sources and the statistics; it lives across requests (pass
+was the next token); suffix drafts from matches of 3+ tokens have statistics of their own. ``DraftState``
+owns the sources and the statistics; it lives across requests (pass
 it to ``generate(state=...)``), and saves and loads as a directory of ``.npz`` files.
 """
 
@@ -27,6 +28,9 @@ from ngram_pool import NGramPool, RecycleTable, Source, SuffixDrafter, template
 SOURCES = ("trajectory", "prompt", "output", "other", "suffix", "recycle")  # bit i of a node's ``sources``
 POOL_SOURCES = {int(s): SOURCES.index(s.name.lower()) for s in Source}  # pool source code -> index; others: "other"
 TRAJECTORY, SUFFIX, RECYCLE = SOURCES.index("trajectory"), SOURCES.index("suffix"), SOURCES.index("recycle")
+# an extra statistics row (and source bit) for suffix drafts from long matches, which are far likelier right
+SUFFIX_LONG, LONG_MATCH = len(SOURCES), 3
+STAT_ROWS = len(SOURCES) + 1
 MAX_DEPTH = 32  # statistics buckets: depth for chains, rank for the recycling table
 PRIOR_WEIGHT = 4.0  # the prior below is worth this many observations
 
@@ -36,13 +40,15 @@ def _prior() -> np.ndarray:
     the benchmark's four sets: a chain's first node is accepted about 1 time in 5 and a node whose parent was
     accepted about half the time, whatever the source; the recycling table's rank-r successor is the next
     token with probability about 0.4 / (r + 1)^2 (0.44, 0.09, 0.04, 0.02 measured)."""
-    prior = np.full((len(SOURCES), MAX_DEPTH), 0.5)
+    prior = np.full((STAT_ROWS, MAX_DEPTH), 0.5)
     prior[:, 0] = 0.2
+    prior[SUFFIX_LONG] = 0.7  # a copy of 3+ matched tokens goes on more often than not
+    prior[SUFFIX_LONG, 0] = 0.4
     prior[RECYCLE] = 0.4 / (1.0 + np.arange(MAX_DEPTH)) ** 2
     return prior
 PRIOR = _prior()
 TEMPLATE_REFRESH = 16  # steps between re-derivations of the recycling template from the measured rank rates
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 
 
 class DraftState:
@@ -57,8 +63,8 @@ class DraftState:
         self.pool = NGramPool(vocab_size, ngram, pool_slots, sparse=sparse)
         self.recycle = RecycleTable(vocab_size, max(recycle_k, 1))
         self.suffix = SuffixDrafter(vocab_size)
-        self.tried = np.zeros((len(SOURCES), MAX_DEPTH))  # nodes offered whose parent was accepted
-        self.hits = np.zeros((len(SOURCES), MAX_DEPTH))  # ... and accepted
+        self.tried = np.zeros((STAT_ROWS, MAX_DEPTH))  # nodes offered whose parent was accepted
+        self.hits = np.zeros((STAT_ROWS, MAX_DEPTH))  # ... and accepted
         self._template, self._template_age = None, TEMPLATE_REFRESH
 
     # -- per request ----------------------------------------------------------------------------
@@ -92,10 +98,12 @@ class DraftState:
         parts = []
         if cfg.guess:
             grams, codes = self.pool.lookup_with_sources(current, cfg.guess)
-            parts.append(_chains(grams, np.array([POOL_SOURCES.get(int(c), 3) for c in codes], np.int64), rates))
+            rows = np.array([POOL_SOURCES.get(int(c), 3) for c in codes], np.int64)
+            parts.append(_chains(grams, rows, 1 << rows, rates))
         if cfg.suffix_drafts:
-            drafts, _ = self.suffix.drafts(cfg.suffix_drafts, cfg.suffix_length)
-            parts.append(_chains(drafts, np.full(drafts.shape[0], SUFFIX, np.int64), rates))
+            drafts, matched = self.suffix.drafts(cfg.suffix_drafts, cfg.suffix_length)
+            long = matched >= LONG_MATCH
+            parts.append(_chains(drafts, np.where(long, SUFFIX_LONG, SUFFIX), (1 << SUFFIX) | (long.astype(np.int64) << SUFFIX_LONG), rates))
         if cfg.recycle_k:
             parents, ranks, scores = self._recycle_template(rates[RECYCLE, : cfg.recycle_k], budget, max_depth)
             parts.append((self.recycle.expand(current, parents, ranks), parents, scores, np.full(parents.size, 1 << RECYCLE)))
@@ -135,7 +143,7 @@ class DraftState:
             accepted[path] = True
             accepted[-1] = True
             tried = accepted[tree.parents]
-            bits = (tree.sources[:, None] >> np.arange(len(SOURCES))) & 1  # (K, sources)
+            bits = (tree.sources[:, None] >> np.arange(STAT_ROWS)) & 1  # (K, statistics rows)
             depth = np.minimum(tree.depths, MAX_DEPTH) - 1
             for s in np.flatnonzero(bits[tried].any(0)):
                 if s == RECYCLE:
@@ -189,12 +197,12 @@ class DraftState:
         return state
 
 
-def _chains(drafts: np.ndarray, source: np.ndarray, rates: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(D, L) drafts (-1 padded) from sources (D,) -> flat tokens, parents, scores, source bits of D chains."""
+def _chains(drafts: np.ndarray, rows: np.ndarray, bits: np.ndarray, rates: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(D, L) drafts (-1 padded), their statistics rows (D,) and source bits (D,) -> flat tokens, parents, scores,
+    source bits of D chains (a node's score: the product of its row's conditional rates down to its depth)."""
     d, length = drafts.shape
     index = np.arange(d * length).reshape(d, length)
     parents = np.where(np.arange(length) > 0, index - 1, -1)
     depth = np.minimum(np.arange(length), MAX_DEPTH - 1)
-    scores = np.cumprod(rates[source][:, depth], axis=1)
-    bits = np.broadcast_to((1 << source)[:, None], (d, length))
-    return drafts.ravel(), parents.ravel(), scores.ravel(), bits.ravel()
+    scores = np.cumprod(rates[rows][:, depth], axis=1)
+    return drafts.ravel(), parents.ravel(), scores.ravel(), np.broadcast_to(bits[:, None], (d, length)).ravel()

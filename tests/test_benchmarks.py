@@ -10,6 +10,7 @@ from benchmarks import pool_bench, run
 def test_config_specs_parse_presets_and_fields():
     assert run.parse_config("suffix-only")[1].window == 0
     assert run.parse_config("tree_budget=32,recycle_k=4")[1].tree_budget == 32
+    assert run.parse_config("tree_budget=8,auto=0")[1].auto is False
     with pytest.raises(SystemExit, match="preset"):
         run.parse_config("tree_budget=lots")
 
