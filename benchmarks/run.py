@@ -53,10 +53,12 @@ class Run:
     equal_or_tie: bool | None = None  # ... or first differs where the reference's top-2 logits tie (see is_tie)
 
 
-# named configurations: the default, wave 1's W3N3G3 (pool candidates only, 6 tree rows), and the ablation
+# named configurations: the default (cost model on), its shape run as given, wave 1's fixed W3N3G3 (pool
+# candidates only, 6 tree rows, no cost model), and the ablation (each with the cost model)
 PRESETS = {
     "default": {},
-    "wave1-W3N3G3": dict(window=3, ngram=3, guess=3, tree_budget=6, suffix_drafts=0, recycle_k=0),
+    "default-fixed": dict(auto=False),
+    "wave1-W3N3G3": dict(window=3, ngram=3, guess=3, tree_budget=6, suffix_drafts=0, recycle_k=0, auto=False),
 }
 ABLATION = {
     "jacobi-pool-only": dict(suffix_drafts=0, recycle_k=0),
@@ -290,7 +292,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-new-tokens", type=int, help="quick: 64, full: 128")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--config", dest="configs", action="append",
-                        help="a preset (default, wave1-W3N3G3, " + ", ".join(ABLATION) + ") or field=value,... (repeatable)")
+                        help="a preset (" + ", ".join(PRESETS | ABLATION) + ") or field=value,... (repeatable)")
     parser.add_argument("--ablation", action="store_true", help="add each source alone and the no-Jacobi configuration")
     parser.add_argument("--pld-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     parser.add_argument("--cost-sizes", default="1,2,4,8,16,32,64,128")

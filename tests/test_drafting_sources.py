@@ -3,7 +3,6 @@ tests), plus their edge cases and persistence; and the drafting state's tree on 
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest

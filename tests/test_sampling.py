@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                           TextStreamer, TopKLogitsWarper, TopPLogitsWarper)
 
-from conftest import hf_greedy, tiny_llama
+from conftest import tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator
 from lookahead.verify import accept, gumbel
 from lookahead.tree import TokenTree
