@@ -86,7 +86,8 @@ def test_gemma3_equals_generate_beyond_its_sliding_window(gemma3):
     assert model.config.sliding_window == 512
     long_ids = long_prompt(tok, 600)
     assert len(long_ids) > 512
-    for config in (LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=8), LookaheadConfig(tree_budget=64, suffix_length=16)):
+    for config in (LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=8),
+                   LookaheadConfig(auto=False, tree_budget=64, suffix_length=16)):  # auto=False: the shape runs as given
         gen = LookaheadGenerator(model, tok, config)
         for ids in (prompt_ids(tok, PROMPTS[0][1], False), prompt_ids(tok, PROMPTS[5][1], False), long_ids):
             out = gen.generate(ids, max_new_tokens=48)
@@ -103,8 +104,8 @@ def test_gemma3_generation_crosses_the_window_boundary(gemma3):
 
 def test_qwen2_coder_equals_generate():
     model, tok = models.load("qwen2.5-coder-0.5b", dtype="float32")
-    gen = LookaheadGenerator(model, tok, LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=32))
-    for name, text, chat in (PROMPTS[0], PROMPTS[3]):
+    for (name, text, chat), budget in zip((PROMPTS[0], PROMPTS[3]) * 2, (32, 64, 1, 8)):
+        gen = LookaheadGenerator(model, tok, LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=budget))
         ids = prompt_ids(tok, text, chat)
         out = gen.generate(ids, max_new_tokens=48)
         assert_greedy_equal(model, ids, out.tokens, hf_greedy(model, ids, 48))
