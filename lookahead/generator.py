@@ -139,6 +139,7 @@ class LookaheadGenerator:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(mc, "max_position_embeddings", 0) or 0) or None
         self.mask_layers = _mask_layers(mc)
+        TokenTree.warm_up()
 
     @classmethod
     def from_pretrained(

@@ -114,6 +114,7 @@ class TokenTree:
     depths: np.ndarray  # (K,) int64, 1 = child of the current token
     scores: np.ndarray  # (K,) float64, estimated probability of acceptance
     sources: np.ndarray  # (K,) int64, bit per source that proposed the node
+    _warm = False  # a class attribute (unannotated, so not a field): kernels compiled in this process
 
     @classmethod
     def merge(cls, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, budget: int) -> "TokenTree":
@@ -124,6 +125,14 @@ class TokenTree:
             if p >= 0:
                 depths[i] = depths[p] + 1
         return cls(rows[:, 0].astype(np.int64), parents_out, depths, rows[:, 2].copy(), rows[:, 3].astype(np.int64))
+
+    @classmethod
+    def warm_up(cls) -> None:
+        """Compile (or load from numba's on-disk cache) this module's kernels once per process, at load time:
+        a fresh install's first request would otherwise spend seconds of its first step compiling them."""
+        if not cls._warm:
+            ancestor_matrix(cls.merge(np.zeros(1, np.int64), np.full(1, NO_PARENT, np.int64), np.ones(1), np.ones(1, np.int64), 1).parents)
+            cls._warm = True
 
     @classmethod
     def empty(cls) -> "TokenTree":
