@@ -2,7 +2,8 @@
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafting import DraftState
-from lookahead.generator import GenerationResult, GenerationStats, LookaheadGenerator
+from lookahead.generator import GenerationResult, LookaheadGenerator
+from lookahead.stats import GenerationStats
 from lookahead.tuner import CostCurve
 
 __all__ = ["CostCurve", "DraftState", "GenerationResult", "GenerationStats", "LookaheadConfig", "LookaheadGenerator"]

@@ -3,9 +3,7 @@ and the pool's candidates; accept what the model agrees with; keep only the acce
 
 from __future__ import annotations
 
-import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +15,9 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from lookahead import kv, models
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
-from lookahead.drafting import SOURCES, TRAJECTORY, DraftState
+from lookahead.drafting import TRAJECTORY, DraftState
 from lookahead.layout import StepLayout, build_layout
+from lookahead.stats import Clock, GenerationStats
 from lookahead.tree import TokenTree
 from lookahead.tuner import CostCurve, JacobiWorth, cached_curve, choose, fastest_dtype
 from lookahead.window import JacobiWindow
@@ -44,70 +43,6 @@ def _mask_layers(config: PreTrainedConfig) -> dict[str, tuple[int, int | None]]:
     if len(layers) > 1 and getattr(config, "layer_types", None) is None:
         raise ValueError("the model mixes sliding and full attention without declaring layer_types; its masks cannot be given per layer")
     return layers
-
-
-class _Clock:
-    """Seconds since the last lap, for the per-phase timings of the stats."""
-
-    def __init__(self) -> None:
-        self.start = self.last = time.perf_counter()
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        elapsed, self.last = now - self.last, now
-        return elapsed
-
-    def total(self) -> float:
-        return time.perf_counter() - self.start
-
-
-@dataclass
-class GenerationStats:
-    new_tokens: int = 0
-    steps: int = 0  # decode forwards (the prefill not counted)
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    tree_nodes: int = 0  # tree nodes verified, all steps together
-    window_steps: int = 0  # steps that ran the Jacobi branch
-    plain_steps: int = 0  # steps that fed the current token alone (nothing drafted, or nothing worth its cost)
-    accepted_hist: Counter = field(default_factory=Counter)  # tokens emitted in a step -> number of steps
-    accepted_by_source: Counter = field(default_factory=Counter)  # emitted draft tokens, by each source that proposed them
-    drafted_by_source: Counter = field(default_factory=Counter)  # tree nodes verified, by each source that proposed them
-    phase_s: Counter = field(default_factory=Counter)  # decode time by phase: draft, forward, verify, learn
-
-    def record(self, tree: TokenTree, levels: int, path: list[int], emitted: int) -> None:
-        """One step that fed ``levels`` window levels, verified ``tree``, accepted ``path`` and emitted ``emitted`` tokens
-        (cut by stops or length)."""
-        self.steps += 1
-        self.tree_nodes += len(tree)
-        self.window_steps += levels > 0
-        self.plain_steps += levels == 0 and len(tree) == 0
-        self.accepted_hist[emitted] += 1
-        for counter, nodes in ((self.drafted_by_source, tree.sources), (self.accepted_by_source, tree.sources[path[:emitted]])):
-            for bit, name in enumerate(SOURCES):
-                if count := int(((nodes >> bit) & 1).sum()):
-                    counter[name] += count
-
-    @property
-    def compression(self) -> float:
-        """New tokens per forward pass, the prefill's first token included (plain greedy: 1.0)."""
-        return self.new_tokens / max(self.steps + 1, 1)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / max(self.prefill_s + self.decode_s, 1e-9)
-
-    def as_dict(self) -> dict:
-        return {
-            "new_tokens": self.new_tokens, "steps": self.steps, "compression": round(self.compression, 4),
-            "tokens_per_s": round(self.tokens_per_s, 3), "prefill_s": round(self.prefill_s, 4),
-            "decode_s": round(self.decode_s, 4), "time_to_first_token_s": round(self.prefill_s, 4),
-            "mean_tree_nodes": round(self.tree_nodes / max(self.steps, 1), 3), "window_steps": self.window_steps,
-            "plain_steps": self.plain_steps,
-            "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
-            "accepted_by_source": dict(self.accepted_by_source), "drafted_by_source": dict(self.drafted_by_source),
-            "phase_s": {k: round(v, 4) for k, v in self.phase_s.items()},
-        }
 
 
 @dataclass
@@ -263,7 +198,7 @@ class LookaheadGenerator:
         cfg, stats = self.config, GenerationStats()
         budget = cfg.tree_budget if lookahead else 0
         curve, worth = (self.cost, JacobiWorth()) if cfg.auto and lookahead else (None, None)
-        clock = _Clock()
+        clock = Clock()
         last_position = len(prompt) + max_new_tokens - 2  # the last position generate() feeds; no row goes beyond
         if streamer is not None:
             streamer.put(torch.tensor(prompt))
