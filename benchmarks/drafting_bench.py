@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     model, _ = models.load(args.model, dtype=args.dtype)
     cfg = LookaheadConfig(tree_budget=args.budget)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
+    vocab = models.vocab_size(model)
     draft = drafting_us(cfg, vocab, args.prompt_tokens, args.steps)
     fwd = forward_ms(model, 1 + cfg.window * (cfg.ngram - 1) + cfg.tree_budget)
     print(f"{args.model} ({args.dtype}), vocab {vocab}, budget {args.budget}, {args.prompt_tokens}-token prompt, {args.steps} steps")

@@ -65,6 +65,10 @@ def _summary(stats) -> str:
     )
 
 
+KERNELS_OPTION = click.option("--kernels", type=click.Choice(["packed", "stock"]), default="packed", show_default=True,
+                              help="CPU linears on weights packed once (cheap wide steps), or PyTorch's stock kernels.")
+
+
 @click.group(context_settings=CONTEXT)
 def main() -> None:
     """Lossless Lookahead decoding: faster greedy generation with no draft model and the same output."""
@@ -80,6 +84,7 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(["auto", *models.DTYPES]), default="auto", show_default=True,
               help="auto: float32 or bfloat16, whichever decodes fastest on this machine (measured once, cached).")
 @click.option("--device", default="cpu", show_default=True)
+@KERNELS_OPTION
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
 @click.option("-W", "--window", type=int, help=f"Jacobi window width W [default: {LookaheadConfig.window}].")
 @click.option("-N", "--ngram", type=int, help=f"N-gram size N [default: {LookaheadConfig.ngram}].")
@@ -106,7 +111,7 @@ def main() -> None:
 @click.option("--top-p", type=float, help="Nucleus sampling: the smallest set with this probability mass.")
 @click.option("--repetition-penalty", type=float, help="Penalise tokens already present (as in generate()).")
 @click.option("--stop", multiple=True, help="Stop after this string (repeatable; needs a tokenizer).")
-def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, cache_dir, window, ngram, guess, tree_budget,
+def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kernels, cache_dir, window, ngram, guess, tree_budget,
              suffix_drafts, suffix_length, recycle_k, auto, state_dir, max_new_tokens, seed, no_lookahead, ids_mode, as_json,
              sample, temperature, top_k, top_p, repetition_penalty, stop) -> None:
     """Generate a continuation of PROMPT (an argument, --file, or standard input)."""
@@ -122,8 +127,10 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, cache
         requests = _read_requests(prompt, prompt_file, ids_mode)
         from lookahead.drafting import DraftState
         from lookahead.generator import LookaheadGenerator
+        from lookahead.kernels import kernels_of
 
-        gen = LookaheadGenerator.from_pretrained(model_spec, config, dtype=dtype, device=device, cache_dir=cache_dir, progress=_progress)
+        gen = LookaheadGenerator.from_pretrained(model_spec, config, dtype=dtype, device=device, cache_dir=cache_dir, progress=_progress,
+                                                 kernels=kernels)
         state = DraftState.load(state_dir) if state_dir is not None and state_dir.exists() else gen.new_state()
         if chat is None:
             chat = not ids_mode and gen.tokenizer is not None and bool(gen.tokenizer.chat_template)
@@ -134,6 +141,7 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, cache
             if as_json:
                 click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
                                        "stats": out.stats.as_dict(), "dtype": str(gen.model.dtype).split(".")[-1],
+                                       "kernels": kernels_of(gen.model),
                                        "config": dataclasses.asdict(config)}))
             elif ids_mode:
                 click.echo(",".join(map(str, out.tokens)))
@@ -170,9 +178,10 @@ def _read_requests(prompt: str | None, prompt_file: Path | None, ids_mode: bool)
 @click.option("--dtype", type=click.Choice(["auto", *models.DTYPES]), default="auto", show_default=True,
               help="auto: float32 and bfloat16 both.")
 @click.option("--device", default="cpu", show_default=True)
+@KERNELS_OPTION
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models and curves live.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Also draw the curves into this PNG.")
-def tune(model_spec, dtype, device, cache_dir, plot) -> None:
+def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
     """Measure this machine's forward cost r(T) = c(T)/c(1) anew, cache it, and print what it implies."""
     from lookahead import tuner
 
@@ -180,7 +189,7 @@ def tune(model_spec, dtype, device, cache_dir, plot) -> None:
     curves = {}
     try:
         for name in tuner.AUTO_DTYPES if dtype == "auto" else (dtype,):
-            model, _ = models.load(model_spec, dtype=name, device=device, cache_dir=cache_dir, progress=_progress)
+            model, _ = models.load(model_spec, dtype=name, device=device, cache_dir=cache_dir, progress=_progress, kernels=kernels)
             tuner.curve_file(model, cache_dir).unlink(missing_ok=True)
             curves[name] = tuner.cached_curve(model, cache_dir, _progress)
     except (ValueError, OSError) as e:
@@ -188,8 +197,8 @@ def tune(model_spec, dtype, device, cache_dir, plot) -> None:
     click.echo("dtype     ms/token(T=1)  " + "  ".join(f"r({t})" for t in curves[name].sizes))
     for name, curve in curves.items():
         click.echo(f"{name:9} {curve.ms_at_1:13.1f}  " + "  ".join(f"{r:5.2f}".rjust(len(f"r({t})")) for t, r in zip(curve.sizes, curve.ratios)))
-    fastest = min(curves, key=lambda n: curves[n].ms_at_1)
-    click.echo(f"fastest plain decoding: {fastest} ({1000 / curves[fastest].ms_at_1:.1f} tokens/s); --dtype auto picks it")
+    fastest = max(curves, key=lambda n: tuner.lookahead_speed(curves[n]))
+    click.echo(f"fastest lookahead expected in {fastest} (~{tuner.lookahead_speed(curves[fastest]):.1f} tokens/s); --dtype auto picks it")
     for p in (0.3, 0.5, 0.8):  # a chain whose every node is accepted with probability p given its parent
         nodes = tuner.choose(curves[fastest], tuner.chain_tree(p, 64), 0, 0.0)
         click.echo(f"drafts accepted with p={p}: verify {nodes.nodes} nodes per step, {nodes.value:.2f}x plain decoding expected")
@@ -205,12 +214,13 @@ def tune(model_spec, dtype, device, cache_dir, plot) -> None:
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", *models.DTYPES]), default="auto", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
+@KERNELS_OPTION
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
 @click.option("--state", "state_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Warm drafting state directory: loaded at start if it exists, saved on shutdown.")
 @click.option("--queue-limit", type=click.IntRange(min=1), default=16, show_default=True,
               help="Requests waiting or running beyond which the server answers 429.")
-def serve(model_spec, host, port, dtype, device, cache_dir, state_dir, queue_limit) -> None:
+def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, queue_limit) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (needs the [serve] extra)."""
     try:
         from lookahead import server
@@ -220,7 +230,7 @@ def serve(model_spec, host, port, dtype, device, cache_dir, state_dir, queue_lim
 
     try:
         gen = LookaheadGenerator.from_pretrained(model_spec, LookaheadConfig(), dtype=dtype, device=device, cache_dir=cache_dir,
-                                                 progress=_progress)
+                                                 progress=_progress, kernels=kernels)
         server.serve(gen, model_spec, host, port, state_dir, queue_limit)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e).strip().splitlines()[0]) from None

@@ -19,7 +19,7 @@ from lookahead.drafting import TRAJECTORY, DraftState
 from lookahead.layout import StepLayout, build_layout
 from lookahead.stats import Clock, GenerationStats
 from lookahead.tree import TokenTree
-from lookahead.tuner import CostCurve, JacobiWorth, cached_curve, choose, fastest_dtype
+from lookahead.tuner import CostCurve, JacobiWorth, LiveCurve, cached_curve, choose, fastest_dtype
 from lookahead.window import JacobiWindow
 
 SPARSE_POOL_VOCAB = 65536
@@ -63,6 +63,7 @@ class LookaheadGenerator:
         self.model, self.tokenizer = model, tokenizer
         self.config = config or LookaheadConfig()
         self._cost, self._cache_dir, self._progress = cost, cache_dir, progress
+        self._live: LiveCurve | None = None
         mc = model.config.get_text_config(decoder=True)
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError(f"{type(model).__name__} is an encoder-decoder model; lookahead needs a decoder-only LM")
@@ -71,7 +72,7 @@ class LookaheadGenerator:
                 f"attention implementation {model.config._attn_implementation!r} cannot take a custom 4D mask; "
                 f"load the model with attn_implementation='sdpa' or 'eager'"
             )
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = models.vocab_size(model)
         self.max_context = int(getattr(mc, "max_position_embeddings", 0) or 0) or None
         self.mask_layers = _mask_layers(mc)
         TokenTree.warm_up()
@@ -85,16 +86,19 @@ class LookaheadGenerator:
         device: str = "cpu",
         cache_dir: Path | None = None,
         progress: models.Progress = models._quiet,
+        kernels: str = "packed",
     ) -> "LookaheadGenerator":
         """Load a hub id, model directory, GGUF file or embedded model name (see ``lookahead.models``).
 
-        ``dtype="auto"``: float32 or bfloat16, whichever gives the fastest plain step on this machine (measured
-        once, cached); bfloat16 output equals bfloat16 ``generate()`` up to its rounding ties."""
+        ``dtype="auto"``: float32 or bfloat16, whichever lookahead is expected to run fastest in on this
+        machine (its measured cost curve, cached); bfloat16 output equals bfloat16 ``generate()`` up to its
+        rounding ties. ``kernels="packed"``: on CPU the linears run on weights packed once (``lookahead.kernels``;
+        stock kernels with a notice where unavailable); ``"stock"``: as loaded."""
         cache_dir = cache_dir or models.default_cache_dir()
         loaded = None
         if dtype == "auto":
-            dtype, loaded = fastest_dtype(spec, device, cache_dir, progress)
-        model, tokenizer = loaded or models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress)
+            dtype, loaded = fastest_dtype(spec, device, cache_dir, progress, kernels)
+        model, tokenizer = loaded or models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress, kernels=kernels)
         return cls(model, tokenizer, config, cache_dir=cache_dir, progress=progress)
 
     @property
@@ -103,6 +107,13 @@ class LookaheadGenerator:
         if self._cost is None:
             self._cost = cached_curve(self.model, self._cache_dir or models.default_cache_dir(), self._progress)
         return self._cost
+
+    @property
+    def live_cost(self) -> LiveCurve:
+        """``cost`` corrected by this generator's own forward timings (kept across requests)."""
+        if self._live is None:
+            self._live = LiveCurve(self.cost)
+        return self._live
 
     # -- public entry point ---------------------------------------------------------------------
 
@@ -197,7 +208,7 @@ class LookaheadGenerator:
     def _decode(self, prompt: list[int], max_new_tokens: int, streamer, lookahead: bool, decoding: Decoding, state: DraftState):
         cfg, stats = self.config, GenerationStats()
         budget = cfg.tree_budget if lookahead else 0
-        curve, worth = (self.cost, JacobiWorth()) if cfg.auto and lookahead else (None, None)
+        curve, worth = (self.live_cost, JacobiWorth()) if cfg.auto and lookahead else (None, None)
         clock = Clock()
         last_position = len(prompt) + max_new_tokens - 2  # the last position generate() feeds; no row goes beyond
         if streamer is not None:
@@ -225,7 +236,10 @@ class LookaheadGenerator:
                              torch.from_numpy(tree.tokens)])
             logits = self._forward(layout, cache, ids, position)
             first, last_level, tree_logits = layout.split_logits(logits)
-            stats.phase_s["forward"] += clock.lap()
+            forward_s = clock.lap()
+            stats.phase_s["forward"] += forward_s
+            if curve is not None:
+                curve.observe(layout.size, forward_s)
             # 3. verify: the deepest branch the model agrees with (greedy or sampling), plus its own next token
             history = prompt + out
             verdict = decoding.verify(history, first, tree_logits, tree)

@@ -176,6 +176,12 @@ def convert_gguf(gguf: Path, target: Path, progress: Progress = _quiet) -> Path:
 # -- loading ------------------------------------------------------------------------------------
 
 
+def vocab_size(model) -> int:
+    """Rows of the model's output layer (a packed linear keeps no ``weight``, so read its shape)."""
+    head = model.get_output_embeddings()
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
+
+
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
@@ -210,8 +216,14 @@ def load(
     device: str = "cpu",
     cache_dir: Path | None = None,
     progress: Progress = _quiet,
+    kernels: str = "stock",
 ):
-    """(model, tokenizer or None) for ``spec``; any failure is a one-line ``ModelLoadError``."""
+    """(model, tokenizer or None) for ``spec``; any failure is a one-line ``ModelLoadError``.
+
+    ``kernels="packed"``: the model's linears run on weights packed once for small-M products (CPU; see
+    ``lookahead.kernels``), else as loaded."""
+    from lookahead import kernels as kernel_layer
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -222,6 +234,9 @@ def load(
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device).eval()
     except Exception as e:
         raise ModelLoadError(f"cannot load model {spec}: {_one_line(e)}") from None
+    report = kernel_layer.pack(model, kernels)
+    if report.notice:
+        progress(report.notice)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except Exception:  # a token-id-only deployment has no tokenizer files at all

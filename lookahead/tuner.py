@@ -32,6 +32,7 @@ import torch
 from transformers import PreTrainedModel
 
 from lookahead import kv, models
+from lookahead.kernels import available, kernels_of
 from lookahead.tree import TokenTree
 
 PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -41,6 +42,10 @@ AUTO_DTYPES = ("float32", "bfloat16")  # what --dtype auto chooses from (float16
 JACOBI_PRIOR = 0.05  # draft tokens per step credited to the Jacobi branch before any is measured (SmolLM2: ~0)
 JACOBI_DECAY = 0.05  # weight of each step in its running estimate
 JACOBI_RETRY = 64  # steps after which a Jacobi branch the chooser left off runs once more, to re-measure it
+# what --dtype auto expects of drafting before anything is measured: a chain of 16 drafts, each accepted with
+# probability 0.5 given its parent (~2 tokens per forward at full width, what the default shape measured)
+REFERENCE_CHAIN = (0.5, 16)
+LIVE_WEIGHT = 0.1  # weight of each of the loop's own forward timings in the curve's online correction
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,37 @@ class CostCurve:
         return json.dumps({"format": CURVE_FORMAT} | asdict(self))
 
 
+class LiveCurve:
+    """The probed curve, corrected online by the loop's own forward timings.
+
+    A probe can disagree with the loop (seen: a bf16 probe's c(1) 40% above what the loop measured), and a
+    wrong c(1) skews every ratio. Each timed forward of T tokens updates a running log-correction of c at
+    the nearest probed size; sizes never observed borrow the nearest observed correction, so the curve keeps
+    its probed shape where the loop has not been.
+    """
+
+    def __init__(self, curve: CostCurve) -> None:
+        self.curve = curve
+        self.log_scale = np.full(len(curve.sizes), np.nan)  # log(measured / probed c) per probed size
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One forward of ``tokens`` rows took ``seconds``."""
+        i = int(np.abs(np.asarray(self.curve.sizes) - tokens).argmin())
+        probed = self.curve.ms_at_1 * self.curve.ratio(tokens) / 1000
+        error = float(np.log(max(seconds, 1e-9) / probed))
+        old = 0.0 if np.isnan(self.log_scale[i]) else self.log_scale[i]  # starts from the probe: one slow first call moves it little
+        self.log_scale[i] = old + LIVE_WEIGHT * (error - old)
+
+    def ratio(self, tokens: int) -> float:
+        """r(T) with the correction: c(T) / c(1), both corrected, never below 1."""
+        seen = np.flatnonzero(~np.isnan(self.log_scale))
+        if seen.size == 0:
+            return self.curve.ratio(tokens)
+        sizes = np.asarray(self.curve.sizes)
+        near = lambda t: self.log_scale[seen[np.abs(sizes[seen] - t).argmin()]]  # noqa: E731
+        return max(1.0, self.curve.ratio(tokens) * float(np.exp(near(tokens) - near(1))))
+
+
 def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT, rounds: int = 4,
           progress: Callable[[str], None] = lambda _: None) -> CostCurve:
     """Time one forward adding T tokens to a ``context``-token cache for each T.
@@ -93,7 +129,7 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 1 << 20
     sizes = tuple(s for s in sizes if s <= limit // 2) or sizes[:2]  # a tiny context: the sizes it can hold
     context = max(1, min(context, limit - max(sizes)))
-    vocab = int(model.get_output_embeddings().weight.shape[0])
+    vocab = models.vocab_size(model)
     progress(f"measuring forward cost for {len(sizes)} step sizes (once for this machine, model and dtype)")
     device = model.device
     times = dict.fromkeys(sizes, float("inf"))
@@ -114,34 +150,49 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
 
 
 def curve_file(model: PreTrainedModel, cache_dir: Path) -> Path:
-    """Where this (model, dtype, device, threads, CPU, torch)'s curve is cached."""
+    """Where this (model, dtype, device, kernels, threads, CPU, torch)'s curve is cached."""
     name = model.config._name_or_path or hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:16]
-    return curve_path(str(name), model.dtype, model.device.type, cache_dir)
+    return curve_path(str(name), model.dtype, model.device.type, cache_dir, kernels_of(model))
 
 
-def curve_path(name: str, dtype: torch.dtype, device: str, cache_dir: Path) -> Path:
+def curve_path(name: str, dtype: torch.dtype, device: str, cache_dir: Path, kernels: str = "stock") -> Path:
     """``curve_file`` before loading: ``name`` is the directory the model is loaded from."""
-    key = json.dumps([name, str(dtype), torch.device(device).type, torch.get_num_threads(), _cpu(), torch.__version__])
+    key = json.dumps([name, str(dtype), torch.device(device).type, torch.get_num_threads(), _cpu(), torch.__version__, kernels])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir / "costs" / f"{Path(name).name or 'model'}-{str(dtype).split('.')[-1]}-{digest}.json"
+    return cache_dir / "costs" / f"{Path(name).name or 'model'}-{str(dtype).split('.')[-1]}-{kernels}-{digest}.json"
 
 
-def fastest_dtype(spec: str, device: str, cache_dir: Path, progress: Callable[[str], None] = lambda _: None):
+def lookahead_speed(curve: CostCurve) -> float:
+    """Expected tokens per second of lookahead on this curve: the best step for ``REFERENCE_TREE`` per c(1)."""
+    return choose(curve, chain_tree(*REFERENCE_CHAIN), 0, 0.0).value * 1000 / curve.ms_at_1
+
+
+def fastest_dtype(spec: str, device: str, cache_dir: Path, progress: Callable[[str], None] = lambda _: None,
+                  kernels: str = "stock"):
     """(dtype name, (model, tokenizer) if it had to be loaded for measuring, else None): the dtype among
-    ``AUTO_DTYPES`` whose plain step is fastest here, from the cached curves (probed where missing)."""
+    ``AUTO_DTYPES`` where lookahead is expected to be fastest here (``lookahead_speed``: the plain step's cost
+    and how cheap wide steps are), from the cached curves (probed where missing)."""
     source = models.resolve(spec, cache_dir, progress)
     best = None
     for dtype in AUTO_DTYPES:
         loaded = None
         try:
-            ms = CostCurve.from_json(curve_path(source, models.DTYPES[dtype], device, cache_dir).read_text()).ms_at_1
+            path = curve_path(source, models.DTYPES[dtype], device, cache_dir, _kernels_for(kernels, dtype, device))
+            curve = CostCurve.from_json(path.read_text())
         except (OSError, UnicodeDecodeError, ValueError):
-            loaded = models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress)
-            ms = cached_curve(loaded[0], cache_dir, progress).ms_at_1
-        if best is None or ms < best[1]:
-            best = (dtype, ms, loaded)
-    progress(f"fastest plain step here: {best[0]} ({best[1]:.1f} ms)")
-    return best[0], best[2]
+            loaded = models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress, kernels=kernels)
+            curve = cached_curve(loaded[0], cache_dir, progress)
+        if best is None or lookahead_speed(curve) > best[1]:
+            best = (dtype, lookahead_speed(curve), loaded, curve)
+    dtype, speed, loaded, curve = best
+    progress(f"fastest here: {dtype} (plain step {curve.ms_at_1:.1f} ms, r(16) {curve.ratio(16):.2f}; ~{speed:.0f} tokens/s expected)")
+    return dtype, loaded
+
+
+def _kernels_for(kernels: str, dtype: str, device: str) -> str:
+    """The kernel set a model loaded with ``kernels`` will run (packing falls back to stock where unavailable)."""
+    packs = kernels == "packed" and torch.device(device).type == "cpu" and available(models.DTYPES[dtype]) is None
+    return "packed" if packs else "stock"
 
 
 def cached_curve(model: PreTrainedModel, cache_dir: Path, progress: Callable[[str], None] = lambda _: None) -> CostCurve:
@@ -176,7 +227,7 @@ class Choice:
     value: float  # expected tokens per unit of plain-step cost (plain decoding: 1.0)
 
 
-def choose(curve: CostCurve, tree: TokenTree, window_rows: int, window_value: float) -> Choice:
+def choose(curve: CostCurve | LiveCurve, tree: TokenTree, window_rows: int, window_value: float) -> Choice:
     """The step that maximises expected emitted tokens per cost (see the module docstring)."""
     gain = np.concatenate([[0.0], np.cumsum(np.sort(tree.scores)[::-1])])  # S(k), k = 0..K
     best = Choice(0, False, 1.0)

