@@ -7,7 +7,8 @@ decoding, interleaved in ONE process on the same model, dtypes and prompts.
     python -m benchmarks.run --config default --config tree_budget=32,recycle_k=4   # presets or field=value lists
 
 Speedups are ratios of tokens/s in the same run: against HF greedy in the same dtype, and against the fastest
-HF greedy in any dtype measured (a bf16 speedup over a slow bf16 baseline alone would flatter us).
+HF greedy in any dtype measured (a bf16 speedup over a slow bf16 baseline alone would flatter us). HF runs on
+the stock model; our loop on the engine's kernels (--kernels, default packed: see lookahead/kernels.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
 from lookahead import LookaheadConfig, LookaheadGenerator, models
 from lookahead.drafting import SOURCES
+from lookahead.kernels import kernels_of
 
 TIE = 1e-4
 GREEDY, PLD, PLAIN = "hf_greedy", "hf_prompt_lookup", "plain loop (--no-lookahead)"
@@ -146,9 +148,12 @@ def run_all(args) -> dict:
     cache_dir = args.cache_dir or models.default_cache_dir()
     machine = hardware()  # before the run, so the commit recorded is the one measured
     configs = dict(parse_config(spec) for spec in args.configs)
-    loaded = {dtype: models.load(args.model, dtype=dtype, cache_dir=cache_dir) for dtype in args.dtypes}
+    loaded = {dtype: models.load(args.model, dtype=dtype, cache_dir=cache_dir) for dtype in args.dtypes}  # stock: HF's baselines
+    # our loop runs on the engine's kernels (packed by default), a copy of its own; HF's methods on the stock model
+    ours = {dtype: models.load(args.model, dtype=dtype, cache_dir=cache_dir, kernels=args.kernels)[0] for dtype in args.dtypes}
     tokenizer = next(iter(loaded.values()))[1]
-    gens = {(dtype, name): LookaheadGenerator(m, tok, c) for dtype, (m, tok) in loaded.items() for name, c in configs.items()}
+    gens = {(dtype, name): LookaheadGenerator(ours[dtype], tok, c, cache_dir=cache_dir) for dtype, (_, tok) in loaded.items()
+            for name, c in configs.items()}
     prompts = datasets.load(args.sets, args.limit, cache_dir)
     # warm up every method once (allocator, numba, first-call overheads) before timing anything
     warm = prompt_ids(tokenizer, prompts[0].text, prompts[0].chat)
@@ -179,8 +184,10 @@ def run_all(args) -> dict:
         elapsed = time.perf_counter() - start
         print(f"[{i + 1}/{len(prompts)}] {p.set}/{p.id} done; {elapsed:.0f} s, about {elapsed / (i + 1) * (len(prompts) - i - 1):.0f} s left",
               flush=True)
-    curves = {dtype: cost_curve(model, args.cost_sizes) for dtype, (model, _) in loaded.items()}
+    curves = {f"{dtype} {kernels_of(model)}": cost_curve(model, args.cost_sizes)
+              for dtype in args.dtypes for model in {id(m): m for m in (loaded[dtype][0], ours[dtype])}.values()}
     return {"hardware": machine, "model": args.model, "max_new_tokens": args.max_new_tokens, "dtypes": args.dtypes,
+            "kernels": {dtype: kernels_of(model) for dtype, model in ours.items()},
             "pld_tokens": args.pld_tokens, "summary": summarise(runs), "cost_curve": curves, "runs": [asdict(r) for r in runs]}
 
 
@@ -232,6 +239,8 @@ def write_report(results: dict, out: Path) -> None:
     lines = [f"# Lookahead benchmark: {results['model']}", "",
              f"{hw['cpu']}, {hw['cores']} cores ({hw['torch_threads']} torch threads); torch {hw['torch']}, transformers "
              f"{hw['transformers']}; commit {hw['commit']}; {results['max_new_tokens']} new tokens per prompt, greedy.", "",
+             "HF methods run on the stock model; ours (plain loop, lookahead) on kernels "
+             + ", ".join(f"{k} in {d}" for d, k in results.get("kernels", {}).items()) + " (see lookahead/kernels.py).", "",
              "equal: same tokens as HF greedy in the same dtype; equal or tie: or the first difference is at a step where the "
              "reference's top-2 logits tie (fp32: margin < 1e-4; bf16: margin within that step's own rounding noise, measured by computing it in two orders).", "",
              "| set | dtype | method | prompts | tokens/s | speedup vs HF greedy (same dtype) | worst prompt (same dtype) | vs fastest HF greedy | compression | tree nodes per step | equal | equal or tie |",
@@ -248,7 +257,7 @@ def write_report(results: dict, out: Path) -> None:
         lines.append(f"| {r['dtype']} | {r['method']} | " + " | ".join(f"{acc.get(s, 0)} / {dr.get(s, 0)}" for s in SOURCES)
                      + " | " + " | ".join(fmt(ph.get(k)) for k in ("draft", "forward", "verify", "learn")) + " |")
     lines += ["", "Forward cost c(T)/c(1) of adding T tokens to a 128-token cache:", "",
-              "| dtype | ms at T=1 | " + " | ".join(f"T={t}" for t in next(iter(results["cost_curve"].values())) if t != "ms_at_1") + " |",
+              "| dtype, kernels | ms at T=1 | " + " | ".join(f"T={t}" for t in next(iter(results["cost_curve"].values())) if t != "ms_at_1") + " |",
               "|---|---|" + "---|" * (len(next(iter(results["cost_curve"].values()))) - 1)]
     for dtype, curve in results["cost_curve"].items():
         lines.append(f"| {dtype} | {curve['ms_at_1']:.1f} | " + " | ".join(f"{v:.2f}" for t, v in curve.items() if t != "ms_at_1") + " |")
@@ -300,6 +309,7 @@ def parse_args(argv=None):
     parser.add_argument("--ablation", action="store_true", help="add each source alone and the no-Jacobi configuration")
     parser.add_argument("--pld-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     parser.add_argument("--cost-sizes", default="1,2,4,8,16,32,64,128")
+    parser.add_argument("--kernels", choices=["packed", "stock"], default="packed", help="the kernels our loop runs on")
     parser.add_argument("--cache-dir", type=Path)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))
     args = parser.parse_args(argv)
