@@ -37,18 +37,16 @@ UNRETURNED = ("output_scores", "output_logits", "output_attentions", "output_hid
 # criteria generate() builds from the generation config, which the loop applies itself
 BUILT_CRITERIA = (MaxLengthCriteria, MaxTimeCriteria, EosTokenCriteria)
 
-_generators: weakref.WeakKeyDictionary[PreTrainedModel, dict[LookaheadConfig, tuple[LookaheadGenerator, DraftState]]] = (
-    weakref.WeakKeyDictionary())
+_generators: weakref.WeakKeyDictionary[PreTrainedModel, dict[LookaheadConfig, LookaheadGenerator]] = weakref.WeakKeyDictionary()
 
 
-def generator_for(model: PreTrainedModel, config: LookaheadConfig | None = None) -> tuple[LookaheadGenerator, DraftState]:
-    """The model's generator and drafting state, built once per (model, config): the cost model, the compiled
-    kernels and what the drafting sources learned carry over from call to call, as with one ``LookaheadGenerator``."""
+def generator_for(model: PreTrainedModel, config: LookaheadConfig | None = None) -> LookaheadGenerator:
+    """The model's generator, built once per (model, config), so its cost model and compiled kernels carry over
+    from call to call (a weak map: it goes with the model)."""
     config = config or LookaheadConfig()
     per_model = _generators.setdefault(model, {})
     if config not in per_model:
-        gen = LookaheadGenerator(model, None, config)
-        per_model[config] = (gen, gen.new_state())
+        per_model[config] = LookaheadGenerator(model, None, config)
     return per_model[config]
 
 
@@ -58,27 +56,30 @@ def custom_generate(
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
-    synced_gpus: bool = False,
+    synced_gpus: bool = False,  # generate() keeps it from a callable (single process only)
     streamer=None,
     *,
     tokenizer=None,
     stop_strings: str | list[str] | None = None,
     lookahead_config: LookaheadConfig | None = None,
+    lookahead_state: DraftState | None = None,
     **model_kwargs,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """generate()'s decoding loop replaced by lookahead's: greedy token for token, sampling with its distribution.
 
     Rows are decoded one at a time (no batched path yet), each without its padding, then padded back as
-    generate() pads: rows ending before the longest get ``pad_token_id``. ``lookahead_config`` (a generate()
-    keyword) picks the step shape. Options the loop cannot honour are refused by name with ValueError.
+    generate() pads: rows ending before the longest get ``pad_token_id``. generate() keywords of our own:
+    ``lookahead_config`` picks the step shape; ``lookahead_state`` (``generator_for(model).new_state()``)
+    keeps the drafting sources learning across calls, as ``LookaheadGenerator.generate(state=...)`` does
+    (default: a fresh state per call, as there). Options the loop cannot honour are refused by name with ValueError.
     """
     config = copy.deepcopy(generation_config)
-    _refuse_unhonoured(model, input_ids, logits_processor, stopping_criteria, config, synced_gpus, model_kwargs)
+    _refuse_unhonoured(model, input_ids, logits_processor, stopping_criteria, config, model_kwargs)
     if stop_strings is not None and tokenizer is None:
         raise ValueError("stop_strings need the tokenizer: bind it, functools.partial(lookahead.custom_generate, tokenizer=tok)")
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("a streamer takes one sequence; stream with a batch of one")
-    gen, state = generator_for(model, lookahead_config)
+    gen = generator_for(model, lookahead_config)
     gen.tokenizer = tokenizer  # only stop strings read it (ids in, ids out)
     return_dict = config.return_dict_in_generate
     config.return_dict_in_generate, config.stop_strings = False, stop_strings
@@ -91,7 +92,8 @@ def custom_generate(
         pads = int((~keep).sum())
         row_config = copy.copy(config)  # generate()'s lengths count the padding; the row's own do not
         row_config.max_length, row_config.min_length = config.max_length - pads, max(config.min_length - pads, 0)
-        out = gen.generate(row[keep].cpu(), max_new_tokens, streamer=streamer, generation_config=row_config, state=state)
+        out = gen.generate(row[keep].cpu(), max_new_tokens, streamer=streamer, generation_config=row_config,
+                           state=lookahead_state)
         rows.append(out.tokens)
     sequences = torch.cat([input_ids, _padded(rows, config, input_ids)], dim=1)
     return GenerateDecoderOnlyOutput(sequences=sequences) if return_dict else sequences
@@ -107,12 +109,9 @@ def _padded(rows: list[list[int]], config: GenerationConfig, like: torch.Tensor)
 
 
 def _refuse_unhonoured(model: PreTrainedModel, input_ids: torch.Tensor, logits_processor: LogitsProcessorList,
-                       stopping_criteria: StoppingCriteriaList, config: GenerationConfig, synced_gpus: bool,
-                       model_kwargs: dict) -> None:
+                       stopping_criteria: StoppingCriteriaList, config: GenerationConfig, model_kwargs: dict) -> None:
     """ValueError naming what generate() was given that the loop cannot honour (the generation config's own
     options are checked per row by ``Decoding``, as for ``LookaheadGenerator.generate``)."""
-    if synced_gpus:
-        raise ValueError("synced_gpus is not supported by lookahead decoding")
     for name in UNRETURNED:
         if getattr(config, name, False):
             raise ValueError(f"generation option {name}=True is not supported by lookahead decoding "
