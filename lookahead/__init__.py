@@ -3,7 +3,8 @@
 from lookahead.config import LookaheadConfig
 from lookahead.drafting import DraftState
 from lookahead.generator import GenerationResult, LookaheadGenerator
+from lookahead.hf import custom_generate
 from lookahead.stats import GenerationStats
 from lookahead.tuner import CostCurve
 
-__all__ = ["CostCurve", "DraftState", "GenerationResult", "GenerationStats", "LookaheadConfig", "LookaheadGenerator"]
+__all__ = ["CostCurve", "DraftState", "GenerationResult", "GenerationStats", "LookaheadConfig", "LookaheadGenerator", "custom_generate"]

@@ -30,10 +30,11 @@ def test_runner_smallest_mode_writes_json_markdown_and_plot(tmp_path):
     assert sets == {"mt_bench", "humaneval", "gsm8k", "summarisation", "all"}
     overall = {r["method"]: r for r in results["summary"] if r["set"] == "all"}
     name = "lookahead window=2,ngram=2,guess=2"
-    assert set(overall) == {"hf_greedy", "hf_prompt_lookup", "plain loop (--no-lookahead)", name, "lookahead suffix-only"}
+    assert set(overall) == {"hf_greedy", "hf_prompt_lookup", "plain loop (--no-lookahead)", name, "lookahead suffix-only", run.HF_ENTRY}
     assert overall["plain loop (--no-lookahead)"]["compression"] == 1.0
     assert overall["hf_greedy"]["speedup_same_dtype"] == 1.0
     assert overall[name]["equal_or_tie_rate"] == 1.0 and overall["lookahead suffix-only"]["equal_or_tie_rate"] == 1.0
+    assert overall[run.HF_ENTRY]["equal_or_tie_rate"] == 1.0  # the first config, through generate(custom_generate=)
     assert overall["lookahead suffix-only"]["drafted_by_source"].keys() <= {"suffix"}
     assert set(overall[name]["phase_ms_per_step"]) == {"draft", "forward", "verify", "learn"}
     assert results["hardware"]["cores"] >= 1 and results["cost_curve"]["float32 stock"]["1"] == 1.0
