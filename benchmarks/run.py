@@ -163,7 +163,7 @@ def run_all(args) -> dict:
         hf_generate(model, warm, 4)
         hf_generate(model, warm, 4, prompt_lookup_num_tokens=args.pld_tokens)
         if entry:
-            hf_generate(model, warm, 4, **entry)
+            hf_generate(ours[dtype], warm, 4, **entry)
     for gen in gens.values():
         gen.generate(warm, max_new_tokens=4)
         gen.generate(warm, max_new_tokens=4, lookahead=False)
@@ -185,8 +185,8 @@ def run_all(args) -> dict:
                 run = Run(p.set, p.id, dtype, name, time.perf_counter() - t0, out.tokens, st.steps, dict(st.accepted_by_source),
                           dict(st.drafted_by_source), st.tree_nodes, dict(st.phase_s))
                 runs.append(check(run, ref, ids, model))
-            if entry:  # the same loop and config as the first lookahead row, behind generate()'s own preparation
-                toks, secs = hf_generate(model, ids, args.max_new_tokens, **entry)
+            if entry:  # the same loop, config and kernels as the first lookahead row, behind generate()'s own preparation
+                toks, secs = hf_generate(ours[dtype], ids, args.max_new_tokens, **entry)
                 runs.append(check(Run(p.set, p.id, dtype, HF_ENTRY, secs, toks), ref, ids, model))
         elapsed = time.perf_counter() - start
         print(f"[{i + 1}/{len(prompts)}] {p.set}/{p.id} done; {elapsed:.0f} s, about {elapsed / (i + 1) * (len(prompts) - i - 1):.0f} s left",
