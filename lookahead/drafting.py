@@ -168,8 +168,10 @@ class DraftState:
     # -- persistence ----------------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
-        """Write ``pool.npz``, ``recycle.npz`` and ``acceptance.npz`` into ``directory``."""
+        """Write ``pool.npz``, ``recycle.npz`` and ``acceptance.npz`` into ``directory`` (created if missing)."""
         directory = Path(directory)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"{directory}: exists and is not a directory; the drafting state is saved as a directory")
         directory.mkdir(parents=True, exist_ok=True)
         self.pool.save(directory / "pool.npz")
         self.recycle.save(directory / "recycle.npz")

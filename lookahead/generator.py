@@ -150,6 +150,8 @@ class LookaheadGenerator:
         return GenerationResult(tokens, text, stats, reason)
 
     def _prompt_ids(self, prompt: str | list[int] | torch.Tensor, chat: bool, system: str | None) -> list[int]:
+        if system is not None and not (chat and isinstance(prompt, str)):  # it would be silently dropped
+            raise ValueError("a system message needs chat mode and a text prompt (it goes through the chat template)")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; this model has none, so pass token ids")

@@ -207,6 +207,16 @@ def test_a_chat_template_that_rejects_the_system_role_is_one_error_line(tmp_path
     assert "Traceback" not in bad.output
 
 
+def test_a_system_message_without_chat_is_an_error(tmp_path):
+    from conftest import tiny_tokenizer
+
+    tiny_llama().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    for extra in (["hello world", "--no-chat"], ["--ids", "1,2"]):
+        bad = run("generate", "--model", str(tmp_path), "--system", "Be brief.", "--max-new-tokens", "2", "--dtype", "float32", *extra)
+        assert bad.exit_code == 1 and "Error: a system message needs chat mode" in bad.output and "Traceback" not in bad.output
+
+
 def test_tune_measures_prints_and_plots(tokenizerless_dir, tmp_path):
     result = run("tune", "--model", tokenizerless_dir, "--cache-dir", str(tmp_path / "cache"), "--plot", str(tmp_path / "c.png"))
     assert result.exit_code == 0, result.output

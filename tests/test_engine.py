@@ -193,6 +193,15 @@ def test_bad_generate_inputs_raise_value_errors():
         gen.generate([1, "2"], max_new_tokens=4)
 
 
+def test_a_system_message_without_chat_is_refused():
+    from conftest import tiny_tokenizer
+
+    gen = LookaheadGenerator(tiny_llama(), tiny_tokenizer())
+    for prompt, chat in (("hello", False), ([1, 2], True), ([1, 2], False)):
+        with pytest.raises(ValueError, match="a system message needs chat mode"):
+            gen.generate(prompt, max_new_tokens=2, chat=chat, system="Be brief.")
+
+
 def test_unsupported_models_are_refused():
     model = tiny_llama()
     model.config._attn_implementation = "flash_attention_2"
