@@ -41,7 +41,9 @@ class APIError(Exception):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are checked by name below, not silently dropped
+    # unknown fields are checked by name below, not silently dropped; strict: true is no 1, "1" no 1;
+    # no infinite or NaN numbers (Python's JSON parser takes Infinity and NaN)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -63,7 +65,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Any  # text, token ids, or a list of one of either: checked by ``Server.prepare``
     return_token_ids: bool = False
 
 
@@ -146,9 +148,11 @@ class Server:
                 if len(prompt) != 1:
                     raise APIError(400, "one prompt per request (batch size 1)", "prompt")
                 prompt = prompt[0]
+            if not (isinstance(prompt, str) or isinstance(prompt, list) and all(type(t) is int for t in prompt)):
+                raise APIError(400, "prompt must be text or a list of token ids (integers), or a list of one of either", "prompt")
             if isinstance(prompt, str) and tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        stops = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or []) if s]  # "" is no stop (OpenAI)
         if stops and tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; this model has none", "stop")
         sample = req.temperature is None or req.temperature > 0  # OpenAI's default temperature is 1
@@ -188,7 +192,7 @@ class Server:
         if self.gen.tokenizer is None:
             return "", False
         text = self.gen.tokenizer.decode(tokens, skip_special_tokens=True)
-        cuts = [text.find(s) for s in stops if s and s in text]
+        cuts = [text.find(s) for s in stops if s in text]
         return (text[: min(cuts)], True) if cuts else (text, False)
 
     def save_state(self) -> None:
@@ -213,6 +217,9 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc holds the character offset, not a parameter
+            return await api_error(request, APIError(400, f"malformed JSON body at character {first['loc'][-1]}: "
+                                                          f"{first.get('ctx', {}).get('error', 'cannot parse')}"))
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or "body"
         return await api_error(request, APIError(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", where))
 

@@ -100,6 +100,19 @@ def test_sampling_options_reach_the_generator(tokenizerless_dir):
     assert bad.exit_code == 1 and "temperature" in bad.output
     no_tok = run(*args, "--stop", ".")
     assert no_tok.exit_code == 1 and "stop strings need a tokenizer" in no_tok.output
+    for option, value in (("--temperature", "inf"), ("--top-p", "nan"), ("--repetition-penalty", "inf")):
+        bad = run(*args, option, value)
+        assert bad.exit_code == 1 and "must be a finite number" in bad.output and "Traceback" not in bad.output
+
+
+def test_an_empty_stop_string_is_ignored(tmp_path):
+    from conftest import tiny_tokenizer
+
+    tiny_llama().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    args = ["generate", "--model", str(tmp_path), "hello world", "--no-chat", "--max-new-tokens", "6", "--dtype", "float32", "--json"]
+    plain, empty = json.loads(run(*args).stdout), json.loads(run(*args, "--stop", "").stdout)
+    assert empty["tokens"] == plain["tokens"] and len(empty["tokens"]) == 6
 
 
 def test_models_lists_the_embedded_models(tmp_path):

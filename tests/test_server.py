@@ -111,6 +111,10 @@ def test_seeds_reproduce_and_unseeded_requests_vary(text_server):
         ({"prompt": "hello", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
         ({"prompt": "hello", "temperature": -1}, 400, "temperature"),
+        ({"prompt": [True, False]}, 400, "prompt must be text or a list of token ids"),
+        ({"prompt": [[1, True]]}, 400, "prompt must be text or a list of token ids"),
+        ({"prompt": "hello", "max_tokens": True}, 400, "max_tokens"),
+        ({"prompt": "hello", "stream": 1}, 400, "stream"),
         ({}, 400, "prompt"),
     ],
 )
@@ -121,10 +125,32 @@ def test_bad_requests_get_openai_style_errors(text_server, body, status, message
     assert httpx.get(url + "/health").json()["status"] == "ok"  # still serving
 
 
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p"])
+@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN"])
+def test_non_finite_numbers_are_refused(text_server, field, value):
+    _, url, _ = text_server
+    body = f'{{"prompt": "hello", "max_tokens": 2, "{field}": {value}}}'.encode()  # Python's JSON parser takes these
+    reply = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == field
+    assert "finite" in reply.json()["error"]["message"]
+
+
+def test_an_empty_stop_string_is_no_stop(text_server):
+    _, _, client = text_server
+    kwargs = dict(model="tiny", prompt="w40 w41", max_tokens=10, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0]
+    for stop in ("", [""]):
+        out = client.completions.create(stop=stop, **kwargs).choices[0]
+        assert (out.text, out.finish_reason) == (plain.text, "length")
+        chunks = list(client.completions.create(stop=stop, stream=True, **kwargs))
+        assert "".join(c.choices[0].text for c in chunks) == plain.text and chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_malformed_json_and_the_client_sees_status_errors(text_server):
     _, url, client = text_server
-    reply = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert reply.status_code == 400 and "error" in reply.json()
+    reply = httpx.post(url + "/v1/completions", content=b'{"prompt": "hi",, }', headers={"content-type": "application/json"})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] is None and error["message"].startswith("malformed JSON body at character 16")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hello")
     with pytest.raises(openai.BadRequestError, match="n=3"):
