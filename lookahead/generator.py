@@ -132,6 +132,20 @@ class LookaheadGenerator:
         global RNG like ``generate()`` (``torch.manual_seed`` reproduces it), or, with ``seed=<int>``, from a
         private generator: the same seed gives the same sample whatever the global state.
         """
+        if state is not None:
+            state.check_fits(self.vocab_size, self.config)
+        ids, decoding = self.prepare(prompt, max_new_tokens, chat=chat, system=system, generation_config=generation_config,
+                                     seed=seed, **options)
+        with torch.inference_mode():
+            tokens, stats, reason = self._decode(ids, max_new_tokens, streamer, lookahead, decoding, state or self.new_state())
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationResult(tokens, text, stats, reason)
+
+    def prepare(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int = 128, *, chat: bool = False,
+                system: str | None = None, generation_config: GenerationConfig | None = None, seed: int | None = None,
+                **options) -> tuple[list[int], Decoding]:
+        """The prompt's token ids and the resolved options: every check ``generate()`` makes before decoding
+        (a ValueError), so a server can refuse bad input before it starts a stream."""
         ids = self._prompt_ids(prompt, chat, system)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -139,15 +153,9 @@ class LookaheadGenerator:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {self.max_context} tokens"
             )
-        if state is not None:
-            state.check_fits(self.vocab_size, self.config)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
-        decoding = Decoding(self.model, self.tokenizer, len(ids), max_new_tokens, generation_config, seed, options)
-        with torch.inference_mode():
-            tokens, stats, reason = self._decode(ids, max_new_tokens, streamer, lookahead, decoding, state or self.new_state())
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationResult(tokens, text, stats, reason)
+        return ids, Decoding(self.model, self.tokenizer, len(ids), max_new_tokens, generation_config, seed, options)
 
     def _prompt_ids(self, prompt: str | list[int] | torch.Tensor, chat: bool, system: str | None) -> list[int]:
         if system is not None and not (chat and isinstance(prompt, str)):  # it would be silently dropped

@@ -230,6 +230,17 @@ def test_a_system_message_without_chat_is_an_error(tmp_path):
         assert bad.exit_code == 1 and "Error: a system message needs chat mode" in bad.output and "Traceback" not in bad.output
 
 
+def test_serve_takes_a_body_limit(tokenizerless_dir, monkeypatch):
+    from lookahead import server
+
+    calls = []
+    monkeypatch.setattr(server, "serve", lambda *args: calls.append(args))
+    args = ["serve", "--model", tokenizerless_dir, "--dtype", "float32", "--port", "0"]
+    assert run(*args).exit_code == 0 and calls[-1][-1] == 8 * 2**20
+    assert run(*args, "--max-body-bytes", "1000").exit_code == 0 and calls[-1][-1] == 1000
+    assert "is not in the range x>=1" in run(*args, "--max-body-bytes", "0").output
+
+
 def test_tune_measures_prints_and_plots(tokenizerless_dir, tmp_path):
     result = run("tune", "--model", tokenizerless_dir, "--cache-dir", str(tmp_path / "cache"), "--plot", str(tmp_path / "c.png"))
     assert result.exit_code == 0, result.output

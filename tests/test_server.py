@@ -5,6 +5,7 @@ stop strings, seeds, errors with their status codes, the queue limit, disconnect
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -123,6 +124,54 @@ def test_bad_requests_get_openai_style_errors(text_server, body, status, message
     reply = httpx.post(url + "/v1/completions", json=body)
     assert reply.status_code == status and message in reply.json()["error"]["message"]
     assert httpx.get(url + "/health").json()["status"] == "ok"  # still serving
+
+
+@pytest.mark.parametrize(
+    "path, body, message, param",
+    [
+        ("/v1/completions", {"prompt": [1, 2, 999]}, "token id 999 is outside the vocabulary", "prompt"),
+        ("/v1/completions", {"prompt": [1] * 600, "max_tokens": 5}, "exceeds the model's context", "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5 " * 600}]}, "exceeds the model's context", "messages"),
+    ],
+)
+def test_bad_input_to_a_stream_is_a_400_before_it_starts(text_server, path, body, message, param):
+    server, url, _ = text_server
+    reply = httpx.post(url + path, json=body | {"stream": True})
+    assert reply.status_code == 400 and reply.headers["content-type"] == "application/json"
+    assert message in reply.json()["error"]["message"] and reply.json()["error"]["param"] == param
+    assert server.pending == 0
+
+
+def test_a_slow_chat_template_leaves_the_server_responsive():
+    tok = tiny_tokenizer()
+    template = tok.apply_chat_template
+
+    def slow_template(*args, **kwargs):  # as a 12 MB conversation takes seconds
+        time.sleep(3)
+        return template(*args, **kwargs)
+
+    tok.apply_chat_template = slow_template
+    server = Server(LookaheadGenerator(MODEL, tok, LookaheadConfig(auto=False)), "tiny")
+    with running(server) as url, ThreadPoolExecutor(1) as pool:
+        chat = pool.submit(httpx.post, url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
+                                                                           "max_tokens": 2}, timeout=60)
+        time.sleep(0.5)  # the template is being applied
+        started = time.perf_counter()
+        assert httpx.get(url + "/health", timeout=60).status_code == 200
+        waited = time.perf_counter() - started
+        assert chat.result().status_code == 200
+    assert waited < 1.5, f"/health waited {waited:.1f} s for the chat template"
+
+
+def test_bodies_past_the_limit_get_413():
+    server = Server(LookaheadGenerator(MODEL, tiny_tokenizer(), LookaheadConfig(auto=False)), "tiny", max_body_bytes=2000)
+    with running(server) as url:
+        big = b'{"prompt": "' + b"w5 " * 1000 + b'"}'
+        for content in (big, iter([big[:1000], big[1000:]])):  # declared by Content-Length, or chunked
+            reply = httpx.post(url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+            assert reply.status_code == 413
+            assert reply.json()["error"]["message"] == "request body over the server's limit of 2000 bytes"
+        assert httpx.post(url + "/v1/completions", json={"prompt": "w5 " * 300, "max_tokens": 2}).status_code == 200
 
 
 @pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p"])
