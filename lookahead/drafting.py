@@ -67,6 +67,13 @@ class DraftState:
         self.hits = np.zeros((STAT_ROWS, MAX_DEPTH))  # ... and accepted
         self._template, self._template_age = None, TEMPLATE_REFRESH
 
+    @staticmethod
+    def warm_up() -> None:
+        """Compile (or load from numba's on-disk cache) every drafting kernel, for every argument type the decode
+        loop passes, once per process: a fresh install's first request would otherwise spend seconds compiling."""
+        for source in (NGramPool, RecycleTable, SuffixDrafter):
+            source._warm_up()
+
     # -- per request ----------------------------------------------------------------------------
 
     @classmethod

@@ -75,6 +75,7 @@ class LookaheadGenerator:
         self.max_context = int(getattr(mc, "max_position_embeddings", 0) or 0) or None
         self.mask_layers = _mask_layers(mc)
         TokenTree.warm_up()
+        DraftState.warm_up()
 
     @classmethod
     def from_pretrained(
