@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from lookahead import models
-from lookahead.config import LookaheadConfig
+from lookahead.config import MAX_BODY_BYTES, LookaheadConfig
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -220,7 +220,9 @@ def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
               help="Warm drafting state directory: loaded at start if it exists, saved on shutdown.")
 @click.option("--queue-limit", type=click.IntRange(min=1), default=16, show_default=True,
               help="Requests waiting or running beyond which the server answers 429.")
-def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, queue_limit) -> None:
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=MAX_BODY_BYTES, show_default=True,
+              help="Largest request body; a larger one gets 413.")
+def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, queue_limit, max_body_bytes) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (needs the [serve] extra)."""
     try:
         from lookahead import server
@@ -231,7 +233,7 @@ def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, 
     try:
         gen = LookaheadGenerator.from_pretrained(model_spec, LookaheadConfig(), dtype=dtype, device=device, cache_dir=cache_dir,
                                                  progress=_progress, kernels=kernels)
-        server.serve(gen, model_spec, host, port, state_dir, queue_limit)
+        server.serve(gen, model_spec, host, port, state_dir, queue_limit, max_body_bytes)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e).strip().splitlines()[0]) from None
 

@@ -9,6 +9,7 @@ MAX_NGRAM = 16
 MAX_GUESS = 128
 MAX_TREE = 256
 MAX_RECYCLE = 64
+MAX_BODY_BYTES = 8 * 2**20  # the server's request body limit: far above a long context's text or token ids
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

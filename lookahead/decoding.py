@@ -3,6 +3,7 @@ sampling that ``model.generate()`` would use, plus the acceptance rule that matc
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -38,6 +39,9 @@ class Decoding:
             value = getattr(config, name, off)
             if value is not None and value != off:
                 raise ValueError(f"generation option {name}={value!r} is not supported by lookahead decoding")
+        for name, value in vars(config).items():  # generate() itself takes temperature=inf, top_p=nan, ...
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if config.do_sample and config.temperature is not None and config.temperature <= 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {config.temperature}")
         config.max_length = prompt_len + max_new_tokens
@@ -47,9 +51,11 @@ class Decoding:
         self.do_sample = bool(config.do_sample)
         eos = config._eos_token_tensor
         self.eos_ids = frozenset(eos.flatten().tolist()) if eos is not None else frozenset()
-        if config.stop_strings and tokenizer is None:
+        stops = [config.stop_strings] if isinstance(config.stop_strings, str) else list(config.stop_strings or [])
+        stops = [s for s in stops if s]  # "" would end generation at once; ignored, as OpenAI ignores it
+        if stops and tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        self.stop_strings = StopStringCriteria(tokenizer, config.stop_strings) if config.stop_strings else None
+        self.stop_strings = StopStringCriteria(tokenizer, stops) if stops else None
         self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
         self.deadline = time.monotonic() + config.max_time if config.max_time is not None else None
 

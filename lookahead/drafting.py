@@ -67,6 +67,13 @@ class DraftState:
         self.hits = np.zeros((STAT_ROWS, MAX_DEPTH))  # ... and accepted
         self._template, self._template_age = None, TEMPLATE_REFRESH
 
+    @staticmethod
+    def warm_up() -> None:
+        """Compile (or load from numba's on-disk cache) every drafting kernel, for every argument type the decode
+        loop passes, once per process: a fresh install's first request would otherwise spend seconds compiling."""
+        for source in (NGramPool, RecycleTable, SuffixDrafter):
+            source._warm_up()
+
     # -- per request ----------------------------------------------------------------------------
 
     @classmethod
@@ -168,8 +175,10 @@ class DraftState:
     # -- persistence ----------------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
-        """Write ``pool.npz``, ``recycle.npz`` and ``acceptance.npz`` into ``directory``."""
+        """Write ``pool.npz``, ``recycle.npz`` and ``acceptance.npz`` into ``directory`` (created if missing)."""
         directory = Path(directory)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"{directory}: exists and is not a directory; the drafting state is saved as a directory")
         directory.mkdir(parents=True, exist_ok=True)
         self.pool.save(directory / "pool.npz")
         self.recycle.save(directory / "recycle.npz")

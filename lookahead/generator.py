@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from jinja2 import TemplateError
 from transformers import Cache, GenerationConfig, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -17,6 +16,7 @@ from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
 from lookahead.drafting import TRAJECTORY, DraftState
 from lookahead.layout import StepLayout, build_layout
+from lookahead.prompt import prompt_ids
 from lookahead.stats import Clock, GenerationStats
 from lookahead.tree import TokenTree
 from lookahead.tuner import CostCurve, JacobiWorth, LiveCurve, cached_curve, choose, fastest_dtype
@@ -76,6 +76,7 @@ class LookaheadGenerator:
         self.max_context = int(getattr(mc, "max_position_embeddings", 0) or 0) or None
         self.mask_layers = _mask_layers(mc)
         TokenTree.warm_up()
+        DraftState.warm_up()
 
     @classmethod
     def from_pretrained(
@@ -143,59 +144,30 @@ class LookaheadGenerator:
         global RNG like ``generate()`` (``torch.manual_seed`` reproduces it), or, with ``seed=<int>``, from a
         private generator: the same seed gives the same sample whatever the global state.
         """
-        ids = self._prompt_ids(prompt, chat, system)
+        if state is not None:
+            state.check_fits(self.vocab_size, self.config)
+        ids, decoding = self.prepare(prompt, max_new_tokens, chat=chat, system=system, generation_config=generation_config,
+                                     seed=seed, **options)
+        with torch.inference_mode():
+            tokens, stats, reason = self._decode(ids, max_new_tokens, streamer, lookahead, decoding, state or self.new_state())
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationResult(tokens, text, stats, reason)
+
+    def prepare(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int = 128, *, chat: bool = False,
+                system: str | None = None, generation_config: GenerationConfig | None = None, seed: int | None = None,
+                **options) -> tuple[list[int], Decoding]:
+        """The prompt's token ids and the resolved options: every check ``generate()`` makes before decoding
+        (a ValueError), so a server can refuse bad input before it starts a stream."""
+        ids = prompt_ids(prompt, self.tokenizer, self.vocab_size, chat, system)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if self.max_context is not None and len(ids) + max_new_tokens > self.max_context:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {self.max_context} tokens"
             )
-        if state is not None:
-            state.check_fits(self.vocab_size, self.config)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
-        decoding = Decoding(self.model, self.tokenizer, len(ids), max_new_tokens, generation_config, seed, options)
-        with torch.inference_mode():
-            tokens, stats, reason = self._decode(ids, max_new_tokens, streamer, lookahead, decoding, state or self.new_state())
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationResult(tokens, text, stats, reason)
-
-    def _prompt_ids(self, prompt: str | list[int] | torch.Tensor, chat: bool, system: str | None) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; this model has none, so pass token ids")
-            if not prompt.strip():
-                raise ValueError("the prompt is empty")
-            if chat:
-                if not self.tokenizer.chat_template:
-                    raise ValueError("this model's tokenizer has no chat template; generate without chat")
-                messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-                try:
-                    ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-                except TemplateError as e:  # raised from inside the template (e.g. "no system role")
-                    raise ValueError(f"the chat template rejected the messages: {e}") from None
-            else:
-                ids = self.tokenizer(prompt)["input_ids"]
-        else:
-            ids = self._ids_from(prompt)
-        if len(ids) == 0:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return list(ids)
-
-    @staticmethod
-    def _ids_from(prompt: list[int] | torch.Tensor) -> list[int]:
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() == 2 and prompt.shape[0] == 1:
-                prompt = prompt[0]
-            if prompt.dim() != 1 or prompt.is_floating_point() or prompt.dtype == torch.bool:
-                raise ValueError(f"input_ids must be a 1-D or (1, L) integer tensor, got {tuple(prompt.shape)} {prompt.dtype}")
-            return prompt.tolist()
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("input_ids must be a list of ints, a LongTensor, or a text prompt")
-        return list(prompt)
+        return ids, Decoding(self.model, self.tokenizer, len(ids), max_new_tokens, generation_config, seed, options)
 
     def new_state(self) -> DraftState:
         """An empty drafting state for this generator; pass it to ``generate(state=...)`` to keep it learning."""

@@ -9,7 +9,8 @@ tokens, then ``[DONE]``). Requests run one at a time (batch size 1) in a worker 
 more than ``queue_limit`` waiting or running get 429. A client that disconnects mid-stream stops its
 generation at the next step. All requests share one drafting state (pools, recycling table, acceptance
 statistics), saved on shutdown and loaded at start with ``--state``: later requests draft better.
-Errors are OpenAI-style JSON bodies with a 4xx status; the server keeps serving.
+Errors are OpenAI-style JSON bodies with a 4xx status, also for a streamed request (checked before its stream
+starts); request bodies past ``max_body_bytes`` get 413. The server keeps serving.
 """
 
 from __future__ import annotations
@@ -27,52 +28,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException
 
+from lookahead.api import APIError, BodyLimit, ChatRequest, CompletionRequest, check_request
+from lookahead.config import MAX_BODY_BYTES
 from lookahead.drafting import SOURCES, DraftState
 from lookahead.generator import LookaheadGenerator
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are checked by name below, not silently dropped
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stream: bool = False
-    n: int = 1
-    best_of: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    logprobs: Any = None
-    echo: bool = False
-    user: str | None = None
-    stream_options: dict | None = None
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    return_token_ids: bool = False
-
-
-class ChatRequest(_Common):
-    messages: list[dict]
-    return_token_ids: bool = False
-
-
-IGNORED = {"user", "stream_options"}  # accepted and without effect on the output
 
 
 class _Channel:
@@ -100,8 +62,9 @@ class Server:
     """The generator, its shared drafting state, the request queue and the metrics."""
 
     def __init__(self, gen: LookaheadGenerator, model_name: str, state: DraftState | None = None, queue_limit: int = 16,
-                 state_path: Path | None = None) -> None:
+                 state_path: Path | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.gen, self.model_name, self.queue_limit, self.state_path = gen, model_name, queue_limit, state_path
+        self.max_body_bytes = max_body_bytes
         self.state = state or gen.new_state()
         self.lock = asyncio.Lock()
         self.pending = 0
@@ -118,59 +81,25 @@ class Server:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def prepare(self, req: _Common, chat: bool) -> tuple[Any, dict, list[str]]:
-        """(prompt for generate, its keyword arguments, stop strings) or an APIError."""
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found")
-        extra = set(req.model_extra or {}) - IGNORED
-        if extra:
-            raise APIError(400, f"unsupported parameter(s): {', '.join(sorted(extra))}", sorted(extra)[0])
-        for name, ok in (("n", req.n == 1), ("best_of", req.best_of in (None, 1)), ("logprobs", req.logprobs in (None, False, 0)),
-                         ("echo", not req.echo), ("presence_penalty", req.presence_penalty == 0),
-                         ("frequency_penalty", req.frequency_penalty == 0)):
-            if not ok:
-                raise APIError(400, f"{name}={getattr(req, name)!r} is not supported (one greedy or sampled sequence per request)", name)
-        tokenizer = self.gen.tokenizer
-        if chat:
-            if tokenizer is None or not tokenizer.chat_template:
-                raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-            if not req.messages or any(not isinstance(m.get("content"), str) for m in req.messages):
-                raise APIError(400, "messages must be a non-empty list of {role, content} with text content", "messages")
-            try:
-                prompt = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-            except Exception as e:  # a template that rejects the conversation (roles, order)
-                raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
-        else:
-            prompt = req.prompt
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-                if len(prompt) != 1:
-                    raise APIError(400, "one prompt per request (batch size 1)", "prompt")
-                prompt = prompt[0]
-            if isinstance(prompt, str) and tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if stops and tokenizer is None:
-            raise APIError(400, "stop strings need a tokenizer; this model has none", "stop")
-        sample = req.temperature is None or req.temperature > 0  # OpenAI's default temperature is 1
-        options: dict[str, Any] = {"do_sample": sample}
-        if sample:
-            options |= {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k)) if v is not None}
-            options.setdefault("temperature", 1.0)
-            options.setdefault("top_k", 0)  # OpenAI has no top-k unless asked (generate()'s default is 50)
-        if req.repetition_penalty is not None:
-            options["repetition_penalty"] = req.repetition_penalty
-        if stops:
-            options["stop_strings"] = stops
-        max_tokens = req.max_completion_tokens or req.max_tokens or 16
-        return prompt, dict(max_new_tokens=max_tokens, seed=req.seed, **options), stops
-
-    def run(self, prompt, kwargs: dict, streamer=None):
-        """One generation in the worker thread, on the shared drafting state; ValueErrors become 400s."""
+    def tokenize(self, prompt: str | list[int] | list[dict], chat: bool, kwargs: dict) -> list[int]:
+        """The prompt's token ids, checked as ``generate`` checks them (vocabulary, context, options), or a 400.
+        In the worker thread: a chat template over a long conversation takes seconds."""
         try:
-            with self.state_lock:
-                return self.gen.generate(prompt, streamer=streamer, state=self.state, **kwargs)
+            if chat:
+                try:
+                    prompt = self.gen.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+                except Exception as e:  # a template that rejects the conversation (roles, order)
+                    raise ValueError(f"the chat template rejected the messages: {e}") from None
+            return self.gen.prepare(prompt, **kwargs)[0]
         except ValueError as e:
-            raise APIError(400, str(e).strip().splitlines()[0], "prompt" if "prompt" in str(e) or "token id" in str(e) else None) from None
+            message = str(e).strip().splitlines()[0]
+            on_prompt = any(word in message for word in ("prompt", "token id", "chat template"))
+            raise APIError(400, message, ("messages" if chat else "prompt") if on_prompt else None) from None
+
+    def run(self, ids: list[int], kwargs: dict, streamer=None):
+        """One generation of checked input in the worker thread, on the shared drafting state."""
+        with self.state_lock:
+            return self.gen.generate(ids, streamer=streamer, state=self.state, **kwargs)
 
     def record(self, endpoint: str, out, started: float) -> None:
         stats = out.stats
@@ -188,7 +117,7 @@ class Server:
         if self.gen.tokenizer is None:
             return "", False
         text = self.gen.tokenizer.decode(tokens, skip_special_tokens=True)
-        cuts = [text.find(s) for s in stops if s and s in text]
+        cuts = [text.find(s) for s in stops if s in text]
         return (text[: min(cuts)], True) if cuts else (text, False)
 
     def save_state(self) -> None:
@@ -204,15 +133,24 @@ def create_app(server: Server) -> FastAPI:
         server.save_state()  # the warm drafting state outlives the process
 
     app = FastAPI(title="lookahead", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=server.max_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         server.m_requests.labels(request.url.path, str(e.status)).inc()
         return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}, status_code=e.status)
 
+    @app.exception_handler(HTTPException)  # Starlette's own: unknown routes, bodies past the limit
+    async def http_error(request: Request, e: HTTPException):
+        detail = f"request body over the server's limit of {server.max_body_bytes} bytes" if e.status_code == 413 else e.detail
+        return await api_error(request, APIError(e.status_code, detail))
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc holds the character offset, not a parameter
+            return await api_error(request, APIError(400, f"malformed JSON body at character {first['loc'][-1]}: "
+                                                          f"{first.get('ctx', {}).get('error', 'cannot parse')}"))
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or "body"
         return await api_error(request, APIError(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}", where))
 
@@ -237,21 +175,26 @@ def create_app(server: Server) -> FastAPI:
     async def chat_completions(req: ChatRequest):
         return await handle(req, chat=True)
 
-    async def handle(req: _Common, chat: bool):
+    async def handle(req: CompletionRequest | ChatRequest, chat: bool):
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-        prompt, kwargs, stops = server.prepare(req, chat)
+        prompt, kwargs, stops = check_request(req, chat, server.model_name, server.gen.tokenizer)
         if server.pending >= server.queue_limit:
             raise APIError(429, f"server busy: {server.pending} requests queued (limit {server.queue_limit}); retry later",
                            kind="rate_limit_exceeded")
         server.pending += 1
+        try:  # before any answer, so that bad input is a 400 for a stream too (as OpenAI answers)
+            ids = await asyncio.to_thread(server.tokenize, prompt, chat, kwargs)
+        except BaseException:
+            server.pending -= 1
+            raise
         rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
         head = {"id": rid, "created": created, "model": server.model_name}
-        if req.stream:
-            return EventSourceResponse(stream(head, prompt, kwargs, stops, chat, endpoint, req.return_token_ids), ping=15)
+        if req.stream:  # the stream frees its queue slot when it ends
+            return EventSourceResponse(stream(head, ids, kwargs, stops, chat, endpoint, req.return_token_ids), ping=15)
         started = time.perf_counter()
         try:
             async with server.lock:
-                out = await asyncio.to_thread(server.run, prompt, kwargs)
+                out = await asyncio.to_thread(server.run, ids, kwargs)
         finally:
             server.pending -= 1
         server.record(endpoint, out, started)
@@ -261,13 +204,12 @@ def create_app(server: Server) -> FastAPI:
         choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         if req.return_token_ids or server.gen.tokenizer is None:
             choice["token_ids"] = out.tokens
-        prompt_tokens = len(prompt) if isinstance(prompt, list) else len(server.gen.tokenizer(prompt)["input_ids"])
         return head | {"object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                       "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.tokens),
-                                 "total_tokens": prompt_tokens + len(out.tokens)},
+                       "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.tokens),
+                                 "total_tokens": len(ids) + len(out.tokens)},
                        "lookahead": out.stats.as_dict()}
 
-    async def stream(head, prompt, kwargs, stops, chat, endpoint, with_ids):
+    async def stream(head, ids, kwargs, stops, chat, endpoint, with_ids):
         """Server-sent events: a chunk per accepted batch, the text held back while it could still become a stop string."""
         channel = _Channel(asyncio.get_running_loop())
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -283,7 +225,7 @@ def create_app(server: Server) -> FastAPI:
 
         try:
             async with server.lock:
-                task = asyncio.ensure_future(asyncio.to_thread(server.run, prompt, kwargs, channel))
+                task = asyncio.ensure_future(asyncio.to_thread(server.run, ids, kwargs, channel))
                 tokens, sent, stopped = [], 0, False
                 while not stopped:
                     getter = asyncio.ensure_future(channel.queue.get())
@@ -307,16 +249,13 @@ def create_app(server: Server) -> FastAPI:
                     out = await task
                 except _Channel.Cancelled:
                     out = None
-                except APIError as e:
-                    yield json.dumps({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}})
-                    return
                 text, stopped = server.text_of(tokens, stops)
                 reason = "stop" if stopped or (out is not None and out.finish_reason == "stop") else "length"
                 extra = {}
                 if out is not None:
                     server.record(endpoint, out, started)
-                    extra = {"usage": {"prompt_tokens": len(prompt) if isinstance(prompt, list) else None,
-                                       "completion_tokens": len(out.tokens)}, "lookahead": out.stats.as_dict()}
+                    extra = {"usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.tokens),
+                                       "total_tokens": len(ids) + len(out.tokens)}, "lookahead": out.stats.as_dict()}
                 yield chunk(text[sent:], [], reason, **extra)
                 yield "[DONE]"
         finally:  # also when the client went away: the generation stops at its next step (``state_lock`` keeps
@@ -357,11 +296,12 @@ def background(server: Server, host: str = "127.0.0.1", port: int = 0):
         thread.join(timeout=60)
 
 
-def serve(gen: LookaheadGenerator, model_name: str, host: str, port: int, state_path: Path | None, queue_limit: int) -> None:
+def serve(gen: LookaheadGenerator, model_name: str, host: str, port: int, state_path: Path | None, queue_limit: int,
+          max_body_bytes: int = MAX_BODY_BYTES) -> None:
     import uvicorn
 
     state = DraftState.load(state_path) if state_path is not None and state_path.exists() else None
     if state is not None:
         state.check_fits(gen.vocab_size, gen.config)
-    app = create_app(Server(gen, model_name, state, queue_limit, state_path))
+    app = create_app(Server(gen, model_name, state, queue_limit, state_path, max_body_bytes))
     uvicorn.run(app, host=host, port=port, log_level="info")

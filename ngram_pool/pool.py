@@ -32,7 +32,9 @@ class PoolStats:
 
 
 def _as_ids(name: str, value: object, ndim: int) -> np.ndarray:
-    """A C-contiguous int32 or int64 array (one kernel specialization each); range is checked in the kernels."""
+    """A C-contiguous, writable int32 or int64 array: one kernel specialization each, all compiled by the
+    warm-ups (a read-only view, such as a one-row ``sliding_window_view``, would be another); range is checked
+    in the kernels."""
     arr = np.asarray(value)
     if arr.dtype.kind not in "iu":
         if arr.size:
@@ -42,7 +44,7 @@ def _as_ids(name: str, value: object, ndim: int) -> np.ndarray:
         raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
     if arr.dtype != np.int32 and arr.dtype != np.int64:
         arr = arr.astype(np.int64)
-    return np.ascontiguousarray(arr)
+    return np.require(arr, requirements="CW")
 
 
 class NGramPool:
@@ -81,6 +83,7 @@ class NGramPool:
         table, counts, row_of = np.zeros((1, 1, 2), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32)
         for dtype in (np.int32, np.int64):
             grams = np.zeros((1, 2), dtype)
+            kernels.check_ids(grams[0], 1)  # called directly on short sequences
             kernels.missing_keys(row_of, grams[:, 0].copy())
             kernels.insert_ngrams(table, counts, row_of, grams, 0)
             kernels.insert_then_lookup(table, counts, row_of, grams, 0, 0, 1)

@@ -124,12 +124,18 @@ class RecycleTable:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.vocab_size, self.k = int(vocab_size), int(k)
         self.table = np.full((self.vocab_size, self.k), -1, np.int32)
-        if not RecycleTable._warm:
-            for dtype in (np.int32, np.int64):
-                update_table(np.zeros((1, 1), np.int32), np.zeros(1, dtype), np.zeros((1, 1), dtype))
-            expand_template(np.zeros((1, 1), np.int32), 0, np.full(1, -1, np.int64), np.zeros(1, np.int64))
-            best_template(np.ones(1), 1, 1)
-            RecycleTable._warm = True
+        self._warm_up()
+
+    @classmethod
+    def _warm_up(cls) -> None:
+        """Compile (or load from numba's on-disk cache) every kernel once per process, off the hot path."""
+        if cls._warm:
+            return
+        for dtype in (np.int32, np.int64):
+            update_table(np.zeros((1, 1), np.int32), np.zeros(1, dtype), np.zeros((1, 1), dtype))
+        expand_template(np.zeros((1, 1), np.int32), 0, np.full(1, -1, np.int64), np.zeros(1, np.int64))
+        best_template(np.ones(1), 1, 1)
+        cls._warm = True
 
     def update(self, tokens: np.ndarray, successors: np.ndarray) -> None:
         """Rows (R,) of input tokens and (R, k') of their ranked next tokens; later rows overwrite earlier ones."""

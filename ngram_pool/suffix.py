@@ -77,9 +77,17 @@ class SuffixDrafter:
         self.vocab_size, self.max_match = int(vocab_size), int(max_match)
         self._seq = np.zeros(256, np.int32)
         self._size = 0
-        if not SuffixDrafter._warm:
-            suffix_drafts(np.zeros(2, np.int32), 2, 1, 1, 1, 1)
-            SuffixDrafter._warm = True
+        self._warm_up()
+
+    @classmethod
+    def _warm_up(cls) -> None:
+        """Compile (or load from numba's on-disk cache) every kernel once per process, off the hot path."""
+        if cls._warm:
+            return
+        for dtype in (np.int32, np.int64):
+            check_ids(np.zeros(1, dtype), 1)  # ``extend`` checks ids before copying them in
+        suffix_drafts(np.zeros(2, np.int32), 2, 1, 1, 1, 1)
+        cls._warm = True
 
     def __len__(self) -> int:
         return self._size

@@ -100,6 +100,19 @@ def test_sampling_options_reach_the_generator(tokenizerless_dir):
     assert bad.exit_code == 1 and "temperature" in bad.output
     no_tok = run(*args, "--stop", ".")
     assert no_tok.exit_code == 1 and "stop strings need a tokenizer" in no_tok.output
+    for option, value in (("--temperature", "inf"), ("--top-p", "nan"), ("--repetition-penalty", "inf")):
+        bad = run(*args, option, value)
+        assert bad.exit_code == 1 and "must be a finite number" in bad.output and "Traceback" not in bad.output
+
+
+def test_an_empty_stop_string_is_ignored(tmp_path):
+    from conftest import tiny_tokenizer
+
+    tiny_llama().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    args = ["generate", "--model", str(tmp_path), "hello world", "--no-chat", "--max-new-tokens", "6", "--dtype", "float32", "--json"]
+    plain, empty = json.loads(run(*args).stdout), json.loads(run(*args, "--stop", "").stdout)
+    assert empty["tokens"] == plain["tokens"] and len(empty["tokens"]) == 6
 
 
 def test_models_lists_the_embedded_models(tmp_path):
@@ -205,6 +218,27 @@ def test_a_chat_template_that_rejects_the_system_role_is_one_error_line(tmp_path
     bad = run("generate", "--model", str(tmp_path), "hello world", "--system", "Be brief.", "--max-new-tokens", "3")
     assert bad.exit_code == 1 and "Error: the chat template rejected the messages: System role not supported" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_a_system_message_without_chat_is_an_error(tmp_path):
+    from conftest import tiny_tokenizer
+
+    tiny_llama().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    for extra in (["hello world", "--no-chat"], ["--ids", "1,2"]):
+        bad = run("generate", "--model", str(tmp_path), "--system", "Be brief.", "--max-new-tokens", "2", "--dtype", "float32", *extra)
+        assert bad.exit_code == 1 and "Error: a system message needs chat mode" in bad.output and "Traceback" not in bad.output
+
+
+def test_serve_takes_a_body_limit(tokenizerless_dir, monkeypatch):
+    from lookahead import server
+
+    calls = []
+    monkeypatch.setattr(server, "serve", lambda *args: calls.append(args))
+    args = ["serve", "--model", tokenizerless_dir, "--dtype", "float32", "--port", "0"]
+    assert run(*args).exit_code == 0 and calls[-1][-1] == 8 * 2**20
+    assert run(*args, "--max-body-bytes", "1000").exit_code == 0 and calls[-1][-1] == 1000
+    assert "is not in the range x>=1" in run(*args, "--max-body-bytes", "0").output
 
 
 def test_tune_measures_prints_and_plots(tokenizerless_dir, tmp_path):

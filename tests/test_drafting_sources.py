@@ -133,6 +133,12 @@ def test_draft_state_merges_every_source_into_one_tree_and_round_trips(tmp_path)
         DraftState.load(tmp_path / "state")
 
 
+def test_saving_a_state_onto_a_file_is_a_value_error_naming_it(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'file'}: exists and is not a directory"):
+        DraftState(50, 3).save(tmp_path / "file")
+
+
 def test_drafting_modules_leave_torch_out():
     import subprocess
     import sys

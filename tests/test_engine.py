@@ -193,6 +193,51 @@ def test_bad_generate_inputs_raise_value_errors():
         gen.generate([1, "2"], max_new_tokens=4)
 
 
+def test_a_system_message_without_chat_is_refused():
+    from conftest import tiny_tokenizer
+
+    gen = LookaheadGenerator(tiny_llama(), tiny_tokenizer())
+    for prompt, chat in (("hello", False), ([1, 2], True), ([1, 2], False)):
+        with pytest.raises(ValueError, match="a system message needs chat mode"):
+            gen.generate(prompt, max_new_tokens=2, chat=chat, system="Be brief.")
+
+
+WARM_UP_CHECK = """
+import sys
+sys.path[:0] = [".", "tests"]
+from numba.core.dispatcher import Dispatcher
+from conftest import tiny_llama, tiny_tokenizer
+from lookahead import LookaheadConfig, LookaheadGenerator
+from lookahead.drafting import DraftState
+
+def compiled():
+    return {(name, f): set(fn.signatures) for name, module in list(sys.modules.items()) if name.startswith(("lookahead", "ngram_pool"))
+            for f, fn in vars(module).items() if isinstance(fn, Dispatcher)}
+
+gen = LookaheadGenerator(tiny_llama(), tiny_tokenizer(), LookaheadConfig(auto=False))
+built = compiled()
+assert len(built) >= 10 and all(built.values()), f"not compiled when the generator was built: {[k for k, v in built.items() if not v]}"
+for sparse in (False, True):
+    state = DraftState.for_config(gen.vocab_size, gen.config, sparse)
+    for prompt in ([5, 9, 11, 5, 9, 11, 5, 9] * 2, [7, 8, 9], [7]):  # prompts longer than N, as long, shorter
+        gen.generate(prompt, 12, state=state)
+    assert state.pool.stats.ngrams_stored and state.pool.hits and (state.recycle.table >= 0).any()
+new = {k: v - built.get(k, set()) for k, v in compiled().items() if v - built.get(k, set())}
+assert not new, f"compiled inside generate(): {new}"
+"""
+
+
+def test_every_kernel_is_compiled_when_the_generator_is_built_not_in_a_request():
+    """In a fresh process: no numba kernel of the loop (tree, pool dense and sparse, suffix, recycling) compiles
+    a new signature inside generate(), which on a new install cost the first request seconds."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", WARM_UP_CHECK], cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_unsupported_models_are_refused():
     model = tiny_llama()
     model.config._attn_implementation = "flash_attention_2"

@@ -156,12 +156,26 @@ def test_bad_seed_is_a_value_error(seed):
         (dict(do_sample=True, temperature=0.0), "temperature"),
         (dict(encoder_repetition_penalty=1.3), "encoder_repetition_penalty=1.3 is not supported"),
         (dict(encoder_no_repeat_ngram_size=2), "encoder_no_repeat_ngram_size=2 is not supported"),
+        (dict(do_sample=True, temperature=float("inf")), "temperature must be a finite number, got inf"),
+        (dict(do_sample=True, top_p=float("nan")), "top_p must be a finite number, got nan"),
+        (dict(do_sample=True, min_p=float("nan")), "min_p must be a finite number"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
     ],
 )
 def test_unsupported_options_are_named(options, message):
     gen = LookaheadGenerator(tiny_llama())
     with pytest.raises(ValueError, match=message):
         gen.generate([1, 2, 3], max_new_tokens=4, **options)
+
+
+def test_an_empty_stop_string_is_ignored():
+    from conftest import tiny_tokenizer
+
+    gen = LookaheadGenerator(tiny_llama(), tiny_tokenizer())
+    plain = gen.generate("hello world", max_new_tokens=6)
+    for stop in ("", [""]):
+        out = gen.generate("hello world", max_new_tokens=6, stop_strings=stop)
+        assert out.tokens == plain.tokens and out.finish_reason == "length"
 
 
 def test_max_time_stops_generation_as_generate_does():

@@ -5,6 +5,7 @@ stop strings, seeds, errors with their status codes, the queue limit, disconnect
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -111,6 +112,10 @@ def test_seeds_reproduce_and_unseeded_requests_vary(text_server):
         ({"prompt": "hello", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
         ({"prompt": "hello", "temperature": -1}, 400, "temperature"),
+        ({"prompt": [True, False]}, 400, "prompt must be text or a list of token ids"),
+        ({"prompt": [[1, True]]}, 400, "prompt must be text or a list of token ids"),
+        ({"prompt": "hello", "max_tokens": True}, 400, "max_tokens"),
+        ({"prompt": "hello", "stream": 1}, 400, "stream"),
         ({}, 400, "prompt"),
     ],
 )
@@ -121,10 +126,80 @@ def test_bad_requests_get_openai_style_errors(text_server, body, status, message
     assert httpx.get(url + "/health").json()["status"] == "ok"  # still serving
 
 
+@pytest.mark.parametrize(
+    "path, body, message, param",
+    [
+        ("/v1/completions", {"prompt": [1, 2, 999]}, "token id 999 is outside the vocabulary", "prompt"),
+        ("/v1/completions", {"prompt": [1] * 600, "max_tokens": 5}, "exceeds the model's context", "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5 " * 600}]}, "exceeds the model's context", "messages"),
+    ],
+)
+def test_bad_input_to_a_stream_is_a_400_before_it_starts(text_server, path, body, message, param):
+    server, url, _ = text_server
+    reply = httpx.post(url + path, json=body | {"stream": True})
+    assert reply.status_code == 400 and reply.headers["content-type"] == "application/json"
+    assert message in reply.json()["error"]["message"] and reply.json()["error"]["param"] == param
+    assert server.pending == 0
+
+
+def test_a_slow_chat_template_leaves_the_server_responsive():
+    tok = tiny_tokenizer()
+    template = tok.apply_chat_template
+
+    def slow_template(*args, **kwargs):  # as a 12 MB conversation takes seconds
+        time.sleep(3)
+        return template(*args, **kwargs)
+
+    tok.apply_chat_template = slow_template
+    server = Server(LookaheadGenerator(MODEL, tok, LookaheadConfig(auto=False)), "tiny")
+    with running(server) as url, ThreadPoolExecutor(1) as pool:
+        chat = pool.submit(httpx.post, url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
+                                                                           "max_tokens": 2}, timeout=60)
+        time.sleep(0.5)  # the template is being applied
+        started = time.perf_counter()
+        assert httpx.get(url + "/health", timeout=60).status_code == 200
+        waited = time.perf_counter() - started
+        assert chat.result().status_code == 200
+    assert waited < 1.5, f"/health waited {waited:.1f} s for the chat template"
+
+
+def test_bodies_past_the_limit_get_413():
+    server = Server(LookaheadGenerator(MODEL, tiny_tokenizer(), LookaheadConfig(auto=False)), "tiny", max_body_bytes=2000)
+    with running(server) as url:
+        big = b'{"prompt": "' + b"w5 " * 1000 + b'"}'
+        for content in (big, iter([big[:1000], big[1000:]])):  # declared by Content-Length, or chunked
+            reply = httpx.post(url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+            assert reply.status_code == 413
+            assert reply.json()["error"]["message"] == "request body over the server's limit of 2000 bytes"
+        assert httpx.post(url + "/v1/completions", json={"prompt": "w5 " * 300, "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p"])
+@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN"])
+def test_non_finite_numbers_are_refused(text_server, field, value):
+    _, url, _ = text_server
+    body = f'{{"prompt": "hello", "max_tokens": 2, "{field}": {value}}}'.encode()  # Python's JSON parser takes these
+    reply = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == field
+    assert "finite" in reply.json()["error"]["message"]
+
+
+def test_an_empty_stop_string_is_no_stop(text_server):
+    _, _, client = text_server
+    kwargs = dict(model="tiny", prompt="w40 w41", max_tokens=10, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0]
+    for stop in ("", [""]):
+        out = client.completions.create(stop=stop, **kwargs).choices[0]
+        assert (out.text, out.finish_reason) == (plain.text, "length")
+        chunks = list(client.completions.create(stop=stop, stream=True, **kwargs))
+        assert "".join(c.choices[0].text for c in chunks) == plain.text and chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_malformed_json_and_the_client_sees_status_errors(text_server):
     _, url, client = text_server
-    reply = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert reply.status_code == 400 and "error" in reply.json()
+    reply = httpx.post(url + "/v1/completions", content=b'{"prompt": "hi",, }', headers={"content-type": "application/json"})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] is None and error["message"].startswith("malformed JSON body at character 16")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hello")
     with pytest.raises(openai.BadRequestError, match="n=3"):

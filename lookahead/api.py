@@ -1,0 +1,123 @@
+"""The OpenAI request bodies ``lookahead serve`` takes, their checks, its errors and its request body limit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+class _Common(BaseModel):
+    # unknown fields are checked by name below, not silently dropped; strict: true is no 1, "1" no 1;
+    # no infinite or NaN numbers (Python's JSON parser takes Infinity and NaN)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stream: bool = False
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    logprobs: Any = None
+    echo: bool = False
+    user: str | None = None
+    stream_options: dict | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: Any  # text, token ids, or a list of one of either: checked by ``check_request``
+    return_token_ids: bool = False
+
+
+class ChatRequest(_Common):
+    messages: list[dict]
+    return_token_ids: bool = False
+
+
+IGNORED = {"user", "stream_options"}  # accepted and without effect on the output
+
+
+def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple[Any, dict, list[str]]:
+    """(prompt or messages, keyword arguments for ``generate``, stop strings) or an APIError: the cheap checks,
+    made on the event loop (tokenising and the checks on token ids are the server's, in its worker thread)."""
+    if req.model is not None and req.model != model_name:
+        raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found")
+    extra = set(req.model_extra or {}) - IGNORED
+    if extra:
+        raise APIError(400, f"unsupported parameter(s): {', '.join(sorted(extra))}", sorted(extra)[0])
+    for name, ok in (("n", req.n == 1), ("best_of", req.best_of in (None, 1)), ("logprobs", req.logprobs in (None, False, 0)),
+                     ("echo", not req.echo), ("presence_penalty", req.presence_penalty == 0),
+                     ("frequency_penalty", req.frequency_penalty == 0)):
+        if not ok:
+            raise APIError(400, f"{name}={getattr(req, name)!r} is not supported (one greedy or sampled sequence per request)", name)
+    if chat:
+        if tokenizer is None or not tokenizer.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+        if not req.messages or any(not isinstance(m.get("content"), str) for m in req.messages):
+            raise APIError(400, "messages must be a non-empty list of {role, content} with text content", "messages")
+        prompt = req.messages
+    else:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request (batch size 1)", "prompt")
+            prompt = prompt[0]
+        if not (isinstance(prompt, str) or isinstance(prompt, list) and all(type(t) is int for t in prompt)):
+            raise APIError(400, "prompt must be text or a list of token ids (integers), or a list of one of either", "prompt")
+        if isinstance(prompt, str) and tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", "prompt")
+    stops = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or []) if s]  # "" is no stop (OpenAI)
+    if stops and tokenizer is None:
+        raise APIError(400, "stop strings need a tokenizer; this model has none", "stop")
+    sample = req.temperature is None or req.temperature > 0  # OpenAI's default temperature is 1
+    options: dict[str, Any] = {"do_sample": sample}
+    if sample:
+        options |= {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k)) if v is not None}
+        options.setdefault("temperature", 1.0)
+        options.setdefault("top_k", 0)  # OpenAI has no top-k unless asked (generate()'s default is 50)
+    if req.repetition_penalty is not None:
+        options["repetition_penalty"] = req.repetition_penalty
+    if stops:
+        options["stop_strings"] = stops
+    max_tokens = req.max_completion_tokens or req.max_tokens or 16
+    return prompt, dict(max_new_tokens=max_tokens, seed=req.seed, **options), stops
+
+
+class BodyLimit:
+    """ASGI middleware: reading a request body past ``limit`` bytes, as declared or (chunked) as it arrives, raises
+    a 413 that the app answers OpenAI-style (FastAPI's ``max_body_size`` answers a declared one in plain text)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            if declared.isdigit() and int(declared) > self.limit:
+                raise HTTPException(413)
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise HTTPException(413)
+            return message
+
+        await self.app(scope, limited_receive, send)

@@ -1,0 +1,47 @@
+"""A prompt (text, through the chat template or not, a list of ids or a tensor) -> checked token ids."""
+
+from __future__ import annotations
+
+import torch
+from jinja2 import TemplateError
+
+
+def prompt_ids(prompt: str | list[int] | torch.Tensor, tokenizer, vocab_size: int, chat: bool, system: str | None) -> list[int]:
+    """The prompt's token ids, or a ValueError naming what is wrong with it."""
+    if system is not None and not (chat and isinstance(prompt, str)):  # it would be silently dropped
+        raise ValueError("a system message needs chat mode and a text prompt (it goes through the chat template)")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; this model has none, so pass token ids")
+        if not prompt.strip():
+            raise ValueError("the prompt is empty")
+        if chat:
+            if not tokenizer.chat_template:
+                raise ValueError("this model's tokenizer has no chat template; generate without chat")
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            try:
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            except TemplateError as e:  # raised from inside the template (e.g. "no system role")
+                raise ValueError(f"the chat template rejected the messages: {e}") from None
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+    else:
+        ids = _ids_from(prompt)
+    if len(ids) == 0:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return list(ids)
+
+
+def _ids_from(prompt: list[int] | torch.Tensor) -> list[int]:
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.dtype == torch.bool:
+            raise ValueError(f"input_ids must be a 1-D or (1, L) integer tensor, got {tuple(prompt.shape)} {prompt.dtype}")
+        return prompt.tolist()
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ValueError("input_ids must be a list of ints, a LongTensor, or a text prompt")
+    return list(prompt)
