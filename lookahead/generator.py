@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from jinja2 import TemplateError
-from transformers import Cache, GenerationConfig, PreTrainedConfig, PreTrainedModel
-from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers import Cache, GenerationConfig, PreTrainedModel
 
-from lookahead import kv, models
+from lookahead import kv, models, support
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
 from lookahead.drafting import TRAJECTORY, DraftState
@@ -23,26 +22,6 @@ from lookahead.tuner import CostCurve, JacobiWorth, cached_curve, choose, fastes
 from lookahead.window import JacobiWindow
 
 SPARSE_POOL_VOCAB = 65536
-SUPPORTED_ATTENTION = ("sdpa", "eager")
-
-
-def _mask_layers(config: PreTrainedConfig) -> dict[str, tuple[int, int | None]]:
-    """Layer type -> (its first layer, its sliding window or None): one 4D mask per type.
-
-    The types and windows are read exactly as ``DynamicCache`` reads them, so the masks window the same
-    layers the cache windows (also for configs with ``sliding_window`` but no ``layer_types``).
-    """
-    layer_types, kwargs = get_layer_types_and_kwargs(config)
-    if not set(layer_types) <= {"full_attention", "sliding_attention"}:
-        raise ValueError(f"unsupported layer types {sorted(set(layer_types))}: only (sliding) attention layers can be rolled back")
-    layers = {}
-    for i, (kind, kw) in enumerate(zip(layer_types, kwargs)):
-        window = kw.get("sliding_window")
-        if layers.setdefault(kind, (i, window))[1] != window:
-            raise ValueError(f"layers of type {kind} have different sliding windows; lookahead needs one mask per layer type")
-    if len(layers) > 1 and getattr(config, "layer_types", None) is None:
-        raise ValueError("the model mixes sliding and full attention without declaring layer_types; its masks cannot be given per layer")
-    return layers
 
 
 @dataclass
@@ -64,17 +43,13 @@ class LookaheadGenerator:
         self.config = config or LookaheadConfig()
         self._cost, self._cache_dir, self._progress = cost, cache_dir, progress
         mc = model.config.get_text_config(decoder=True)
-        if getattr(model.config, "is_encoder_decoder", False):
-            raise ValueError(f"{type(model).__name__} is an encoder-decoder model; lookahead needs a decoder-only LM")
-        if model.config._attn_implementation not in SUPPORTED_ATTENTION:
-            raise ValueError(
-                f"attention implementation {model.config._attn_implementation!r} cannot take a custom 4D mask; "
-                f"load the model with attn_implementation='sdpa' or 'eager'"
-            )
+        support.check_config(model)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.max_context = int(getattr(mc, "max_position_embeddings", 0) or 0) or None
-        self.mask_layers = _mask_layers(mc)
+        self.max_context = support.context_length(mc)
+        self.mask_layers = support.mask_layers(mc)
+        self.rotary_switches = support.rotary_switches(mc)
         TokenTree.warm_up()
+        support.check_step(model, self._prefill, self._forward)
 
     @classmethod
     def from_pretrained(
@@ -211,13 +186,15 @@ class LookaheadGenerator:
         self._emit(streamer, out)
         while not done and len(out) < max_new_tokens and not decoding.out_of_time():
             position = len(prompt) + len(out) - 1  # of the current token, out[-1]
-            room = last_position - position
+            room, space = self._limits(position, last_position)
             # 1. draft: every source proposes continuations of the current token, merged into one tree
-            tree = state.propose(out[-1], cfg, budget, room)
+            tree = state.propose(out[-1], cfg, min(budget, space), room)
             levels = window.levels_within(room) if window else 0
+            levels = levels if levels * cfg.window <= space else 0
             if curve is not None:  # the cost model keeps only what is expected to pay (possibly nothing: a plain step)
                 choice = choose(curve, tree, levels * cfg.window, worth.value)
                 tree, levels = tree.best(choice.nodes), levels if worth.runs(choice.window) else 0
+            tree = tree.best(space - levels * cfg.window)
             stats.phase_s["draft"] += clock.lap()
             # 2. layout and one forward: logits only for the current token, the window's last level and the tree
             layout = build_layout(cfg.window, levels, tree)
@@ -252,6 +229,15 @@ class LookaheadGenerator:
         if streamer is not None:
             streamer.end()
         return out, stats, "stop" if done else "length"
+
+    def _limits(self, position: int, last_position: int) -> tuple[int, int]:
+        """How far past the current token (at ``position``) a step's rows may sit, and how many rows it may add.
+
+        No row goes past the last position generate() feeds nor across a rotary switch, and no key past the
+        context: causal-mask and ALiBi buffers (MPT, GPT-Neo) end there."""
+        room = min(last_position - position, support.rows_before_switch(position, self.rotary_switches))
+        space = self.max_context - position - 1 if self.max_context is not None else 1 << 30
+        return room, space
 
     def _prefill(self, prompt: list[int]) -> tuple[Cache, torch.Tensor]:
         """A fresh cache holding the prompt, and the logits (V,) after its last token."""
