@@ -84,7 +84,7 @@ class LookaheadGenerator:
     def generate(
         self,
         prompt: str | list[int] | torch.Tensor,
-        max_new_tokens: int = 128,
+        max_new_tokens: int | None = None,
         *,
         chat: bool = False,
         system: str | None = None,
@@ -100,25 +100,28 @@ class LookaheadGenerator:
         ``options`` (or ``generation_config``) are ``generate()``'s: ``do_sample``, ``temperature``, ``top_k``,
         ``top_p``, ``min_p``, ``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``,
         ``min_new_tokens``, ``forced_eos_token_id``, ``eos_token_id``, ``stop_strings``, ... (the model's own
-        generation config fills the rest). ``lookahead=False`` decodes one token per forward through the same
-        loop. ``streamer`` gets ``put(ids)`` with the prompt, then every accepted token in order, then ``end()``.
+        generation config fills the rest). The length follows generate()'s precedence: ``max_new_tokens``, then
+        the options' or generation config's ``max_new_tokens``, then its ``max_length`` minus the prompt, then the
+        model's generation config (20 new tokens by default). ``lookahead=False`` decodes one token per forward
+        through the same loop. ``streamer`` gets ``put(ids)`` with the prompt, then every accepted token in order, then ``end()``.
         ``state`` (from ``new_state()`` or ``DraftState.load``) keeps the drafting sources and their
         acceptance statistics across requests, so later requests draft better. Sampling draws from torch's
         global RNG like ``generate()`` (``torch.manual_seed`` reproduces it), or, with ``seed=<int>``, from a
         private generator: the same seed gives the same sample whatever the global state.
         """
         ids = self._prompt_ids(prompt, chat, system)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if self.max_context is not None and len(ids) + max_new_tokens > self.max_context:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {self.max_context} tokens"
-            )
         if state is not None:
             state.check_fits(self.vocab_size, self.config)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
         decoding = Decoding(self.model, self.tokenizer, len(ids), max_new_tokens, generation_config, seed, options)
+        max_new_tokens = decoding.max_new_tokens
+        if self.max_context is not None and len(ids) + max_new_tokens > self.max_context:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {self.max_context} tokens"
+            )
         with torch.inference_mode():
             tokens, stats, reason = self._decode(ids, max_new_tokens, streamer, lookahead, decoding, state or self.new_state())
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, GPTNeoConfig,
+from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, GenerationConfig, GPTNeoConfig,
                           GPTNeoForCausalLM, LlamaConfig, LlamaForCausalLM, MptConfig, MptForCausalLM, ReformerConfig,
                           ReformerModelWithLMHead, RwkvConfig, RwkvForCausalLM, xLSTMConfig, xLSTMForCausalLM)
 
-from conftest import assert_greedy_equal, hf_greedy
+from conftest import assert_greedy_equal, hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator
 from lookahead.cli import main
 from lookahead.tuner import probe
@@ -77,6 +77,20 @@ def test_the_cli_refuses_a_recurrent_model(tmp_path):
     result = CliRunner().invoke(main, ["generate", "--model", str(tmp_path / "rwkv"), "--ids", "1,2,3", "--max-new-tokens", "5",
                                        "--dtype", "float32", "--no-lookahead"])
     assert result.exit_code == 1 and "keeps a recurrent state" in result.output, result.output
+
+
+def test_generation_config_and_max_length_set_the_length_as_in_generate():
+    model = tiny_llama()
+    gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False))
+    prompt = torch.tensor([[5, 17, 99, 3]])
+    cases = [dict(generation_config=GenerationConfig(max_new_tokens=5)), dict(max_length=7), dict(max_new_tokens=6, max_length=7),
+             dict(generation_config=GenerationConfig(max_length=9)), {}]
+    for kwargs in cases:
+        ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, pad_token_id=0, **kwargs)[0, 4:].tolist()
+        assert gen.generate(prompt, **kwargs).tokens == ref, kwargs
+    assert len(gen.generate(prompt, 3, generation_config=GenerationConfig(max_new_tokens=5)).tokens) == 3  # the argument wins
+    with pytest.raises(ValueError, match="max_length 4 - prompt 4"):
+        gen.generate(prompt, max_length=4)
 
 
 def test_gpt_neo_steps_stay_within_its_causal_buffer():
