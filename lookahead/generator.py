@@ -270,7 +270,10 @@ class LookaheadGenerator:
             use_cache=True,
             logits_to_keep=layout.logit_rows.to(device),
         )
-        return out.logits[0].float().cpu()
+        logits = out.logits[0]
+        if logits.shape[0] != layout.logit_rows.numel():  # the model ignored logits_to_keep (WhisperForCausalLM)
+            logits = logits[layout.logit_rows.to(device)]
+        return logits.float().cpu()
 
     @staticmethod
     def _ranked_rows(layout: StepLayout, ids: torch.Tensor, logits: torch.Tensor, path: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -39,9 +39,16 @@ def context_length(config: PreTrainedConfig) -> int | None:
     """The model's context: the smallest length field its config sets (``max_seq_len`` for MPT, ...), or None.
 
     Causal-mask and position buffers are sized by it, so no step may hold more keys than this."""
-    lengths = [getattr(config, f, None) for f in CONTEXT_FIELDS]
+    lengths = [_field(config, f) for f in CONTEXT_FIELDS]
     lengths = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0]
     return min(lengths) if lengths else None
+
+
+def _field(config: PreTrainedConfig, name: str):
+    try:
+        return getattr(config, name, None)
+    except NotImplementedError:  # XLNetConfig.max_position_embeddings: "no sequence length limit"
+        return None
 
 
 def mask_layers(config: PreTrainedConfig) -> dict[str, tuple[int, int | None]]:
@@ -113,10 +120,12 @@ def check_step(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> No
     except Exception as e:  # the model's own code failing on a 4D mask, a foreign cache or its arguments
         raise ValueError(f"{name} cannot run a lookahead step ({type(e).__name__}: {e})") from None
     if recurrent:
-        raise ValueError(f"{name} keeps a recurrent state, not an attention KV cache that lookahead can roll back")
+        raise ValueError(f"{name} does not fill an attention KV cache that lookahead can roll back "
+                         "(it keeps a recurrent state, or no cache)")
     got = torch.stack([step[0], step[1], step[2], after[0]])
     want = torch.stack([plain[0][0], plain[0][1], plain[1][0], plain[1][1]])
     tolerance = PROBE_TOLERANCE.get(model.dtype, 5e-2) * float(want.abs().max().clamp_min(1.0))
     if not torch.allclose(got, want, rtol=0, atol=tolerance):
         raise ValueError(f"{name}'s rows in a lookahead step differ from its plain forwards (max difference "
-                         f"{float((got - want).abs().max()):.3g}): its forward ignores the 4D mask or the position ids (MPT biases by cache slot), or its cache cannot be rolled back")
+                         f"{float((got - want).abs().max()):.3g}): its forward ignores the 4D mask or the position ids "
+                         "(ALiBi by cache slot as in MPT, or positions counted from the cache), or its cache cannot be rolled back")

@@ -8,7 +8,8 @@ import torch
 from click.testing import CliRunner
 from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, GenerationConfig, GPTNeoConfig,
                           GPTNeoForCausalLM, LlamaConfig, LlamaForCausalLM, MptConfig, MptForCausalLM, ReformerConfig,
-                          ReformerModelWithLMHead, RwkvConfig, RwkvForCausalLM, xLSTMConfig, xLSTMForCausalLM)
+                          ReformerModelWithLMHead, RwkvConfig, RwkvForCausalLM, WhisperConfig, WhisperForCausalLM, xLSTMConfig,
+                          xLSTMForCausalLM)
 
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator
@@ -47,7 +48,8 @@ def test_dynamic_rope_never_runs_past_where_it_would_rescale():
     # dynamic NTK rescales every forward whose largest position reaches max_position_embeddings, by that
     # position: one-token-at-a-time generate() cannot be matched there, and the context ends there
     torch.manual_seed(0)
-    model = sharpened(LlamaForCausalLM(LlamaConfig(**LLAMA, rope_parameters={"rope_type": "dynamic", "factor": 8.0, "rope_theta": 10000.0})))
+    rope = {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 10000.0}
+    model = sharpened(LlamaForCausalLM(LlamaConfig(**LLAMA, rope_parameters=rope)))
     gen = LookaheadGenerator(model, config=LookaheadConfig(tree_budget=64, auto=False))
     with pytest.raises(ValueError, match="exceeds the model's context of 64 tokens"):
         gen.generate([1, 2, 3], max_new_tokens=62)
@@ -76,7 +78,7 @@ def test_the_cli_refuses_a_recurrent_model(tmp_path):
                                intermediate_size=64)).save_pretrained(tmp_path / "rwkv")
     result = CliRunner().invoke(main, ["generate", "--model", str(tmp_path / "rwkv"), "--ids", "1,2,3", "--max-new-tokens", "5",
                                        "--dtype", "float32", "--no-lookahead"])
-    assert result.exit_code == 1 and "keeps a recurrent state" in result.output, result.output
+    assert result.exit_code == 1 and "recurrent state" in result.output, result.output
 
 
 def test_generation_config_and_max_length_set_the_length_as_in_generate():
@@ -127,3 +129,14 @@ def test_alibi_models_that_cannot_take_a_lookahead_step_are_refused(name):
                                                max_position_embeddings=64, **NO_SPECIAL))
     with pytest.raises(ValueError, match="cannot run a lookahead step|differ from its plain forwards"):
         LookaheadGenerator(model.eval())
+
+
+def test_a_model_that_ignores_logits_to_keep_is_served_exactly():
+    # WhisperForCausalLM returns logits for every row of a step, whatever logits_to_keep asks for
+    torch.manual_seed(0)
+    config = WhisperConfig(vocab_size=48, d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
+                           decoder_ffn_dim=64, encoder_ffn_dim=64, max_target_positions=64, decoder_start_token_id=0, **NO_SPECIAL)
+    model = sharpened(WhisperForCausalLM(config))
+    prompt = [5, 17, 2, 5, 17, 2]
+    out = LookaheadGenerator(model, config=LookaheadConfig(tree_budget=8, auto=False)).generate(prompt, max_new_tokens=40)
+    assert_greedy_equal(model, prompt, out.tokens, hf_greedy(model, prompt, 40))
