@@ -20,7 +20,8 @@ from lookahead.layout import StepLayout, build_layout
 from lookahead.tree import TokenTree
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx", "max_sequence_length")
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx", "max_sequence_length",
+                  "max_target_positions")
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # of the largest logit; half precision: 5e-2
 
 

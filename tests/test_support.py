@@ -134,9 +134,12 @@ def test_alibi_models_that_cannot_take_a_lookahead_step_are_refused(name):
 def test_a_model_that_ignores_logits_to_keep_is_served_exactly():
     # WhisperForCausalLM returns logits for every row of a step, whatever logits_to_keep asks for
     torch.manual_seed(0)
-    config = WhisperConfig(vocab_size=48, d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
-                           decoder_ffn_dim=64, encoder_ffn_dim=64, max_target_positions=64, decoder_start_token_id=0, **NO_SPECIAL)
+    config = WhisperConfig(vocab_size=48, d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
+                           encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64, max_target_positions=64,
+                           decoder_start_token_id=0, **NO_SPECIAL)
     model = sharpened(WhisperForCausalLM(config))
     prompt = [5, 17, 2, 5, 17, 2]
-    out = LookaheadGenerator(model, config=LookaheadConfig(tree_budget=8, auto=False)).generate(prompt, max_new_tokens=40)
-    assert_greedy_equal(model, prompt, out.tokens, hf_greedy(model, prompt, 40))
+    gen = LookaheadGenerator(model, config=LookaheadConfig(tree_budget=8, auto=False))
+    assert_greedy_equal(model, prompt, gen.generate(prompt, max_new_tokens=40).tokens, hf_greedy(model, prompt, 40))
+    with pytest.raises(ValueError, match="context of 64 tokens"):  # its context is max_target_positions
+        gen.generate(prompt, max_new_tokens=59)
