@@ -29,9 +29,11 @@ class Decoding:
     call reproduces it); an int seeds a private generator, reproducible whatever the global state.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer, prompt_len: int, max_new_tokens: int,
+    def __init__(self, model: PreTrainedModel, tokenizer, prompt_len: int, max_new_tokens: int | None,
                  generation_config: GenerationConfig | None, seed: int | None, options: dict) -> None:
         # the same helpers generate() uses, so defaults, validation and processor order match it exactly
+        if max_new_tokens is not None:  # an explicit argument outranks every config, as generate()'s keyword does
+            options = options | {"max_new_tokens": max_new_tokens}
         config, unused = model._prepare_generation_config(generation_config, **options)
         if unused:
             raise ValueError(f"unknown generation option(s): {', '.join(sorted(unused))}")
@@ -44,8 +46,9 @@ class Decoding:
                 raise ValueError(f"{name} must be a finite number, got {value}")
         if config.do_sample and config.temperature is not None and config.temperature <= 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {config.temperature}")
-        config.max_length = prompt_len + max_new_tokens
-        config.max_new_tokens = max_new_tokens
+        self.max_new_tokens = self._length(model, config, prompt_len, generation_config, options)
+        config.max_length = prompt_len + self.max_new_tokens
+        config.max_new_tokens = self.max_new_tokens
         model._prepare_special_tokens(config, device=model.device)
         self.processors = model._get_logits_processor(config, input_ids_seq_length=prompt_len, device=model.device)
         self.do_sample = bool(config.do_sample)
@@ -58,6 +61,24 @@ class Decoding:
         self.stop_strings = StopStringCriteria(tokenizer, stops) if stops else None
         self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
         self.deadline = time.monotonic() + config.max_time if config.max_time is not None else None
+
+    @staticmethod
+    def _length(model: PreTrainedModel, config: GenerationConfig, prompt_len: int,
+                generation_config: GenerationConfig | None, options: dict) -> int:
+        """New tokens to generate, by generate()'s precedence: ``max_new_tokens`` (argument, options, the given
+        or the model's generation config), else a ``max_length`` set anywhere, minus the prompt, else 20 new
+        tokens capped at the model's ``max_position_embeddings``."""
+        new = config.max_new_tokens
+        if new is None:
+            max_length_set = options.get("max_length") is not None or model.generation_config.max_length is not None \
+                or (generation_config is not None and generation_config.max_length is not None)
+            total = config.max_length + (0 if max_length_set else prompt_len)
+            context = getattr(model.config, "max_position_embeddings", None)
+            new = (total if max_length_set or context is None else min(total, context)) - prompt_len
+        if isinstance(new, bool) or not isinstance(new, int) or new < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {new!r}"
+                             + ("" if config.max_new_tokens is not None else f" (max_length {config.max_length} - prompt {prompt_len})"))
+        return new
 
     def scores(self, logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
         """Processed next-token scores (V,) from raw logits (V,) after the token sequence ``prefix``."""

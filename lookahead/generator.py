@@ -8,10 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import Cache, GenerationConfig, PreTrainedConfig, PreTrainedModel
-from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers import Cache, GenerationConfig, PreTrainedModel
 
-from lookahead import kv, models
+from lookahead import kv, models, support
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
 from lookahead.drafting import TRAJECTORY, DraftState
@@ -23,26 +22,6 @@ from lookahead.tuner import CostCurve, JacobiWorth, LiveCurve, cached_curve, cho
 from lookahead.window import JacobiWindow
 
 SPARSE_POOL_VOCAB = 65536
-SUPPORTED_ATTENTION = ("sdpa", "eager")
-
-
-def _mask_layers(config: PreTrainedConfig) -> dict[str, tuple[int, int | None]]:
-    """Layer type -> (its first layer, its sliding window or None): one 4D mask per type.
-
-    The types and windows are read exactly as ``DynamicCache`` reads them, so the masks window the same
-    layers the cache windows (also for configs with ``sliding_window`` but no ``layer_types``).
-    """
-    layer_types, kwargs = get_layer_types_and_kwargs(config)
-    if not set(layer_types) <= {"full_attention", "sliding_attention"}:
-        raise ValueError(f"unsupported layer types {sorted(set(layer_types))}: only (sliding) attention layers can be rolled back")
-    layers = {}
-    for i, (kind, kw) in enumerate(zip(layer_types, kwargs)):
-        window = kw.get("sliding_window")
-        if layers.setdefault(kind, (i, window))[1] != window:
-            raise ValueError(f"layers of type {kind} have different sliding windows; lookahead needs one mask per layer type")
-    if len(layers) > 1 and getattr(config, "layer_types", None) is None:
-        raise ValueError("the model mixes sliding and full attention without declaring layer_types; its masks cannot be given per layer")
-    return layers
 
 
 @dataclass
@@ -65,18 +44,14 @@ class LookaheadGenerator:
         self._cost, self._cache_dir, self._progress = cost, cache_dir, progress
         self._live: LiveCurve | None = None
         mc = model.config.get_text_config(decoder=True)
-        if getattr(model.config, "is_encoder_decoder", False):
-            raise ValueError(f"{type(model).__name__} is an encoder-decoder model; lookahead needs a decoder-only LM")
-        if model.config._attn_implementation not in SUPPORTED_ATTENTION:
-            raise ValueError(
-                f"attention implementation {model.config._attn_implementation!r} cannot take a custom 4D mask; "
-                f"load the model with attn_implementation='sdpa' or 'eager'"
-            )
+        support.check_config(model)
         self.vocab_size = models.vocab_size(model)
-        self.max_context = int(getattr(mc, "max_position_embeddings", 0) or 0) or None
-        self.mask_layers = _mask_layers(mc)
+        self.max_context = support.context_length(mc)
+        self.mask_layers = support.mask_layers(mc)
+        self.rotary_switches = support.rotary_switches(mc)
         TokenTree.warm_up()
         DraftState.warm_up()
+        support.check_step(model, self._prefill, self._forward)
 
     @classmethod
     def from_pretrained(
@@ -121,7 +96,7 @@ class LookaheadGenerator:
     def generate(
         self,
         prompt: str | list[int] | torch.Tensor,
-        max_new_tokens: int = 128,
+        max_new_tokens: int | None = None,
         *,
         chat: bool = False,
         system: str | None = None,
@@ -137,8 +112,10 @@ class LookaheadGenerator:
         ``options`` (or ``generation_config``) are ``generate()``'s: ``do_sample``, ``temperature``, ``top_k``,
         ``top_p``, ``min_p``, ``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``,
         ``min_new_tokens``, ``forced_eos_token_id``, ``eos_token_id``, ``stop_strings``, ... (the model's own
-        generation config fills the rest). ``lookahead=False`` decodes one token per forward through the same
-        loop. ``streamer`` gets ``put(ids)`` with the prompt, then every accepted token in order, then ``end()``.
+        generation config fills the rest). The length follows generate()'s precedence: ``max_new_tokens``, then
+        the options' or generation config's ``max_new_tokens``, then its ``max_length`` minus the prompt, then the
+        model's generation config (20 new tokens by default). ``lookahead=False`` decodes one token per forward
+        through the same loop. ``streamer`` gets ``put(ids)`` with the prompt, then every accepted token in order, then ``end()``.
         ``state`` (from ``new_state()`` or ``DraftState.load``) keeps the drafting sources and their
         acceptance statistics across requests, so later requests draft better. Sampling draws from torch's
         global RNG like ``generate()`` (``torch.manual_seed`` reproduces it), or, with ``seed=<int>``, from a
@@ -149,25 +126,25 @@ class LookaheadGenerator:
         ids, decoding = self.prepare(prompt, max_new_tokens, chat=chat, system=system, generation_config=generation_config,
                                      seed=seed, **options)
         with torch.inference_mode():
-            tokens, stats, reason = self._decode(ids, max_new_tokens, streamer, lookahead, decoding, state or self.new_state())
+            tokens, stats, reason = self._decode(ids, decoding.max_new_tokens, streamer, lookahead, decoding, state or self.new_state())
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationResult(tokens, text, stats, reason)
 
-    def prepare(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int = 128, *, chat: bool = False,
+    def prepare(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int | None = None, *, chat: bool = False,
                 system: str | None = None, generation_config: GenerationConfig | None = None, seed: int | None = None,
                 **options) -> tuple[list[int], Decoding]:
         """The prompt's token ids and the resolved options: every check ``generate()`` makes before decoding
         (a ValueError), so a server can refuse bad input before it starts a stream."""
         ids = prompt_ids(prompt, self.tokenizer, self.vocab_size, chat, system)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if self.max_context is not None and len(ids) + max_new_tokens > self.max_context:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {self.max_context} tokens"
-            )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
-        return ids, Decoding(self.model, self.tokenizer, len(ids), max_new_tokens, generation_config, seed, options)
+        decoding = Decoding(self.model, self.tokenizer, len(ids), max_new_tokens, generation_config, seed, options)
+        if self.max_context is not None and len(ids) + decoding.max_new_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({decoding.max_new_tokens}) exceeds the model's "
+                             f"context of {self.max_context} tokens")
+        return ids, decoding
 
     def new_state(self) -> DraftState:
         """An empty drafting state for this generator; pass it to ``generate(state=...)`` to keep it learning."""
@@ -194,13 +171,15 @@ class LookaheadGenerator:
         self._emit(streamer, out)
         while not done and len(out) < max_new_tokens and not decoding.out_of_time():
             position = len(prompt) + len(out) - 1  # of the current token, out[-1]
-            room = last_position - position
+            room, space = self._limits(position, last_position)
             # 1. draft: every source proposes continuations of the current token, merged into one tree
-            tree = state.propose(out[-1], cfg, budget, room)
+            tree = state.propose(out[-1], cfg, min(budget, space), room)
             levels = window.levels_within(room) if window else 0
+            levels = levels if levels * cfg.window <= space else 0
             if curve is not None:  # the cost model keeps only what is expected to pay (possibly nothing: a plain step)
                 choice = choose(curve, tree, levels * cfg.window, worth.value)
                 tree, levels = tree.best(choice.nodes), levels if worth.runs(choice.window) else 0
+            tree = tree.best(space - levels * cfg.window)
             stats.phase_s["draft"] += clock.lap()
             # 2. layout and one forward: logits only for the current token, the window's last level and the tree
             layout = build_layout(cfg.window, levels, tree)
@@ -239,6 +218,15 @@ class LookaheadGenerator:
             streamer.end()
         return out, stats, "stop" if done else "length"
 
+    def _limits(self, position: int, last_position: int) -> tuple[int, int]:
+        """How far past the current token (at ``position``) a step's rows may sit, and how many rows it may add.
+
+        No row goes past the last position generate() feeds nor across a rotary switch, and no key past the
+        context: causal-mask and ALiBi buffers (MPT, GPT-Neo) end there."""
+        room = min(last_position - position, support.rows_before_switch(position, self.rotary_switches))
+        space = self.max_context - position - 1 if self.max_context is not None else 1 << 30
+        return room, space
+
     def _prefill(self, prompt: list[int]) -> tuple[Cache, torch.Tensor]:
         """A fresh cache holding the prompt, and the logits (V,) after its last token."""
         cache = kv.new_cache(self.model)
@@ -267,7 +255,10 @@ class LookaheadGenerator:
             use_cache=True,
             logits_to_keep=layout.logit_rows.to(device),
         )
-        return out.logits[0].float().cpu()
+        logits = out.logits[0]
+        if logits.shape[0] != layout.logit_rows.numel():  # the model ignored logits_to_keep (WhisperForCausalLM)
+            logits = logits[layout.logit_rows.to(device)]
+        return logits.float().cpu()
 
     @staticmethod
     def _ranked_rows(layout: StepLayout, ids: torch.Tensor, logits: torch.Tensor, path: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:

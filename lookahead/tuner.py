@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from lookahead import kv, models
+from lookahead import kv, models, support
 from lookahead.kernels import available, kernels_of
 from lookahead.tree import TokenTree
 
@@ -126,7 +126,7 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
     otherwise keep every two-token step off for good).
     """
     start = time.perf_counter()
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 1 << 20
+    limit = support.context_length(model.config.get_text_config(decoder=True)) or 1 << 20
     sizes = tuple(s for s in sizes if s <= limit // 2) or sizes[:2]  # a tiny context: the sizes it can hold
     context = max(1, min(context, limit - max(sizes)))
     vocab = models.vocab_size(model)

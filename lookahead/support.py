@@ -1,0 +1,132 @@
+"""Which models lookahead can serve exactly, decided when the generator is built, by what the model does
+rather than by its name: a model it cannot serve exactly is refused with a ValueError saying why.
+
+A lookahead step feeds many rows in one forward: it needs an attention KV cache it can append to and roll
+back, a forward that takes a custom 4D mask and position ids over that cache, rotary embeddings that do not
+depend on the step's largest position, and buffers (causal masks, ALiBi biases) that hold its rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+from transformers import Cache, PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from lookahead import kv
+from lookahead.layout import StepLayout, build_layout
+from lookahead.tree import TokenTree
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx", "max_sequence_length",
+                  "max_target_positions")
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # of the largest logit; half precision: 5e-2
+
+
+def check_config(model: PreTrainedModel) -> None:
+    """Refusals readable from the config alone."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; lookahead needs a decoder-only LM")
+    if model.config._attn_implementation not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"attention implementation {model.config._attn_implementation!r} cannot take a custom 4D mask; "
+            f"load the model with attn_implementation='sdpa' or 'eager'"
+        )
+
+
+def context_length(config: PreTrainedConfig) -> int | None:
+    """The model's context: the smallest length field its config sets (``max_seq_len`` for MPT, ...), or None.
+
+    Causal-mask and position buffers are sized by it, so no step may hold more keys than this."""
+    lengths = [_field(config, f) for f in CONTEXT_FIELDS]
+    lengths = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    return min(lengths) if lengths else None
+
+
+def _field(config: PreTrainedConfig, name: str):
+    try:
+        return getattr(config, name, None)
+    except NotImplementedError:  # XLNetConfig.max_position_embeddings: "no sequence length limit"
+        return None
+
+
+def mask_layers(config: PreTrainedConfig) -> dict[str, tuple[int, int | None]]:
+    """Layer type -> (its first layer, its sliding window or None): one 4D mask per type.
+
+    The types and windows are read exactly as ``DynamicCache`` reads them, so the masks window the same
+    layers the cache windows (also for configs with ``sliding_window`` but no ``layer_types``).
+    """
+    layer_types, kwargs = get_layer_types_and_kwargs(config)
+    if not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"unsupported layer types {sorted(set(layer_types))}: only (sliding) attention layers can be rolled back")
+    layers = {}
+    for i, (kind, kw) in enumerate(zip(layer_types, kwargs)):
+        window = kw.get("sliding_window")
+        if layers.setdefault(kind, (i, window))[1] != window:
+            raise ValueError(f"layers of type {kind} have different sliding windows; lookahead needs one mask per layer type")
+    if len(layers) > 1 and getattr(config, "layer_types", None) is None:
+        raise ValueError("the model mixes sliding and full attention without declaring layer_types; its masks cannot be given per layer")
+    return layers
+
+
+def rotary_switches(config: PreTrainedConfig) -> tuple[int, ...]:
+    """Positions P where the rotary embedding changes for a whole forward once its largest position reaches P.
+
+    transformers picks LongRoPE's long or short factors per forward from ``max(position_ids) + 1 >
+    original_max_position_embeddings``; ``generate()`` decides it per token, so no step may have rows on both
+    sides of P. Dynamic NTK rescales every forward whose largest position reaches ``max_position_embeddings``
+    (each by that position): the context ends there (``context_length``), so no row ever gets so far.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    per_layer = params.values() if params and all(isinstance(p, dict) for p in params.values()) else [params]
+    switches = {int(p["original_max_position_embeddings"]) for p in per_layer
+                if p.get("rope_type") == "longrope" and p.get("original_max_position_embeddings")}
+    return tuple(sorted(switches))
+
+
+def rows_before_switch(position: int, switches: tuple[int, ...]) -> int:
+    """How far past ``position`` a row may sit and stay on the same side of every switch."""
+    return min((s - 1 - position for s in switches if s > position), default=1 << 30)
+
+
+Prefill = Callable[[list[int]], tuple[Cache, torch.Tensor]]
+Forward = Callable[[StepLayout, Cache, torch.Tensor, int], torch.Tensor]
+
+
+def check_step(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> None:
+    """Run one tiny lookahead step and compare it with plain forwards; refuse the model if it differs.
+
+    Prefill [a, b]; step c with two sibling drafts x and y (each sees c only, both one position after it);
+    keep c and y, then feed z. Each row must give the logits of the plain forward over its own sequence: a
+    recurrent state (RWKV, xLSTM, Mamba ...), a model that cannot take a 4D mask (ALiBi in Bloom and Falcon)
+    or ignores it, or a cache that cannot be rolled back all fail here.
+    """
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    a, b, c, x, y, z = (np.arange(1, 7) % vocab).tolist()
+    name = type(model).__name__
+    try:
+        with torch.inference_mode():
+            plain = [model(input_ids=torch.tensor([seq], device=model.device)).logits[0, -2:].float().cpu()
+                     for seq in ([a, b, c, x], [a, b, c, y, z])]
+            cache, _ = prefill([a, b])
+            recurrent = cache.get_seq_length() != 2
+            if not recurrent:
+                tree = TokenTree.merge(np.array([x, y]), np.array([-1, -1]), np.array([0.5, 0.4]), np.ones(2, np.int64), 2)
+                layout = build_layout(0, 0, tree)
+                step = forward(layout, cache, torch.tensor([c, x, y]), 2)
+                kv.compact(cache, layout.size, torch.tensor([0, 2]))
+                after = forward(build_layout(0, 0, TokenTree.empty()), cache, torch.tensor([z]), 4)
+    except Exception as e:  # the model's own code failing on a 4D mask, a foreign cache or its arguments
+        raise ValueError(f"{name} cannot run a lookahead step ({type(e).__name__}: {e})") from None
+    if recurrent:
+        raise ValueError(f"{name} does not fill an attention KV cache that lookahead can roll back "
+                         "(it keeps a recurrent state, or no cache)")
+    got = torch.stack([step[0], step[1], step[2], after[0]])
+    want = torch.stack([plain[0][0], plain[0][1], plain[1][0], plain[1][1]])
+    tolerance = PROBE_TOLERANCE.get(model.dtype, 5e-2) * float(want.abs().max().clamp_min(1.0))
+    if not torch.allclose(got, want, rtol=0, atol=tolerance):
+        raise ValueError(f"{name}'s rows in a lookahead step differ from its plain forwards (max difference "
+                         f"{float((got - want).abs().max()):.3g}): its forward ignores the 4D mask or the position ids "
+                         "(ALiBi by cache slot as in MPT, or positions counted from the cache), or its cache cannot be rolled back")

@@ -1,0 +1,123 @@
+"""Every decoder-only causal LM transformers ships (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), built tiny in-process:
+each is refused when the generator is built, with a reason, or equal to ``generate()`` in fp32 up to the end of
+its 64-token context with trees of 1, 8 and 64 nodes (a divergence only at a top-2 tie, as everywhere)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from conftest import assert_greedy_equal, hf_greedy
+from lookahead import LookaheadConfig, LookaheadGenerator
+
+CONTEXT = 64
+SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+SHRINK = dict(vocab_size=48, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=CONTEXT, n_positions=CONTEXT, n_ctx=CONTEXT, max_seq_len=CONTEXT, seq_length=CONTEXT,
+              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+              kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, sliding_window=16, rotary_dim=8,
+              is_decoder=True, decoder_attention_heads=4, encoder_attention_heads=4, decoder_layers=2, encoder_layers=2,
+              decoder_ffn_dim=64, encoder_ffn_dim=64, d_model=64, **SPECIAL)
+OVERRIDES = {  # what the generic shrink gets wrong for a config class
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=8),
+    "mamba2": dict(head_dim=16, num_heads=8, n_groups=1),
+    "reformer": dict(axial_pos_embds=False, attn_layers=["local", "lsh"]),
+    "zaya": dict(num_experts_per_tok=1),
+    "xlnet": dict(n_head=4, d_head=16),
+    "axk1": dict(num_key_value_heads=4, n_group=1, topk_group=1),
+    **dict.fromkeys(["camembert", "data2vec-text", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl"],
+                    dict(pad_token_id=0)),  # positions are counted from the padding id
+    **dict.fromkeys(["axk2", "deepseek_v32", "glm_moe_dsa", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu"],
+                    dict(num_key_value_heads=4)),  # multi-head latent attention: one KV head per query head
+    "zamba": dict(num_hidden_layers=...),  # ...: keep the default (its layer types are fixed per layer count)
+    "zamba2": dict(num_hidden_layers=...),
+}
+SKIPPED = {  # cannot be built tiny in-process as a text-only decoder
+    **dict.fromkeys(["blt", "dots3_note", "emu3", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "git", "got_ocr2", "llama4",
+                     "mllama", "moshi", "moss_transcribe_diarize", "musicgen", "musicgen_melody", "phi4_multimodal", "qwen3_5",
+                     "qwen3_5_moe", "qwen4_exp", "fuyu"], "multimodal: needs its vision/audio/patch model built with it"),
+    **dict.fromkeys(["dots3_note_text", "gemma4_text", "gemma4_unified_text", "gemma4_assistant", "gemma4_unified_assistant"],
+                    "per-layer config class: its attributes cannot be shrunk generically"),
+    "cohere_compass_text": "its tiny config fails inside the model (rope_parameters per layer type)",
+    "dbrx": "sub-configs (attn_config, ffn_config) the generic shrink does not reach",
+    "gemma3n_text": "KV-sharing layers the generic shrink cannot lay out",
+    "lfm2_moe": "layer types the generic shrink cannot lay out",
+    "longcat_flash": "its tiny config fails inside the model (rotary dimensions)",
+    "xlm": "its forward fails on a tiny config (language embeddings)",
+    "xmod": "needs a language set before any forward (XmodPreTrainedModel.set_default_language)",
+    "prophetnet": "encoder-decoder config (ProphetNetForCausalLM is its decoder)",
+}
+
+
+def _has(config, name: str) -> bool:
+    try:
+        return hasattr(config, name)
+    except NotImplementedError:  # XLNetConfig.max_position_embeddings: "no sequence length limit"
+        return False
+
+
+def build(model_type: str):
+    """A tiny fp32 model of ``model_type``: the generic shrink plus its overrides, lm_head sharpened as in test_architectures."""
+    config_cls = CONFIG_MAPPING[model_type]
+    default = config_cls()
+    wanted = SHRINK | OVERRIDES.get(model_type, {})
+    if hasattr(default, "qk_rope_head_dim"):
+        wanted = {k: v for k, v in wanted.items() if k != "head_dim"}  # MLA: the rotary dimension is qk_rope_head_dim
+    kwargs = {k: v for k, v in wanted.items()
+              if v is not ... and _has(default, k) and not isinstance(getattr(config_cls, k, None), property)}
+    try:
+        config = config_cls(**kwargs)
+    except Exception:  # some configs insist on integer special tokens
+        config = config_cls(**kwargs | {k: 0 for k in SPECIAL if k in kwargs})
+    torch.manual_seed(0)
+    model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config).eval()
+    model.generation_config.eos_token_id = None
+    model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)  # the tiny model works at all (else it belongs in SKIPPED)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)
+    return model
+
+
+PROMPTS = {1: [3, 7, 3, 7, 3, 9], 8: [5, 17, 2, 5, 17, 2, 5, 17, 2, 11, 40, 1], 64: list(range(20, 40))}  # tree size -> prompt
+
+
+def walk(model_type: str) -> str:
+    """'exact', or 'refused: <reason>'; fails on anything else."""
+    model = build(model_type)
+    for budget, prompt in PROMPTS.items():
+        try:
+            gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False, tree_budget=budget))
+        except ValueError as e:
+            assert str(e).strip(), model_type
+            return f"refused: {e}"
+        ref = hf_greedy(model, prompt, CONTEXT - len(prompt))
+        assert_greedy_equal(model, prompt, gen.generate(prompt, max_new_tokens=CONTEXT - len(prompt)).tokens, ref)
+    return "exact"
+
+
+@pytest.mark.slow
+def test_every_causal_lm_is_exact_or_refused():
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny forwards: a second thread only waits (and thrashes on a loaded CI machine)
+    start, results = time.perf_counter(), {}
+    try:
+        for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            if model_type not in SKIPPED:
+                results[model_type] = walk(model_type)
+    finally:
+        torch.set_num_threads(threads)
+    exact = sorted(t for t, r in results.items() if r == "exact")
+    refused = {t: r for t, r in results.items() if r != "exact"}
+    print(f"\n{len(exact)} exact, {len(refused)} refused, {len(SKIPPED)} skipped in {time.perf_counter() - start:.0f} s")
+    for model_type, reason in sorted(refused.items()):
+        print(f"  {model_type}: {reason[:160]}")
+    assert {"llama", "qwen2", "mistral", "gemma3_text", "gpt2", "phi3", "gpt_neo"} <= set(exact)
+    assert {"rwkv", "xlstm", "reformer", "bloom", "mpt", "mamba"} <= set(refused)
