@@ -15,7 +15,7 @@ import torch
 from transformers import Cache, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from lookahead import kv
+from lookahead import kv, models
 from lookahead.layout import StepLayout, build_layout
 from lookahead.tree import TokenTree
 
@@ -103,7 +103,7 @@ def check_step(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> No
     recurrent state (RWKV, xLSTM, Mamba ...), a model that cannot take a 4D mask (ALiBi in Bloom and Falcon)
     or ignores it, or a cache that cannot be rolled back all fail here.
     """
-    vocab = int(model.get_output_embeddings().weight.shape[0])
+    vocab = models.vocab_size(model)
     a, b, c, x, y, z = (np.arange(1, 7) % vocab).tolist()
     name = type(model).__name__
     try:
