@@ -38,6 +38,12 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", _pack(linear.weight.detach()), persistent=False)  # opaque oneDNN layout
         self.bias = linear.bias
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """A dense copy of the weight, for code that reads it (writing to it changes nothing: use a stock model
+        for a modelling code that rescales its weights in place)."""
+        return self.packed_weight.to_dense()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
 
@@ -63,9 +69,12 @@ def available(dtype: torch.dtype) -> str | None:
     if dtype not in supported or not supported[dtype]():
         return f"oneDNN has no fast {str(dtype).split('.')[-1]} linear on this CPU"
     try:  # a product that disagrees with the stock one means a broken op: never use it
-        torch.manual_seed(0)
-        linear = nn.Linear(96, 40, dtype=dtype)
-        x = torch.randn(3, 5, 96, dtype=dtype)
+        rng = torch.Generator().manual_seed(0)  # private: the global RNG (unseeded sampling) is the user's
+        linear = nn.utils.skip_init(nn.Linear, 96, 40, dtype=dtype)  # no init: it would draw from the global RNG
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(40, 96, generator=rng))
+            linear.bias.copy_(torch.randn(40, generator=rng))
+        x = torch.randn(3, 5, 96, generator=rng).to(dtype)
         with torch.inference_mode():
             got, want = PackedLinear(linear)(x), linear(x)
         if not torch.allclose(got.float(), want.float(), atol=ATOL[dtype], rtol=ATOL[dtype]):
@@ -130,7 +139,7 @@ def _shared_weights(model: nn.Module) -> set[int]:
 
 def row_invariant(linear: nn.Module, dtype: torch.dtype, rows: int = 16) -> bool:
     """Whether row i of a ``rows``-row product equals the one-row product of that row, bit for bit."""
-    x = torch.randn(1, rows, linear.in_features, dtype=dtype)
+    x = torch.randn(1, rows, linear.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     with torch.inference_mode():
         wide = linear(x)
         return all(torch.equal(linear(x[:, i:i + 1])[0, 0], wide[0, i]) for i in range(rows))

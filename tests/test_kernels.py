@@ -129,3 +129,20 @@ def test_cli_kernels_option_reaches_the_model(tmp_path):
     assert seen["stock"]["tokens"] == seen["packed"]["tokens"]
     bad = CliRunner().invoke(main, ["generate", "--model", str(path), "--ids", "1", "--kernels", "fast"])
     assert bad.exit_code != 0 and "fast" in bad.output
+
+
+def test_checking_and_packing_leave_the_global_rng_alone():
+    """Unseeded sampling draws from torch's global RNG: loading a model must not reset it."""
+    model = tiny_llama()
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    kernels.available(torch.float32)
+    kernels.pack(model)
+    assert torch.equal(torch.rand(3), expected)
+
+
+@needs_onednn
+def test_a_packed_linear_still_shows_its_weight():
+    linear = nn.Linear(48, 24)
+    assert torch.equal(kernels.PackedLinear(linear).weight, linear.weight)
