@@ -25,18 +25,18 @@ def drafting_us(cfg: LookaheadConfig, vocab: int, prompt_tokens: int, steps: int
     rng = np.random.default_rng(seed)
     seq = ((rng.zipf(1.2, size=prompt_tokens + steps * 2) - 1) % vocab).astype(np.int64)
     state = DraftState.for_config(vocab, cfg)
-    state.start(seq[:prompt_tokens].tolist(), cfg)
+    suffix = state.start(seq[:prompt_tokens].tolist(), cfg)
     rows = 1 + cfg.window + cfg.tree_budget
     topk = ((rng.zipf(1.2, size=(steps, rows, cfg.recycle_k)) - 1) % vocab).astype(np.int64)
     trajectories = ((rng.zipf(1.2, size=(steps, cfg.window, cfg.ngram)) - 1) % vocab).astype(np.int64)
     pos, total = prompt_tokens, 0.0
     for i in range(steps):
         start = time.perf_counter()
-        tree = state.propose(int(seq[pos - 1]), cfg, cfg.tree_budget, 64)
+        tree = state.propose(int(seq[pos - 1]), cfg, cfg.tree_budget, 64, suffix)
         path = _accepted_path(tree, seq[pos:])
         emitted = seq[pos : pos + len(path) + 1].tolist()
         row_tokens = np.concatenate([[seq[pos - 1]], rng.integers(0, vocab, rows - 1)])
-        state.learn(cfg, tree, path, emitted, trajectories[i], row_tokens, topk[i], seq[pos - cfg.ngram + 1 : pos].tolist())
+        state.learn(cfg, tree, path, emitted, trajectories[i], row_tokens, topk[i], seq[pos - cfg.ngram + 1 : pos].tolist(), suffix)
         total += time.perf_counter() - start if i >= 100 else 0.0
         pos += len(emitted)
     return total / max(steps - 100, 1) * 1e6

@@ -62,7 +62,6 @@ class DraftState:
         self.vocab_size = vocab_size
         self.pool = NGramPool(vocab_size, ngram, pool_slots, sparse=sparse)
         self.recycle = RecycleTable(vocab_size, max(recycle_k, 1))
-        self.suffix = SuffixDrafter(vocab_size)
         self.tried = np.zeros((STAT_ROWS, MAX_DEPTH))  # nodes offered whose parent was accepted
         self.hits = np.zeros((STAT_ROWS, MAX_DEPTH))  # ... and accepted
         self._template, self._template_age = None, TEMPLATE_REFRESH
@@ -87,18 +86,22 @@ class DraftState:
                              f"successors per token; this generator needs {config.ngram}-grams over {vocab_size} ids "
                              f"and {config.recycle_k} successors")
 
-    def start(self, prompt: list[int], config: LookaheadConfig) -> None:
-        """A new request: the suffix source restarts from the prompt; the pool learns the prompt's n-grams."""
-        self.suffix.reset(np.asarray(prompt))
+    def start(self, prompt: list[int], config: LookaheadConfig) -> SuffixDrafter:
+        """A new request: the pool learns the prompt's n-grams; returns the request's own suffix source (pass it
+        to ``propose`` and ``learn``), so requests decoded together share everything else."""
         if config.seed_pool_from_prompt:
             self.pool.insert_sequence(np.asarray(prompt), Source.PROMPT)
+        suffix = SuffixDrafter(self.vocab_size)
+        suffix.reset(np.asarray(prompt))
+        return suffix
 
     def rates(self) -> np.ndarray:
         """(sources, MAX_DEPTH) estimated conditional acceptance rates, shrunk towards the prior."""
         return (self.hits + PRIOR * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
 
-    def propose(self, current: int, cfg: LookaheadConfig, budget: int, max_depth: int) -> TokenTree:
-        """The best tree of at most ``budget`` nodes, none deeper than ``max_depth``, after ``current``."""
+    def propose(self, current: int, cfg: LookaheadConfig, budget: int, max_depth: int, suffix: SuffixDrafter) -> TokenTree:
+        """The best tree of at most ``budget`` nodes, none deeper than ``max_depth``, after ``current`` (the last
+        token of ``suffix``'s sequence)."""
         if budget <= 0 or max_depth <= 0:
             return TokenTree.empty()
         rates = self.rates()
@@ -108,7 +111,7 @@ class DraftState:
             rows = np.array([POOL_SOURCES.get(int(c), 3) for c in codes], np.int64)
             parts.append(_chains(grams, rows, 1 << rows, rates))
         if cfg.suffix_drafts:
-            drafts, matched = self.suffix.drafts(cfg.suffix_drafts, cfg.suffix_length)
+            drafts, matched = suffix.drafts(cfg.suffix_drafts, cfg.suffix_length)
             long = matched >= LONG_MATCH
             parts.append(_chains(drafts, np.where(long, SUFFIX_LONG, SUFFIX), (1 << SUFFIX) | (long.astype(np.int64) << SUFFIX_LONG), rates))
         if cfg.recycle_k:
@@ -136,13 +139,13 @@ class DraftState:
         return self._template[1:]
 
     def learn(self, cfg: LookaheadConfig, tree: TokenTree, path: list[int], emitted: list[int], trajectories: np.ndarray,
-              row_tokens: np.ndarray, row_topk: np.ndarray, history_tail: list[int]) -> None:
+              row_tokens: np.ndarray, row_topk: np.ndarray, history_tail: list[int], suffix: SuffixDrafter) -> None:
         """After a step: acceptance statistics, then every source learns what the step showed.
 
         path: accepted tree nodes; emitted: the tokens emitted this step (path tokens, then the model's
         own); trajectories (W, N): finished Jacobi columns; row_tokens (R,) and row_topk (R, k): the input
         token and the top-k next tokens of every row whose logits were computed, accepted rows last;
-        history_tail: the N-1 tokens before ``emitted``.
+        history_tail: the N-1 tokens before ``emitted``; suffix: the request's suffix source.
         """
         # 1. chains: every node whose parent was accepted was tried; the path's nodes were accepted
         if len(tree):
@@ -170,7 +173,7 @@ class DraftState:
             self.pool.insert_many(trajectories, Source.TRAJECTORY)
         if cfg.pool_from_output:
             self.pool.insert_sequence(history_tail + emitted, Source.OUTPUT)
-        self.suffix.extend(np.asarray(emitted))
+        suffix.extend(np.asarray(emitted))
 
     # -- persistence ----------------------------------------------------------------------------
 

@@ -6,20 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from transformers import Cache, GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
-from lookahead import kv, models, support
+from lookahead import models, support
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
-from lookahead.drafting import TRAJECTORY, DraftState
-from lookahead.layout import StepLayout, build_layout
+from lookahead.drafting import DraftState
+from lookahead.loop import Batch, Lane, forward, prefill
 from lookahead.prompt import prompt_ids
-from lookahead.stats import Clock, GenerationStats
+from lookahead.stats import GenerationStats
 from lookahead.tree import TokenTree
-from lookahead.tuner import CostCurve, JacobiWorth, LiveCurve, cached_curve, choose, fastest_dtype
-from lookahead.window import JacobiWindow
+from lookahead.tuner import CostCurve, LiveCurve, cached_curve, fastest_dtype
 
 SPARSE_POOL_VOCAB = 65536
 
@@ -47,11 +45,12 @@ class LookaheadGenerator:
         support.check_config(model)
         self.vocab_size = models.vocab_size(model)
         self.max_context = support.context_length(mc)
-        self.mask_layers = support.mask_layers(mc)
+        self.windows = {kind: window for kind, (_, window) in support.mask_layers(mc).items()}
         self.rotary_switches = support.rotary_switches(mc)
         TokenTree.warm_up()
         DraftState.warm_up()
-        support.check_step(model, self._prefill, self._forward)
+        support.check_step(model, lambda prompt: prefill(model, prompt),
+                           lambda *step: forward(model, self.windows, *step))
 
     @classmethod
     def from_pretrained(
@@ -121,14 +120,45 @@ class LookaheadGenerator:
         global RNG like ``generate()`` (``torch.manual_seed`` reproduces it), or, with ``seed=<int>``, from a
         private generator: the same seed gives the same sample whatever the global state.
         """
+        return self.generate_batch([prompt], max_new_tokens, chat=chat, system=system, streamers=[streamer], lookahead=lookahead,
+                                   generation_config=generation_config, state=state, seeds=[seed], **options)[0]
+
+    def generate_batch(
+        self,
+        prompts: list[str | list[int] | torch.Tensor],
+        max_new_tokens: int | None = None,
+        *,
+        chat: bool = False,
+        system: str | None = None,
+        streamers: list | None = None,
+        lookahead: bool = True,
+        generation_config: GenerationConfig | None = None,
+        state: DraftState | None = None,
+        seeds: list[int | None] | None = None,
+        **options,
+    ) -> list[GenerationResult]:
+        """``generate`` for many prompts at once, decoded together: every step is one forward for all of them,
+        each with its own tree, stops, streamer (``streamers[i]``) and seed (``seeds[i]``); a sequence that
+        finishes leaves the batch at once. Each result equals that prompt's ``generate()`` alone (greedy; sampling
+        with a seed gives that seed's sample, without one the rows draw from the global RNG in turn). The rows
+        share one drafting ``state``."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list")
+        for name, values in (("streamers", streamers), ("seeds", seeds)):
+            if values is not None and len(values) != len(prompts):
+                raise ValueError(f"{name} has {len(values)} entries for {len(prompts)} prompts")
+        if len(prompts) > 1 and self.rotary_switches:
+            raise ValueError("this model switches its rotary embedding for a whole forward by its largest position "
+                             "(LongRoPE): sequences cannot share a step; generate them one at a time")
         if state is not None:
             state.check_fits(self.vocab_size, self.config)
-        ids, decoding = self.prepare(prompt, max_new_tokens, chat=chat, system=system, generation_config=generation_config,
-                                     seed=seed, **options)
-        with torch.inference_mode():
-            tokens, stats, reason = self._decode(ids, decoding.max_new_tokens, streamer, lookahead, decoding, state or self.new_state())
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationResult(tokens, text, stats, reason)
+        state = state or self.new_state()
+        lanes = []
+        for i, prompt in enumerate(prompts):
+            ids, decoding = self.prepare(prompt, max_new_tokens, chat=chat, system=system, generation_config=generation_config,
+                                         seed=seeds[i] if seeds else None, **options)
+            lanes.append(Lane(ids, decoding, state, streamers[i] if streamers else None, lookahead))
+        return self._run(lanes)
 
     def prepare(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int | None = None, *, chat: bool = False,
                 system: str | None = None, generation_config: GenerationConfig | None = None, seed: int | None = None,
@@ -152,71 +182,22 @@ class LookaheadGenerator:
         sparse = cfg.pool_sparse if cfg.pool_sparse is not None else self.vocab_size > SPARSE_POOL_VOCAB
         return DraftState.for_config(self.vocab_size, cfg, sparse)
 
-    # -- the decode loop ------------------------------------------------------------------------
+    # -- the decode loop (lookahead/loop.py) ----------------------------------------------------
 
-    def _decode(self, prompt: list[int], max_new_tokens: int, streamer, lookahead: bool, decoding: Decoding, state: DraftState):
-        cfg, stats = self.config, GenerationStats()
-        budget = cfg.tree_budget if lookahead else 0
-        curve, worth = (self.live_cost, JacobiWorth()) if cfg.auto and lookahead else (None, None)
-        clock = Clock()
-        last_position = len(prompt) + max_new_tokens - 2  # the last position generate() feeds; no row goes beyond
-        if streamer is not None:
-            streamer.put(torch.tensor(prompt))
-        # 0. prefill: one forward over the prompt fills the cache and gives the first token
-        cache, logits = self._prefill(prompt)
-        out, done = self._until_stop(decoding, prompt, decoding.verify(prompt, logits, None, TokenTree.empty()).tokens)
-        state.start(prompt + out, cfg)
-        window = JacobiWindow(cfg.window, cfg.ngram, np.asarray(prompt), cfg.seed) if lookahead and cfg.window else None
-        stats.prefill_s = clock.lap()
-        self._emit(streamer, out)
-        while not done and len(out) < max_new_tokens and not decoding.out_of_time():
-            position = len(prompt) + len(out) - 1  # of the current token, out[-1]
-            room, space = self._limits(position, last_position)
-            # 1. draft: every source proposes continuations of the current token, merged into one tree
-            tree = state.propose(out[-1], cfg, min(budget, space), room)
-            levels = window.levels_within(room) if window else 0
-            levels = levels if levels * cfg.window <= space else 0
-            if curve is not None:  # the cost model keeps only what is expected to pay (possibly nothing: a plain step)
-                choice = choose(curve, tree, levels * cfg.window, worth.value)
-                tree, levels = tree.best(choice.nodes), levels if worth.runs(choice.window) else 0
-            tree = tree.best(space - levels * cfg.window)
-            stats.phase_s["draft"] += clock.lap()
-            # 2. layout and one forward: logits only for the current token, the window's last level and the tree
-            layout = build_layout(cfg.window, levels, tree)
-            ids = torch.cat([torch.tensor([out[-1]]), torch.from_numpy(window.active[:levels].ravel() if levels else np.empty(0, np.int64)),
-                             torch.from_numpy(tree.tokens)])
-            logits = self._forward(layout, cache, ids, position)
-            first, last_level, tree_logits = layout.split_logits(logits)
-            forward_s = clock.lap()
-            stats.phase_s["forward"] += forward_s
-            if curve is not None:
-                curve.observe(layout.size, forward_s)
-            # 3. verify: the deepest branch the model agrees with (greedy or sampling), plus its own next token
-            history = prompt + out
-            verdict = decoding.verify(history, first, tree_logits, tree)
-            new, done = self._until_stop(decoding, history, verdict.tokens[: max_new_tokens - len(out)])
-            stats.phase_s["verify"] += clock.lap()
-            # 4. keep the KV of the current token and the accepted branch only
-            accepted_rows = [0] + [layout.first_tree_row + n for n in verdict.path]
-            kv.compact(cache, layout.size, torch.tensor(accepted_rows))
-            # 5. learn (not in plain decoding): the window advances; the sources take the trajectories, the new
-            #    tokens and every row's top-k
-            if lookahead:
-                trajectories = window.advance(last_level.argmax(-1).numpy()) if levels else np.empty((0, cfg.ngram), np.int64)
-                row_tokens, row_topk = self._ranked_rows(layout, ids, logits, verdict.path, cfg.recycle_k)
-                state.learn(cfg, tree, verdict.path, new, trajectories, row_tokens, row_topk, history[-(cfg.ngram - 1):])
-            if worth is not None and levels:
-                worth.update(int((tree.sources[verdict.path] == 1 << TRAJECTORY).sum()))
-            out += new
-            stats.record(tree, levels, verdict.path, len(new))
-            stats.phase_s["learn"] += clock.lap()
-            # 6. stream what was accepted
-            self._emit(streamer, new)
-        stats.decode_s = clock.total() - stats.prefill_s
-        stats.new_tokens = len(out)
-        if streamer is not None:
-            streamer.end()
-        return out, stats, "stop" if done else "length"
+    def _run(self, lanes: list[Lane]) -> list[GenerationResult]:
+        """Decode the lanes together, each joining in turn, until every one has finished."""
+        auto = self.config.auto and any(lane.lookahead for lane in lanes)
+        batch = Batch(self.model, self.config, self.windows, self._limits, self.live_cost if auto else None)
+        with torch.inference_mode():
+            for lane in lanes:
+                batch.join(lane)
+            while batch:
+                batch.step()
+        return [self._result(lane) for lane in lanes]
+
+    def _result(self, lane: Lane) -> GenerationResult:
+        text = self.tokenizer.decode(lane.out, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationResult(lane.out, text, lane.stats, lane.finish_reason)
 
     def _limits(self, position: int, last_position: int) -> tuple[int, int]:
         """How far past the current token (at ``position``) a step's rows may sit, and how many rows it may add.
@@ -226,52 +207,3 @@ class LookaheadGenerator:
         room = min(last_position - position, support.rows_before_switch(position, self.rotary_switches))
         space = self.max_context - position - 1 if self.max_context is not None else 1 << 30
         return room, space
-
-    def _prefill(self, prompt: list[int]) -> tuple[Cache, torch.Tensor]:
-        """A fresh cache holding the prompt, and the logits (V,) after its last token."""
-        cache = kv.new_cache(self.model)
-        ids = torch.tensor([prompt], device=self.model.device)
-        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-        return cache, logits[0, -1].float().cpu()
-
-    @staticmethod
-    def _until_stop(decoding: Decoding, history: list[int], new: list[int]) -> tuple[list[int], bool]:
-        """``new`` up to and including the first token that ends generation, and whether one did."""
-        for i in range(len(new)):
-            if decoding.stops(history + new[: i + 1]):
-                return new[: i + 1], True
-        return new, False
-
-    def _forward(self, layout: StepLayout, cache: Cache, ids: torch.Tensor, position: int) -> torch.Tensor:
-        """Logits (rows, V) for ``layout.logit_rows`` of the step's tokens ``ids`` (T,), the first at ``position``."""
-        device, dtype = self.model.device, self.model.dtype
-        masks = {kind: layout.additive_mask(*cache.get_mask_sizes(layout.size, layer), position, window, dtype).to(device)
-                 for kind, (layer, window) in self.mask_layers.items()}
-        out = self.model(
-            input_ids=ids.unsqueeze(0).to(device),
-            position_ids=(position + layout.offsets).unsqueeze(0).to(device),
-            attention_mask=masks if len(masks) > 1 else next(iter(masks.values())),  # (1, 1, T, kv) each
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=layout.logit_rows.to(device),
-        )
-        logits = out.logits[0]
-        if logits.shape[0] != layout.logit_rows.numel():  # the model ignored logits_to_keep (WhisperForCausalLM)
-            logits = logits[layout.logit_rows.to(device)]
-        return logits.float().cpu()
-
-    @staticmethod
-    def _ranked_rows(layout: StepLayout, ids: torch.Tensor, logits: torch.Tensor, path: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Input token (R,) and top-k next tokens (R, k) of every row with logits, the accepted rows last (they win)."""
-        if not k:
-            return np.empty(0, np.int64), np.empty((0, 0), np.int64)
-        first_tree = layout.logit_rows.numel() - (layout.size - layout.first_tree_row)
-        trusted = torch.zeros(layout.logit_rows.numel(), dtype=torch.bool)
-        trusted[[0] + [first_tree + n for n in path]] = True
-        order = torch.cat([torch.nonzero(~trusted).flatten(), torch.nonzero(trusted).flatten()])
-        return ids[layout.logit_rows[order]].numpy(), torch.topk(logits[order], min(k, logits.shape[-1])).indices.numpy()
-
-    @staticmethod
-    def _emit(streamer, tokens: list[int]) -> None:
-        if streamer is not None and tokens:
-            streamer.put(torch.tensor(tokens))

@@ -1,28 +1,101 @@
-"""KV-cache compaction through the transformers 5.x ``Cache`` API: the only module that knows cache internals."""
+"""The KV cache of a batch of sequences through the transformers 5.x ``Cache`` API: the only module that
+knows cache internals.
+
+B sequences share one ``DynamicCache`` whose layers hold (B, heads, S, head_dim): a sequence joins with its
+own prefilled cache (the shorter side padded on the left), leaves by batch index, and each step appends T
+columns for every sequence, of which each keeps its own accepted rows. A sequence that keeps fewer rows than
+another leaves holes; ``positions`` (B, S) records each column's position, -1 for a hole or padding, and the
+masks hide those columns. Row b = 1 keeps 2 rows of a step, row b = 0 keeps 3 (``.``: a hole):
+
+    positions   0  1  2  3  4  5  6      after the prompts (b=1 left-padded) and one step
+        b=0     0  1  2  3  4  5  6
+        b=1     .  .  .  0  1  2  .
+
+Every layer is a full (unwindowed) layer: a sliding window is drawn in the masks from these positions, so
+holes never push a key the window still needs out of the cache.
+"""
 
 from __future__ import annotations
 
 import torch
-from transformers import Cache, DynamicCache, PreTrainedModel
+from torch.nn import functional as F
+from transformers import DynamicCache
 
 
-def new_cache(model: PreTrainedModel) -> DynamicCache:
-    """A dynamic cache whose sliding-window layers record their past, so a step can be rolled back past the window."""
-    cache = DynamicCache(config=model.config)
-    cache.activate_past_recording()
-    return cache
+class BatchCache:
+    """A ``DynamicCache`` for B sequences and the position of every cached key, per sequence."""
 
+    def __init__(self) -> None:
+        self.cache = DynamicCache()  # no config: every layer a full DynamicLayer (see the module docstring)
+        self.positions = torch.empty(0, 0, dtype=torch.long)  # (B, S), -1: hole or padding
 
-def compact(cache: Cache, step_size: int, keep: torch.Tensor) -> None:
-    """Of the ``step_size`` entries the last forward appended, keep only the rows ``keep`` (sorted, long).
+    def __len__(self) -> int:
+        return self.positions.shape[0]
 
-    The kept rows move to the front of the step's block in every layer; ``crop`` then drops the rest
-    (a negative count in transformers 5.x; sliding layers also shrink back to their window there).
-    """
-    kept = keep.numel()
-    if not torch.equal(keep, torch.arange(kept)):  # rows 0..kept-1 are already in place
-        for layer in cache.layers:
-            for states in (layer.keys, layer.values):  # (batch, heads, seq, head_dim)
-                start = states.shape[-2] - step_size
-                states.narrow(-2, start, kept).copy_(states.narrow(-2, start, step_size).index_select(-2, keep))
-    cache.crop(kept - step_size)
+    @property
+    def length(self) -> int:
+        return self.positions.shape[1]
+
+    def _layers(self):
+        return [layer for layer in self.cache.layers if layer.is_initialized and layer.keys.numel()]
+
+    def join(self, other: "BatchCache") -> None:
+        """Append the sequences of ``other`` (e.g. one just prefilled alone) as the last rows; the shorter side
+        is padded on the left with holes."""
+        if not len(self):
+            self.cache, self.positions = other.cache, other.positions
+            return
+        pad_self, pad_other = max(other.length - self.length, 0), max(self.length - other.length, 0)
+        for mine, theirs in zip(self._layers(), other._layers(), strict=True):
+            for name in ("keys", "values"):  # (batch, heads, seq, head_dim)
+                joined = torch.cat([F.pad(getattr(mine, name), (0, 0, pad_self, 0)), F.pad(getattr(theirs, name), (0, 0, pad_other, 0))])
+                setattr(mine, name, joined)
+        self.positions = torch.cat([F.pad(self.positions, (pad_self, 0), value=-1), F.pad(other.positions, (pad_other, 0), value=-1)])
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only the sequences ``rows`` (in that order), and drop the columns that are holes in all of them."""
+        index = torch.tensor(rows, dtype=torch.long)
+        self.positions = self.positions[index]
+        used = (self.positions >= 0).any(0)
+        start = int(used.int().argmax()) if bool(used.any()) else self.length
+        self.positions = self.positions[:, start:]
+        for layer in self._layers():
+            layer.keys, layer.values = layer.keys[index.to(layer.keys.device), :, start:], layer.values[index.to(layer.keys.device), :, start:]
+
+    def masks(self, allowed: torch.Tensor, query_positions: torch.Tensor, windows: dict[str, int | None],
+              dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """Per layer type, the (B, 1, T, S + T) additive mask of a step: 0 where attended, dtype-min elsewhere.
+
+        allowed (B, T, T): who sees whom among the step's rows; query_positions (B, T): each row's position.
+        A row sees every cached key of its own sequence (not holes), and, in a sliding layer, only keys fewer
+        than ``window`` positions behind it."""
+        past = self.positions >= 0  # (B, S)
+        out = {}
+        for kind, window in windows.items():
+            visible_past, visible_step = past[:, None, :].expand(-1, allowed.shape[1], -1), allowed
+            if window is not None:
+                visible_past = visible_past & ((query_positions[:, :, None] - self.positions[:, None, :]) < window)
+                visible_step = allowed & ((query_positions[:, :, None] - query_positions[:, None, :]) < window)
+            visible = torch.cat([visible_past, visible_step], dim=2)
+            mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+            out[kind] = mask[:, None].to(device)
+        return out
+
+    def compact(self, step: int, keep: list[torch.Tensor], positions: list[torch.Tensor]) -> None:
+        """Of the ``step`` columns the last forward appended, sequence b keeps the rows ``keep[b]`` (sorted, long),
+        which sit at ``positions[b]``; they move to the front of the step's block, the rest is cropped or a hole."""
+        kept = max(k.numel() for k in keep)
+        index = torch.stack([F.pad(k, (0, kept - k.numel()), value=int(k[-1])) for k in keep])  # (B, kept)
+        new = torch.stack([F.pad(p, (0, kept - p.numel()), value=-1) for p, k in zip(positions, keep)])
+        if not torch.equal(index, torch.arange(kept).expand_as(index)):  # rows 0..kept-1 are already in place
+            for layer in self._layers():
+                for states in (layer.keys, layer.values):  # (batch, heads, seq, head_dim)
+                    block = states.narrow(-2, states.shape[-2] - step, step)
+                    gather = index.to(states.device)[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
+                    block.narrow(-2, 0, kept).copy_(block.gather(-2, gather))
+        self.cache.crop(kept - step)
+        self.positions = torch.cat([self.positions, new], dim=1)
+
+    def append(self, positions: torch.Tensor) -> None:
+        """Record the positions (B, T) of the columns a forward just appended (a prefill's)."""
+        self.positions = torch.cat([self.positions, positions], dim=1) if len(self) else positions

@@ -62,25 +62,6 @@ class StepLayout:
         last = self.window if self.levels else 0
         return logits[0], logits[1 : 1 + last], logits[1 + last :]
 
-    def additive_mask(
-        self, kv_length: int, kv_offset: int, position: int, sliding_window: int | None, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """(1, 1, T, kv_length) mask: 0 where attended, dtype-min elsewhere.
-
-        The first ``kv_length - T`` keys are the cache, holding positions ``kv_offset`` on. A sliding
-        layer hides every key, cached or in the step, ``sliding_window`` or more positions behind the query.
-        """
-        past = kv_length - self.size
-        visible_past = torch.ones(self.size, past, dtype=torch.bool)
-        visible_step = self.allowed
-        if sliding_window is not None:
-            query_pos = position + self.offsets
-            visible_past = (query_pos[:, None] - (kv_offset + torch.arange(past))[None, :]) < sliding_window
-            visible_step = visible_step & ((self.offsets[:, None] - self.offsets[None, :]) < sliding_window)
-        visible = torch.cat([visible_past, visible_step], dim=1)
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        return mask[None, None]
-
 
 @functools.lru_cache(maxsize=256)
 def window_block(window: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,3 +91,43 @@ def build_layout(window: int, levels: int, tree: TokenTree) -> StepLayout:
     last_level = torch.arange(head - window, head) if levels else torch.arange(0)
     logit_rows = torch.cat([torch.tensor([0]), last_level, torch.arange(head, head + k)])
     return StepLayout(window, levels, offsets, allowed, logit_rows)
+
+
+@dataclass(frozen=True, eq=False)
+class BatchLayout:
+    """The step of a batch: each sequence's layout, padded to the longest; a padding row ``p`` sees only
+    itself and sits at the current token's position (its output is never read, its key is cropped). For
+    b=0 with c and a two-node chain t0 t1, and b=1 with c and one node u0:
+
+        b=0     c  t0 t1          b=1     c  u0 p
+        c       x                 c       x
+        t0      x  x              u0      x  x
+        t1      x  x  x           p             x
+        pos     0  1  2           pos     0  1  0
+
+    Logits are computed for the union of the rows any sequence reads (here all three)."""
+
+    layouts: tuple[StepLayout, ...]
+    offsets: torch.Tensor  # (B, T) long
+    allowed: torch.Tensor  # (B, T, T) bool
+    logit_rows: torch.Tensor  # (U,) long: every row some sequence reads, sorted
+
+    @property
+    def size(self) -> int:
+        return self.offsets.shape[1]
+
+    def logits_of(self, logits: torch.Tensor, b: int) -> torch.Tensor:
+        """Sequence b's logits (its ``logit_rows``, V) out of the step's (B, U, V)."""
+        return logits[b, torch.searchsorted(self.logit_rows, self.layouts[b].logit_rows)]
+
+
+def stack(layouts: list[StepLayout]) -> BatchLayout:
+    """The layouts of a batch's sequences as one (B, T) step, drawn in ``BatchLayout``."""
+    size = max(layout.size for layout in layouts)
+    offsets = torch.zeros(len(layouts), size, dtype=torch.long)
+    allowed = torch.eye(size, dtype=torch.bool).repeat(len(layouts), 1, 1)
+    for b, layout in enumerate(layouts):
+        offsets[b, : layout.size] = layout.offsets
+        allowed[b, : layout.size, : layout.size] = layout.allowed
+    rows = torch.unique(torch.cat([layout.logit_rows for layout in layouts])) if len(layouts) > 1 else layouts[0].logit_rows
+    return BatchLayout(tuple(layouts), offsets, allowed, rows)

@@ -12,11 +12,11 @@ from typing import Callable
 
 import numpy as np
 import torch
-from transformers import Cache, PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from lookahead import kv, models
-from lookahead.layout import StepLayout, build_layout
+from lookahead.layout import BatchLayout, build_layout, stack
 from lookahead.tree import TokenTree
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -91,8 +91,8 @@ def rows_before_switch(position: int, switches: tuple[int, ...]) -> int:
     return min((s - 1 - position for s in switches if s > position), default=1 << 30)
 
 
-Prefill = Callable[[list[int]], tuple[Cache, torch.Tensor]]
-Forward = Callable[[StepLayout, Cache, torch.Tensor, int], torch.Tensor]
+Prefill = Callable[[list[int]], tuple[kv.BatchCache, torch.Tensor]]  # loop.prefill
+Forward = Callable[[BatchLayout, kv.BatchCache, torch.Tensor, torch.Tensor], torch.Tensor]  # loop.forward
 
 
 def check_step(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> None:
@@ -111,13 +111,13 @@ def check_step(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> No
             plain = [model(input_ids=torch.tensor([seq], device=model.device)).logits[0, -2:].float().cpu()
                      for seq in ([a, b, c, x], [a, b, c, y, z])]
             cache, _ = prefill([a, b])
-            recurrent = cache.get_seq_length() != 2
+            recurrent = cache.cache.get_seq_length() != 2
             if not recurrent:
                 tree = TokenTree.merge(np.array([x, y]), np.array([-1, -1]), np.array([0.5, 0.4]), np.ones(2, np.int64), 2)
-                layout = build_layout(0, 0, tree)
-                step = forward(layout, cache, torch.tensor([c, x, y]), 2)
-                kv.compact(cache, layout.size, torch.tensor([0, 2]))
-                after = forward(build_layout(0, 0, TokenTree.empty()), cache, torch.tensor([z]), 4)
+                layout = stack([build_layout(0, 0, tree)])
+                step = forward(layout, cache, torch.tensor([[c, x, y]]), torch.tensor([2]))[0]
+                cache.compact(layout.size, [torch.tensor([0, 2])], [torch.tensor([2, 3])])
+                after = forward(stack([build_layout(0, 0, TokenTree.empty())]), cache, torch.tensor([[z]]), torch.tensor([4]))[0]
     except Exception as e:  # the model's own code failing on a 4D mask, a foreign cache or its arguments
         raise ValueError(f"{name} cannot run a lookahead step ({type(e).__name__}: {e})") from None
     if recurrent:

@@ -134,7 +134,7 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
     device = model.device
     times = dict.fromkeys(sizes, float("inf"))
     with torch.inference_mode():
-        cache = kv.new_cache(model)
+        cache = kv.BatchCache().cache  # every layer full, as the loop's
         model(input_ids=torch.randint(0, vocab, (1, context), device=device), past_key_values=cache, logits_to_keep=1)
         for size in (sizes[0],) * 2 + sizes * rounds:  # two warm-up forwards, then the interleaved rounds
             ids = torch.randint(0, vocab, (1, size), device=device)
@@ -228,16 +228,36 @@ class Choice:
 
 
 def choose(curve: CostCurve | LiveCurve, tree: TokenTree, window_rows: int, window_value: float) -> Choice:
-    """The step that maximises expected emitted tokens per cost (see the module docstring)."""
-    gain = np.concatenate([[0.0], np.cumsum(np.sort(tree.scores)[::-1])])  # S(k), k = 0..K
-    best = Choice(0, False, 1.0)
-    for window in ((False, True) if window_rows else (False,)):
-        extra_rows, extra_gain = (window_rows, window_value) if window else (0, 0.0)
-        for k in range(gain.size):
-            value = (1.0 + gain[k] + extra_gain) / curve.ratio(1 + k + extra_rows)
-            if value > best.value + 1e-9:
-                best = Choice(k, window, value)
-    return best
+    """The step that maximises expected emitted tokens per cost for one sequence (see the module docstring)."""
+    return plan(curve, [tree], [window_rows], [window_value])[0]
+
+
+def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list[int], window_values: list[float]) -> list[Choice]:
+    """The step of a batch: one width T for every sequence (the step is padded to its widest), each filling
+    it with its best nodes (and its Jacobi branch where that gains more), maximising
+
+        value(T) = sum over sequences of (1 + gain_b(T)) / r(B x T)
+
+    so drafting shrinks as the batch grows, and stops where the batch alone fills the machine. B = 1 is the
+    single-sequence rule of the module docstring."""
+    gains = [np.concatenate([[0.0], np.cumsum(np.sort(tree.scores)[::-1])]) for tree in trees]  # S_b(k), k = 0..K_b
+    widest = max(1 + g.size - 1 + w for g, w in zip(gains, window_rows))
+    best, best_value = [Choice(0, False, 1.0)] * len(trees), float(len(trees)) / curve.ratio(len(trees))
+    for width in range(1, widest + 1):
+        choices = []
+        for g, rows, worth in zip(gains, window_rows, window_values):
+            nodes = min(width - 1, g.size - 1)
+            choice = (g[nodes], Choice(nodes, False, 0.0))
+            if rows and width - 1 >= rows:
+                with_window = min(width - 1 - rows, g.size - 1)
+                if g[with_window] + worth > choice[0] + 1e-12:
+                    choice = (g[with_window] + worth, Choice(with_window, True, 0.0))
+            choices.append(choice)
+        value = sum(1.0 + gain for gain, _ in choices) / curve.ratio(len(trees) * width)
+        if value > best_value + 1e-9:
+            best_value, best = value, [c for _, c in choices]
+    per_sequence = best_value / len(trees)
+    return [Choice(c.nodes, c.window, per_sequence) for c in best]
 
 
 class JacobiWorth:

@@ -114,19 +114,18 @@ def test_recycle_table_save_load_and_corrupt_files(tmp_path):
 def test_draft_state_merges_every_source_into_one_tree_and_round_trips(tmp_path):
     cfg = LookaheadConfig(window=0, ngram=3, guess=2, tree_budget=12, suffix_drafts=2, suffix_length=4, recycle_k=2)
     state = DraftState.for_config(50, cfg)
-    state.start([1, 2, 3, 9, 1, 2, 4, 1, 2], cfg)  # pool: (2,3,9), (2,4,1); suffix after "1 2": "3 9 1 2", "4 1 2"
+    suffix = state.start([1, 2, 3, 9, 1, 2, 4, 1, 2], cfg)  # pool: (2,3,9), (2,4,1); suffix after "1 2": "3 9 1 2", "4 1 2"
     state.recycle.update(np.array([2, 3]), np.array([[3, 7], [9, 8]]))
-    tree = state.propose(2, cfg, cfg.tree_budget, max_depth=8)
+    tree = state.propose(2, cfg, cfg.tree_budget, max_depth=8, suffix=suffix)
     paths = {tuple(tree.tokens[tree.path(n)].tolist()) for n in range(len(tree))}
     assert {(3, 9, 1, 2), (4, 1, 2), (7,), (3, 8)} <= paths
     three = int(np.flatnonzero((tree.tokens == 3) & (tree.depths == 1))[0])  # proposed by the pool, the suffix and the table
     assert tree.sources[three] == sum(1 << SOURCES.index(s) for s in ("prompt", "suffix", "recycle"))
     assert len(tree) <= 12 and (tree.scores[tree.parents[tree.parents >= 0]] >= tree.scores[tree.parents >= 0] - 1e-12).all()
-    assert len(state.propose(2, cfg, 3, max_depth=1)) == 3
+    assert len(state.propose(2, cfg, 3, max_depth=1, suffix=suffix)) == 3
     state.save(tmp_path / "state")
     loaded = DraftState.load(tmp_path / "state")
-    loaded.start([1, 2, 3, 9, 1, 2, 4, 1, 2], cfg)
-    again = loaded.propose(2, cfg, cfg.tree_budget, max_depth=8)
+    again = loaded.propose(2, cfg, cfg.tree_budget, max_depth=8, suffix=loaded.start([1, 2, 3, 9, 1, 2, 4, 1, 2], cfg))
     assert np.array_equal(again.tokens, tree.tokens) and np.array_equal(again.parents, tree.parents)
     (tmp_path / "state" / "acceptance.npz").write_bytes(b"junk")
     with pytest.raises(ValueError, match="acceptance"):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import lookahead.layout as layout_module
-from lookahead.layout import build_layout
+from lookahead import kv
+from lookahead.layout import BatchLayout, build_layout, stack
 from lookahead.tree import TokenTree
 
 
@@ -82,25 +83,56 @@ def test_every_row_is_a_causal_sequence_of_consecutive_positions(window, levels)
             assert seen == list(range(int(layout.offsets[row]) + 1)), (window, levels, row)
 
 
+def step_mask(layout, cached: list[int], position: int, window: int | None, dtype=torch.float32) -> torch.Tensor:
+    """The (1, 1, T, S + T) mask of ``layout`` over a cache holding the positions ``cached`` (-1: a hole)."""
+    cache = kv.BatchCache()
+    cache.positions = torch.tensor([cached])
+    step = stack([layout])
+    return cache.masks(step.allowed, position + step.offsets, {"attention": window}, dtype, torch.device("cpu"))["attention"]
+
+
 def test_additive_mask_hides_keys_beyond_the_sliding_window():
     layout = build_layout(window=2, levels=1, tree=TokenTree.empty())  # rows c, a0, a1 at offsets 0, 1, 2
-    # cache holds positions 10..13 (kv_offset 10), current token at 14, window 4: query 14+d sees keys > 10+d
-    mask = layout.additive_mask(kv_length=4 + 3, kv_offset=10, position=14, sliding_window=4, dtype=torch.float32)
+    # cache holds positions 10..13, current token at 14, window 4: query 14+d sees keys > 10+d
+    mask = step_mask(layout, [10, 11, 12, 13], position=14, window=4)
     visible = (mask[0, 0] == 0).int().tolist()
     assert visible == [
         [0, 1, 1, 1, 1, 0, 0],  # c  (14) sees 11..13 and itself
         [0, 0, 1, 1, 1, 1, 0],  # a0 (15) sees 12..13, c, itself
         [0, 0, 0, 1, 1, 1, 1],  # a1 (16) sees 13, c, a0, itself
     ]
-    full = layout.additive_mask(kv_length=7, kv_offset=0, position=14, sliding_window=None, dtype=torch.bfloat16)
-    assert full.dtype == torch.bfloat16 and (full[0, 0, :, :4] == 0).all()
+    full = step_mask(layout, [10, -1, 12, 13], position=14, window=None, dtype=torch.bfloat16)
+    assert full.dtype == torch.bfloat16 and (full[0, 0, :, :4] == 0).sum(0).tolist() == [3, 0, 3, 3]  # never the hole
 
 
 def test_sliding_window_also_applies_inside_the_step():
     # a chain of 5 tree nodes at depths 1..5 under a window of 3: node at depth d sees only depths > d-3
     chain = TokenTree.merge(np.arange(5), np.arange(-1, 4), np.linspace(1, 0.5, 5), np.ones(5, np.int64), 5)
     layout = build_layout(window=1, levels=0, tree=chain)
-    mask = layout.additive_mask(kv_length=layout.size, kv_offset=0, position=0, sliding_window=3, dtype=torch.float32)
+    mask = step_mask(layout, [], position=0, window=3)
     visible = (mask[0, 0] == 0).int()
     assert visible[5].tolist() == [0, 0, 0, 1, 1, 1]  # depth 5 sees depths 3, 4 and itself, not c (depth 0)
     assert visible[2].tolist() == [1, 1, 1, 0, 0, 0]
+
+
+def test_batch_drawing_matches_stack():
+    doc = BatchLayout.__doc__.splitlines()
+    start = next(i for i, line in enumerate(doc) if line.split()[:2] == ["b=0", "c"])
+    block = doc[start : start + 5]  # header, three rows, positions
+    split = block[0].index("b=1")
+    drawn = []
+    for lo, hi in ((0, split), (split, None)):  # the two grids side by side
+        lines = [line[lo:hi].rstrip() for line in block]
+        columns = lines[0].split()[1:]
+        first, width = lines[0].index(columns[0]), lines[0].index(columns[1]) - lines[0].index(columns[0])
+        grid = [[line[first + j * width : first + j * width + 2].strip() == "x" for j in range(len(columns))] for line in lines[1:4]]
+        drawn.append((grid, [int(p) for p in lines[4].split()[1:]]))
+    chain = TokenTree.merge(np.array([5, 6]), np.array([-1, 0]), np.array([0.9, 0.8]), np.ones(2, np.int64), 2)
+    one = TokenTree.merge(np.array([5]), np.array([-1]), np.array([0.9]), np.ones(1, np.int64), 1)
+    step = stack([build_layout(0, 0, chain), build_layout(0, 0, one)])
+    for b, (grid, positions) in enumerate(drawn):
+        assert step.allowed[b].tolist() == grid, b
+        assert step.offsets[b].tolist() == positions, b
+    assert step.logit_rows.tolist() == [0, 1, 2]
+    logits = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    assert step.logits_of(logits, 1).tolist() == logits[1, :2].tolist()  # b=1 reads c and u0, not the padding

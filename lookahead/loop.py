@@ -1,0 +1,234 @@
+"""The decode loop over a batch of sequences ("lanes"): one forward per step carries all of them.
+
+A lane joins with its own prefill (which gives its first token) and leaves the moment it finishes; a batch
+of one is the single-sequence engine. Each step:
+
+    1. draft:    every lane's sources propose a token tree; the cost model sizes the whole step
+    2. forward:  one call over every lane's current token, Jacobi levels and tree, padded to the widest
+    3. verify:   per lane, the deepest branch the model agrees with (greedy or sampling), plus its own token
+    4. compact:  per lane, keep the KV of the current token and the accepted branch only
+    5. learn:    per lane, the window advances; the sources take the trajectories, new tokens and top-k
+    6. emit:     stream what was accepted; a finished lane leaves the batch
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from lookahead import kv
+from lookahead.config import LookaheadConfig
+from lookahead.decoding import Decoding
+from lookahead.drafting import TRAJECTORY, DraftState
+from lookahead.layout import BatchLayout, StepLayout, build_layout, stack
+from lookahead.stats import Clock, GenerationStats
+from lookahead.tree import TokenTree
+from lookahead.tuner import JacobiWorth, LiveCurve, plan
+from lookahead.window import JacobiWindow
+from ngram_pool import SuffixDrafter
+
+
+@dataclass(eq=False)
+class Lane:
+    """One sequence of the batch: its prompt and options, its drafting, and what it has emitted so far."""
+
+    prompt: list[int]
+    decoding: Decoding
+    state: DraftState  # shared by the lanes of a batch; ``suffix`` is this lane's own
+    streamer: object | None = None
+    lookahead: bool = True
+    out: list[int] = field(default_factory=list)
+    done: bool = False  # ended by EOS or a stop string
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    suffix: SuffixDrafter | None = None
+    window: JacobiWindow | None = None
+    worth: JacobiWorth | None = None
+    clock: Clock = field(default_factory=Clock)
+
+    @property
+    def position(self) -> int:
+        """Of the current token, ``out[-1]``."""
+        return len(self.prompt) + len(self.out) - 1
+
+    @property
+    def last_position(self) -> int:
+        """The last position generate() feeds; no row goes beyond."""
+        return len(self.prompt) + self.decoding.max_new_tokens - 2
+
+    @property
+    def finished(self) -> bool:
+        return self.done or len(self.out) >= self.decoding.max_new_tokens or self.decoding.out_of_time()
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.done else "length"
+
+    def emit(self, tokens: list[int]) -> None:
+        if self.streamer is not None and tokens:
+            self.streamer.put(torch.tensor(tokens))
+
+
+def prefill(model: PreTrainedModel, prompt: list[int]) -> tuple[kv.BatchCache, torch.Tensor]:
+    """A one-sequence cache holding the prompt, and the logits (V,) after its last token."""
+    cache = kv.BatchCache()
+    ids = torch.tensor([prompt], device=model.device)
+    logits = model(input_ids=ids, past_key_values=cache.cache, use_cache=True, logits_to_keep=1).logits
+    cache.append(torch.arange(len(prompt))[None])
+    return cache, logits[0, -1].float().cpu()
+
+
+def forward(model: PreTrainedModel, windows: dict[str, int | None], step: BatchLayout, cache: kv.BatchCache,
+            ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Logits (B, U, V) for ``step.logit_rows`` of the step's tokens ``ids`` (B, T), row b's first at ``positions[b]``."""
+    device = model.device
+    query = positions[:, None] + step.offsets  # (B, T)
+    masks = cache.masks(step.allowed, query, windows, model.dtype, device)
+    out = model(
+        input_ids=ids.to(device),
+        position_ids=query.to(device),
+        attention_mask=masks if len(masks) > 1 else next(iter(masks.values())),  # (B, 1, T, S + T) each
+        past_key_values=cache.cache,
+        use_cache=True,
+        logits_to_keep=step.logit_rows.to(device),
+    )
+    logits = out.logits
+    if logits.shape[1] != step.logit_rows.numel():  # the model ignored logits_to_keep (WhisperForCausalLM)
+        logits = logits[:, step.logit_rows.to(device)]
+    return logits.float().cpu()
+
+
+def until_stop(decoding: Decoding, history: list[int], new: list[int]) -> tuple[list[int], bool]:
+    """``new`` up to and including the first token that ends generation, and whether one did."""
+    for i in range(len(new)):
+        if decoding.stops(history + new[: i + 1]):
+            return new[: i + 1], True
+    return new, False
+
+
+class Batch:
+    """The running batch: its lanes and their shared KV cache; ``step`` runs the numbered loop once."""
+
+    def __init__(self, model: PreTrainedModel, config: LookaheadConfig, windows: dict[str, int | None],
+                 limits, curve: LiveCurve | None) -> None:
+        """windows: layer type -> sliding window (``support.mask_layers``); limits(position, last_position) ->
+        (room, space) as ``LookaheadGenerator._limits``; curve: the cost model (None: the fixed shape)."""
+        self.model, self.config, self.windows, self.limits, self.curve = model, config, windows, limits, curve
+        self.lanes: list[Lane] = []
+        self.cache = kv.BatchCache()
+
+    def __len__(self) -> int:
+        return len(self.lanes)
+
+    def join(self, lane: Lane) -> None:
+        """Prefill the lane alone (its first token); it joins the batch unless that token already finished it."""
+        cfg = self.config
+        lane.clock = Clock()
+        if lane.streamer is not None:
+            lane.streamer.put(torch.tensor(lane.prompt))
+        cache, logits = prefill(self.model, lane.prompt)
+        first = lane.decoding.verify(lane.prompt, logits, None, TokenTree.empty()).tokens
+        lane.out, lane.done = until_stop(lane.decoding, lane.prompt, first)
+        lane.suffix = lane.state.start(lane.prompt + lane.out, cfg)
+        if lane.lookahead and cfg.window:
+            lane.window = JacobiWindow(cfg.window, cfg.ngram, np.asarray(lane.prompt), cfg.seed)
+        lane.worth = JacobiWorth() if lane.lookahead and self.curve is not None else None
+        lane.stats.prefill_s = lane.clock.lap()
+        lane.emit(lane.out)
+        if lane.finished:
+            self._finish(lane)
+        else:
+            self.cache.join(cache)
+            self.lanes.append(lane)
+
+    def step(self) -> list[Lane]:
+        """One forward for every lane; returns the lanes that finished (they have left the batch)."""
+        cfg, lanes, clock = self.config, self.lanes, Clock()
+        # 1. draft: every lane's sources propose continuations of its current token, merged into one tree
+        trees, levels, spaces = [], [], []
+        for lane in lanes:
+            room, space = self.limits(lane.position, lane.last_position)
+            tree = lane.state.propose(lane.out[-1], cfg, min(cfg.tree_budget if lane.lookahead else 0, space), room, lane.suffix)
+            level = lane.window.levels_within(room) if lane.window else 0
+            trees.append(tree)
+            levels.append(level if level * cfg.window <= space else 0)
+            spaces.append(space)
+        if self.curve is not None:  # the cost model keeps only what is expected to pay (possibly nothing: plain steps)
+            choices = plan(self.curve, trees, [lv * cfg.window for lv in levels], [ln.worth.value if ln.worth else 0.0 for ln in lanes])
+            for b, (lane, choice) in enumerate(zip(lanes, choices)):
+                trees[b] = trees[b].best(choice.nodes)
+                levels[b] = levels[b] if lane.worth is not None and lane.worth.runs(choice.window) else 0
+        trees = [tree.best(space - level * cfg.window) for tree, level, space in zip(trees, levels, spaces)]
+        draft_s = clock.lap()
+        # 2. layout and one forward: logits only for each lane's current token, last window level and tree
+        layouts = [build_layout(cfg.window, level, tree) for level, tree in zip(levels, trees)]
+        step = stack(layouts)
+        ids = torch.zeros(len(lanes), step.size, dtype=torch.long)
+        for b, (lane, level, tree, layout) in enumerate(zip(lanes, levels, trees, layouts)):
+            window = lane.window.active[:level].ravel() if level else np.empty(0, np.int64)
+            ids[b, : layout.size] = torch.from_numpy(np.concatenate([[lane.out[-1]], window, tree.tokens]))
+        positions = torch.tensor([lane.position for lane in lanes])
+        logits = forward(self.model, self.windows, step, self.cache, ids, positions)
+        forward_s = clock.lap()
+        if self.curve is not None:
+            self.curve.observe(len(lanes) * step.size, forward_s)
+        # 3. verify: per lane, the deepest branch the model agrees with, plus its own next token
+        verdicts, news = [], []
+        for b, (lane, tree, layout) in enumerate(zip(lanes, trees, layouts)):
+            first, _, tree_logits = layout.split_logits(step.logits_of(logits, b))
+            history = lane.prompt + lane.out
+            verdict = lane.decoding.verify(history, first, tree_logits, tree)
+            new, lane.done = until_stop(lane.decoding, history, verdict.tokens[: lane.decoding.max_new_tokens - len(lane.out)])
+            verdicts.append(verdict)
+            news.append(new)
+        verify_s = clock.lap()
+        # 4. keep the KV of each lane's current token and accepted branch only
+        keep = [torch.tensor([0] + [layout.first_tree_row + n for n in v.path]) for layout, v in zip(layouts, verdicts)]
+        self.cache.compact(step.size, keep, [lane.position + layout.offsets[k] for lane, layout, k in zip(lanes, layouts, keep)])
+        # 5. learn (not in plain decoding): the window advances; the sources take the trajectories, the new
+        #    tokens and every row's top-k
+        for b, (lane, tree, level, layout, verdict, new) in enumerate(zip(lanes, trees, levels, layouts, verdicts, news)):
+            if lane.lookahead:
+                own = step.logits_of(logits, b)
+                _, last_level, _ = layout.split_logits(own)
+                trajectories = lane.window.advance(last_level.argmax(-1).numpy()) if level else np.empty((0, cfg.ngram), np.int64)
+                row_tokens, row_topk = ranked_rows(layout, ids[b, : layout.size], own, verdict.path, cfg.recycle_k)
+                history = lane.prompt + lane.out
+                lane.state.learn(cfg, tree, verdict.path, new, trajectories, row_tokens, row_topk, history[-(cfg.ngram - 1):], lane.suffix)
+            if lane.worth is not None and level:
+                lane.worth.update(int((tree.sources[verdict.path] == 1 << TRAJECTORY).sum()))
+            lane.out += new
+            lane.stats.record(tree, level, verdict.path, len(new))
+        learn_s = clock.lap()
+        # 6. stream what was accepted; finished lanes leave the batch
+        for lane, new in zip(lanes, news):
+            for phase, seconds in (("draft", draft_s), ("forward", forward_s), ("verify", verify_s), ("learn", learn_s)):
+                lane.stats.phase_s[phase] += seconds
+            lane.emit(new)
+        finished = [lane for lane in lanes if lane.finished]
+        if finished:
+            self.lanes = [lane for lane in lanes if not lane.finished]
+            self.cache.keep([b for b, lane in enumerate(lanes) if not lane.finished])
+            for lane in finished:
+                self._finish(lane)
+        return finished
+
+    @staticmethod
+    def _finish(lane: Lane) -> None:
+        lane.stats.decode_s = lane.clock.total() - lane.stats.prefill_s
+        lane.stats.new_tokens = len(lane.out)
+        if lane.streamer is not None:
+            lane.streamer.end()
+
+
+def ranked_rows(layout: StepLayout, ids: torch.Tensor, logits: torch.Tensor, path: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Input token (R,) and top-k next tokens (R, k) of every row with logits, the accepted rows last (they win)."""
+    if not k:
+        return np.empty(0, np.int64), np.empty((0, 0), np.int64)
+    first_tree = layout.logit_rows.numel() - (layout.size - layout.first_tree_row)
+    trusted = torch.zeros(layout.logit_rows.numel(), dtype=torch.bool)
+    trusted[[0] + [first_tree + n for n in path]] = True
+    order = torch.cat([torch.nonzero(~trusted).flatten(), torch.nonzero(trusted).flatten()])
+    return ids[layout.logit_rows[order]].numpy(), torch.topk(logits[order], min(k, logits.shape[-1])).indices.numpy()
