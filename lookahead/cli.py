@@ -222,7 +222,12 @@ def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
               help="Requests waiting or running beyond which the server answers 429.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=MAX_BODY_BYTES, show_default=True,
               help="Largest request body; a larger one gets 413.")
-def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, queue_limit, max_body_bytes) -> None:
+@click.option("--api-key", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (other users see it "
+                                "in the process list: prefer --api-key-file).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Read the API key from this file (surrounding whitespace stripped).")
+def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, queue_limit, max_body_bytes, api_key,
+          api_key_file) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (needs the [serve] extra)."""
     try:
         from lookahead import server
@@ -230,12 +235,37 @@ def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, 
         raise click.ClickException(f"serving needs the serve extra: pip install 'lookahead[serve]' ({e})") from None
     from lookahead.generator import LookaheadGenerator
 
+    api_key = _read_api_key(api_key, api_key_file)  # before the model loads: a bad key fails fast
     try:
         gen = LookaheadGenerator.from_pretrained(model_spec, LookaheadConfig(), dtype=dtype, device=device, cache_dir=cache_dir,
                                                  progress=_progress, kernels=kernels)
-        server.serve(gen, model_spec, host, port, state_dir, queue_limit, max_body_bytes)
+        if api_key is None and not server.is_loopback(host):
+            click.echo(f"[lookahead] warning: serving on {host} without an API key: anyone who can reach it can use it "
+                       "(--api-key-file)", err=True)
+        server.serve(gen, model_spec, host, port, state_dir, queue_limit, max_body_bytes, api_key=api_key)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e).strip().splitlines()[0]) from None
+
+
+def _read_api_key(key: str | None, key_file: Path | None) -> str | None:
+    """The key from --api-key or --api-key-file (stripped: files end in a newline), checked as the server checks it."""
+    from lookahead.server import check_api_key
+
+    if key is not None and key_file is not None:
+        raise click.UsageError("give the API key with --api-key or --api-key-file, not both")
+    if key_file is not None:
+        try:
+            key = key_file.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.BadParameter(f"cannot read {key_file}: {e}", param_hint="--api-key-file") from None
+    if key is None:
+        return None
+    try:
+        return check_api_key(key.strip())
+    except ValueError as e:
+        if key_file is not None:
+            raise click.BadParameter(f"{e} (in {key_file})", param_hint="--api-key-file") from None
+        raise click.BadParameter(str(e), param_hint="--api-key") from None
 
 
 @main.group("models", context_settings=CONTEXT, invoke_without_command=True)

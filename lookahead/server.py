@@ -10,13 +10,16 @@ more than ``queue_limit`` waiting or running get 429. A client that disconnects 
 generation at the next step. All requests share one drafting state (pools, recycling table, acceptance
 statistics), saved on shutdown and loaded at start with ``--state``: later requests draft better.
 Errors are OpenAI-style JSON bodies with a 4xx status, also for a streamed request (checked before its stream
-starts); request bodies past ``max_body_bytes`` get 413. The server keeps serving.
+starts); request bodies past ``max_body_bytes`` get 413. The server keeps serving. With ``api_key`` set, every
+endpoint but ``/health`` needs ``Authorization: Bearer <key>`` (a 401 otherwise, before the body is read).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
 import threading
 import time
@@ -58,13 +61,34 @@ class _Channel:
         pass
 
 
+def check_api_key(key: str) -> str:
+    """``key`` if a client can send it in an ``Authorization`` header (visible ASCII, no spaces), else a ValueError:
+    an empty key would otherwise look like protection while matching nothing, or everything."""
+    if not key:
+        raise ValueError("the API key is empty")
+    if not (key.isascii() and key.isprintable()) or " " in key:
+        raise ValueError("the API key must be printable ASCII without spaces (clients send it in an HTTP header)")
+    return key
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (where serving without an API key is safe enough)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # another host name: it may resolve to any interface
+        return False
+
+
 class Server:
     """The generator, its shared drafting state, the request queue and the metrics."""
 
     def __init__(self, gen: LookaheadGenerator, model_name: str, state: DraftState | None = None, queue_limit: int = 16,
-                 state_path: Path | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 state_path: Path | None = None, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None) -> None:
         self.gen, self.model_name, self.queue_limit, self.state_path = gen, model_name, queue_limit, state_path
         self.max_body_bytes = max_body_bytes
+        self.api_key = None if api_key is None else check_api_key(api_key).encode()  # bytes: compared in constant time
         self.state = state or gen.new_state()
         self.lock = asyncio.Lock()
         self.pending = 0
@@ -125,6 +149,45 @@ class Server:
             with self.state_lock:
                 self.state.save(self.state_path)
 
+    def error_response(self, path: str, e: APIError, code: int | str | None = None,
+                       headers: dict[str, str] | None = None) -> JSONResponse:
+        """An OpenAI-style error body (``code``: the status unless given), counted in the metrics."""
+        self.m_requests.labels(path, str(e.status)).inc()
+        body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status if code is None else code}}
+        return JSONResponse(body, status_code=e.status, headers=headers)
+
+
+class RequireKey:
+    """ASGI middleware: without ``Authorization: Bearer <key>`` a request gets 401 before anything reads its body,
+    parses it or queues it (so an unauthenticated client costs no more than the header check); ``/health`` stays
+    open for load balancers and probes."""
+
+    OPEN = frozenset({"/health"})
+
+    def __init__(self, app, server: Server) -> None:
+        self.app, self.server = app, server
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool | None:
+        """True: the right key; False: a wrong one (or another scheme); None: no Authorization header."""
+        values = [v for k, v in headers if k == b"authorization"]
+        if not values:
+            return None
+        scheme, _, token = values[0].strip().partition(b" ")
+        right = hmac.compare_digest(token.strip(), self.server.api_key)  # constant time: timing shows at most the length
+        return right and scheme.lower() == b"bearer" and len(values) == 1
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN:
+            return await self.app(scope, receive, send)
+        verdict = self.authorized(scope["headers"])
+        if verdict:
+            return await self.app(scope, receive, send)
+        message = ("missing API key: send it as 'Authorization: Bearer <key>'" if verdict is None else
+                   "invalid API key: send the server's key as 'Authorization: Bearer <key>'")
+        response = self.server.error_response(scope["path"], APIError(401, message), "invalid_api_key",
+                                              {"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
 
 def create_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -134,11 +197,12 @@ def create_app(server: Server) -> FastAPI:
 
     app = FastAPI(title="lookahead", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=server.max_body_bytes)
+    if server.api_key is not None:  # added last: the outermost, it answers before the body limit or the app run
+        app.add_middleware(RequireKey, server=server)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        server.m_requests.labels(request.url.path, str(e.status)).inc()
-        return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}, status_code=e.status)
+        return server.error_response(request.url.path, e)
 
     @app.exception_handler(HTTPException)  # Starlette's own: unknown routes, bodies past the limit
     async def http_error(request: Request, e: HTTPException):
@@ -297,11 +361,11 @@ def background(server: Server, host: str = "127.0.0.1", port: int = 0):
 
 
 def serve(gen: LookaheadGenerator, model_name: str, host: str, port: int, state_path: Path | None, queue_limit: int,
-          max_body_bytes: int = MAX_BODY_BYTES) -> None:
+          max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None) -> None:
     import uvicorn
 
     state = DraftState.load(state_path) if state_path is not None and state_path.exists() else None
     if state is not None:
         state.check_fits(gen.vocab_size, gen.config)
-    app = create_app(Server(gen, model_name, state, queue_limit, state_path, max_body_bytes))
+    app = create_app(Server(gen, model_name, state, queue_limit, state_path, max_body_bytes, api_key))
     uvicorn.run(app, host=host, port=port, log_level="info")

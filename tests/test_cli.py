@@ -234,11 +234,61 @@ def test_serve_takes_a_body_limit(tokenizerless_dir, monkeypatch):
     from lookahead import server
 
     calls = []
-    monkeypatch.setattr(server, "serve", lambda *args: calls.append(args))
+    monkeypatch.setattr(server, "serve", lambda *args, **kwargs: calls.append(args))
     args = ["serve", "--model", tokenizerless_dir, "--dtype", "float32", "--port", "0"]
     assert run(*args).exit_code == 0 and calls[-1][-1] == 8 * 2**20
     assert run(*args, "--max-body-bytes", "1000").exit_code == 0 and calls[-1][-1] == 1000
     assert "is not in the range x>=1" in run(*args, "--max-body-bytes", "0").output
+
+
+@pytest.fixture
+def serve_calls(monkeypatch):
+    """``lookahead serve``'s calls to ``server.serve`` (the model loads; nothing listens)."""
+    from lookahead import server
+
+    calls = []
+    monkeypatch.setattr(server, "serve", lambda *args, **kwargs: calls.append(kwargs))
+    return calls
+
+
+def test_serve_reads_the_api_key_from_the_option_or_a_file(tokenizerless_dir, tmp_path, serve_calls):
+    args = ["serve", "--model", tokenizerless_dir, "--dtype", "float32", "--port", "0"]
+    assert run(*args).exit_code == 0 and serve_calls[-1]["api_key"] is None
+    assert run(*args, "--api-key", "sk-one").exit_code == 0 and serve_calls[-1]["api_key"] == "sk-one"
+    (tmp_path / "key").write_text("  sk-two\n")
+    result = run(*args, "--api-key-file", str(tmp_path / "key"))
+    assert result.exit_code == 0, result.output
+    assert serve_calls[-1]["api_key"] == "sk-two"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--api-key-file", "{tmp}/empty"], "Invalid value for --api-key-file: the API key is empty (in {tmp}/empty)"),
+        (["--api-key-file", "{tmp}/blank"], "Invalid value for --api-key-file: the API key is empty (in {tmp}/blank)"),
+        (["--api-key-file", "{tmp}/two-lines"], "Invalid value for --api-key-file: the API key must be printable ASCII"),
+        (["--api-key-file", "{tmp}/missing"], "Invalid value for --api-key-file: cannot read {tmp}/missing"),
+        (["--api-key", ""], "Invalid value for --api-key: the API key is empty"),
+        (["--api-key", "sk-one", "--api-key-file", "{tmp}/key"], "give the API key with --api-key or --api-key-file, not both"),
+    ],
+)
+def test_serve_refuses_a_bad_api_key_in_one_line(tokenizerless_dir, tmp_path, serve_calls, options, message):
+    for name, text in {"empty": "", "blank": " \n\n", "two-lines": "sk-a\nsk-b\n", "key": "sk-two"}.items():
+        (tmp_path / name).write_text(text)
+    options = [o.replace("{tmp}", str(tmp_path)) for o in options]
+    result = run("serve", "--model", "/no/such/model", *options)  # the key is checked before the model loads
+    assert result.exit_code == 2 and not serve_calls
+    assert message.replace("{tmp}", str(tmp_path)) in result.output and "Traceback" not in result.output
+
+
+def test_serve_warns_without_a_key_off_loopback(tokenizerless_dir, serve_calls):
+    args = ["serve", "--model", tokenizerless_dir, "--dtype", "float32", "--port", "0"]
+    for host, key, warned in [("127.0.0.1", [], False), ("localhost", [], False), ("::1", [], False),
+                              ("0.0.0.0", [], True), ("::", [], True), ("example.org", [], True), ("0.0.0.0", ["--api-key", "k"], False)]:
+        result = run(*args, "--host", host, *key)
+        assert result.exit_code == 0, result.output
+        warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+        assert len(warnings) == warned and (not warned or f"serving on {host} without an API key" in warnings[0]), (host, result.stderr)
 
 
 def test_tune_measures_prints_and_plots(tokenizerless_dir, tmp_path):

@@ -251,6 +251,81 @@ def test_warm_state_is_shared_saved_on_shutdown_and_loaded(tmp_path):
     assert loaded.pool.stats.ngrams_stored == server.state.pool.stats.ngrams_stored > 0
 
 
+KEY = "sk-test-0123456789"
+UNAUTHORIZED = {"type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+PROTECTED = [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
+BODIES = {"/v1/completions": {"prompt": "hello", "max_tokens": 2}, "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
+                                                                                            "max_tokens": 2}}
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    server = Server(LookaheadGenerator(MODEL, tiny_tokenizer(), LookaheadConfig(auto=False)), "tiny", api_key=KEY)
+    with running(server) as url:
+        yield server, url
+
+
+def test_no_key_leaves_every_endpoint_open(text_server):
+    _, url, _ = text_server
+    for method, path in PROTECTED:
+        for headers in ({}, {"Authorization": "Bearer anything"}):
+            assert httpx.request(method, url + path, json=BODIES.get(path), headers=headers).status_code == 200
+
+
+@pytest.mark.parametrize("method, path", PROTECTED)
+@pytest.mark.parametrize("authorization, missing", [(None, True), ("Bearer wrong", False), ("Bearer " + KEY[:-1], False),
+                                                    ("Bearer " + KEY + "x", False), ("Bearer", False), ("Basic " + KEY, False),
+                                                    ("Basic c2stdGVzdDo=", False), (KEY, False)])
+def test_a_wrong_or_missing_key_gets_401(keyed_server, method, path, authorization, missing):
+    _, url = keyed_server
+    headers = {} if authorization is None else {"Authorization": authorization}
+    reply = httpx.request(method, url + path, json=BODIES.get(path), headers=headers)
+    assert reply.status_code == 401 and reply.headers["www-authenticate"] == "Bearer"
+    error = reply.json()["error"]
+    assert {k: error[k] for k in UNAUTHORIZED} == UNAUTHORIZED and KEY not in error["message"]
+    assert error["message"].startswith("missing API key" if missing else "invalid API key")
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer"])
+def test_the_right_key_opens_every_endpoint(keyed_server, scheme):
+    _, url = keyed_server
+    for method, path in PROTECTED:
+        reply = httpx.request(method, url + path, json=BODIES.get(path), headers={"Authorization": f"{scheme} {KEY}"})
+        assert reply.status_code == 200, reply.text
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    assert client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0).choices[0].text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_health_stays_open_with_a_key(keyed_server):
+    _, url = keyed_server
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    assert httpx.get(url + "/health", headers={"Authorization": "Bearer wrong"}).status_code == 200
+
+
+def test_the_key_is_checked_before_the_body_or_the_queue(keyed_server):
+    server, url = keyed_server
+    malformed = httpx.post(url + "/v1/completions", content=b'{"prompt": ,', headers={"content-type": "application/json"})
+    assert malformed.status_code == 401  # not a 400: the body was never parsed
+    huge = httpx.post(url + "/v1/completions", content=b"x" * (server.max_body_bytes + 1), headers={"content-type": "application/json"})
+    assert huge.status_code == 401  # not a 413: the body was never read
+    assert httpx.get(url + "/no/such/route").status_code == 401  # not a 404: nothing about the routes leaks
+    server.pending += server.queue_limit  # a full queue: 429 for a client with the key, 401 before it for one without
+    try:
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hello"}).status_code == 401
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hello"}, headers={"Authorization": f"Bearer {KEY}"}).status_code == 429
+    finally:
+        server.pending -= server.queue_limit
+    assert server.pending == 0
+
+
+@pytest.mark.parametrize("key", ["", "two words", "caf\u00e9", "line\nbreak"])
+def test_keys_no_client_can_send_are_refused(key):
+    with pytest.raises(ValueError, match="API key"):
+        Server(LookaheadGenerator(MODEL, None, LookaheadConfig(auto=False)), "tiny", api_key=key)
+
+
 @pytest.mark.slow
 def test_smollm2_served_equals_hf_greedy(smollm2):
     model, tok = smollm2
