@@ -36,6 +36,7 @@ class _Common(BaseModel):
     echo: bool = False
     user: str | None = None
     stream_options: dict | None = None
+    lookahead: bool = True  # ours: false decodes this request plainly (one token per forward) in the same batch
 
 
 class CompletionRequest(_Common):
@@ -74,7 +75,7 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise APIError(400, "one prompt per request (batch size 1)", "prompt")
+                raise APIError(400, "one prompt per request (send several requests: the server batches them)", "prompt")
             prompt = prompt[0]
         if not (isinstance(prompt, str) or isinstance(prompt, list) and all(type(t) is int for t in prompt)):
             raise APIError(400, "prompt must be text or a list of token ids (integers), or a list of one of either", "prompt")
@@ -94,7 +95,7 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
     if stops:
         options["stop_strings"] = stops
     max_tokens = req.max_completion_tokens or req.max_tokens or 16
-    return prompt, dict(max_new_tokens=max_tokens, seed=req.seed, **options), stops
+    return prompt, dict(max_new_tokens=max_tokens, seed=req.seed, lookahead=req.lookahead, **options), stops
 
 
 class BodyLimit:

@@ -153,12 +153,32 @@ class LookaheadGenerator:
         if state is not None:
             state.check_fits(self.vocab_size, self.config)
         state = state or self.new_state()
-        lanes = []
-        for i, prompt in enumerate(prompts):
-            ids, decoding = self.prepare(prompt, max_new_tokens, chat=chat, system=system, generation_config=generation_config,
-                                         seed=seeds[i] if seeds else None, **options)
-            lanes.append(Lane(ids, decoding, state, streamers[i] if streamers else None, lookahead))
-        return self._run(lanes)
+        lanes = [self.new_lane(prompt, max_new_tokens, state=state, chat=chat, system=system, streamer=streamers[i] if streamers else None,
+                               lookahead=lookahead, generation_config=generation_config, seed=seeds[i] if seeds else None, **options)
+                 for i, prompt in enumerate(prompts)]
+        batch = self.new_batch(any(lane.lookahead for lane in lanes))
+        with torch.inference_mode():
+            for lane in lanes:
+                batch.join(lane)
+            while batch:
+                batch.step()
+        return [self.result(lane) for lane in lanes]
+
+    def new_lane(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int | None = None, *, state: DraftState,
+                 streamer=None, lookahead: bool = True, **options) -> Lane:
+        """One request, checked and ready to join a batch (``new_batch``); ``options`` as ``prepare`` takes them."""
+        ids, decoding = self.prepare(prompt, max_new_tokens, **options)
+        return Lane(ids, decoding, state, streamer, lookahead)
+
+    def new_batch(self, lookahead: bool = True) -> Batch:
+        """An empty running batch over this generator's model (the cost model on where ``config.auto`` and lookahead)."""
+        auto = self.config.auto and lookahead
+        return Batch(self.model, self.config, self.windows, self._limits, self.live_cost if auto else None)
+
+    def result(self, lane: Lane) -> GenerationResult:
+        """What a finished lane gives back."""
+        text = self.tokenizer.decode(lane.out, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationResult(lane.out, text, lane.stats, lane.finish_reason)
 
     def prepare(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int | None = None, *, chat: bool = False,
                 system: str | None = None, generation_config: GenerationConfig | None = None, seed: int | None = None,
@@ -181,23 +201,6 @@ class LookaheadGenerator:
         cfg = self.config
         sparse = cfg.pool_sparse if cfg.pool_sparse is not None else self.vocab_size > SPARSE_POOL_VOCAB
         return DraftState.for_config(self.vocab_size, cfg, sparse)
-
-    # -- the decode loop (lookahead/loop.py) ----------------------------------------------------
-
-    def _run(self, lanes: list[Lane]) -> list[GenerationResult]:
-        """Decode the lanes together, each joining in turn, until every one has finished."""
-        auto = self.config.auto and any(lane.lookahead for lane in lanes)
-        batch = Batch(self.model, self.config, self.windows, self._limits, self.live_cost if auto else None)
-        with torch.inference_mode():
-            for lane in lanes:
-                batch.join(lane)
-            while batch:
-                batch.step()
-        return [self._result(lane) for lane in lanes]
-
-    def _result(self, lane: Lane) -> GenerationResult:
-        text = self.tokenizer.decode(lane.out, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationResult(lane.out, text, lane.stats, lane.finish_reason)
 
     def _limits(self, position: int, last_position: int) -> tuple[int, int]:
         """How far past the current token (at ``position``) a step's rows may sit, and how many rows it may add.

@@ -42,6 +42,7 @@ class Lane:
     lookahead: bool = True
     out: list[int] = field(default_factory=list)
     done: bool = False  # ended by EOS or a stop string
+    cancelled: bool = False  # set from another thread (a client that went away): the lane leaves at the next step
     stats: GenerationStats = field(default_factory=GenerationStats)
     suffix: SuffixDrafter | None = None
     window: JacobiWindow | None = None
@@ -60,11 +61,11 @@ class Lane:
 
     @property
     def finished(self) -> bool:
-        return self.done or len(self.out) >= self.decoding.max_new_tokens or self.decoding.out_of_time()
+        return self.done or self.cancelled or len(self.out) >= self.decoding.max_new_tokens or self.decoding.out_of_time()
 
     @property
     def finish_reason(self) -> str:
-        return "stop" if self.done else "length"
+        return "stop" if self.done else "cancelled" if self.cancelled else "length"
 
     def emit(self, tokens: list[int]) -> None:
         if self.streamer is not None and tokens:
@@ -145,6 +146,9 @@ class Batch:
 
     def step(self) -> list[Lane]:
         """One forward for every lane; returns the lanes that finished (they have left the batch)."""
+        finished = self._retire()  # out of time or cancelled since the last step
+        if not self.lanes:
+            return finished
         cfg, lanes, clock = self.config, self.lanes, Clock()
         # 1. draft: every lane's sources propose continuations of its current token, merged into one tree
         trees, levels, spaces = [], [], []
@@ -207,10 +211,15 @@ class Batch:
             for phase, seconds in (("draft", draft_s), ("forward", forward_s), ("verify", verify_s), ("learn", learn_s)):
                 lane.stats.phase_s[phase] += seconds
             lane.emit(new)
-        finished = [lane for lane in lanes if lane.finished]
+        return finished + self._retire()
+
+    def _retire(self) -> list[Lane]:
+        """The finished lanes leave the batch (their cache rows go at once)."""
+        done = [lane.finished for lane in self.lanes]  # once: a deadline may pass meanwhile
+        finished = [lane for lane, d in zip(self.lanes, done) if d]
         if finished:
-            self.lanes = [lane for lane in lanes if not lane.finished]
-            self.cache.keep([b for b, lane in enumerate(lanes) if not lane.finished])
+            self.cache.keep([b for b, d in enumerate(done) if not d])
+            self.lanes = [lane for lane, d in zip(self.lanes, done) if not d]
             for lane in finished:
                 self._finish(lane)
         return finished

@@ -5,10 +5,12 @@
     GET  /v1/models  /health  /metrics (Prometheus)
 
 Both POST endpoints stream with ``"stream": true`` (server-sent events, one chunk per accepted batch of
-tokens, then ``[DONE]``). Requests run one at a time (batch size 1) in a worker thread, in arrival order;
-more than ``queue_limit`` waiting or running get 429. A client that disconnects mid-stream stops its
-generation at the next step. All requests share one drafting state (pools, recycling table, acceptance
-statistics), saved on shutdown and loaded at start with ``--state``: later requests draft better.
+tokens, then ``[DONE]``). Requests are batched continuously (``scheduler.py``): each joins the running batch
+at the next step, up to ``max_batch`` together, and leaves when done; more than ``queue_limit`` waiting or
+running get 429. A client that disconnects stops its generation at the next step. ``"lookahead": false``
+decodes a request plainly (one token per forward) inside the same batch. All requests share one drafting
+state (pools, recycling table, acceptance statistics), saved on shutdown and loaded at start with
+``--state``: later requests draft better.
 Errors are OpenAI-style JSON bodies with a 4xx status, also for a streamed request (checked before its stream
 starts); request bodies past ``max_body_bytes`` get 413. The server keeps serving. With ``api_key`` set, every
 endpoint but ``/health`` needs ``Authorization: Bearer <key>`` (a 401 otherwise, before the body is read).
@@ -38,20 +40,17 @@ from lookahead.api import APIError, BodyLimit, ChatRequest, CompletionRequest, c
 from lookahead.config import MAX_BODY_BYTES
 from lookahead.drafting import SOURCES, DraftState
 from lookahead.generator import LookaheadGenerator
+from lookahead.loop import Lane
+from lookahead.scheduler import Scheduler
 
 
 class _Channel:
-    """A streamer from the worker thread to the event loop; raises in the thread once the client has gone."""
-
-    class Cancelled(Exception):
-        pass
+    """A streamer from the worker thread to the event loop (the prompt is not echoed)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop, self.queue, self.cancelled, self.prompt_seen = loop, asyncio.Queue(), False, False
+        self.loop, self.queue, self.prompt_seen = loop, asyncio.Queue(), False
 
     def put(self, ids) -> None:
-        if self.cancelled:
-            raise _Channel.Cancelled()
         if not self.prompt_seen:
             self.prompt_seen = True
             return
@@ -59,6 +58,11 @@ class _Channel:
 
     def end(self) -> None:
         pass
+
+
+def _settle(future: asyncio.Future, result) -> None:
+    if not future.done():  # its request may have been cancelled meanwhile
+        future.set_exception(result) if isinstance(result, BaseException) else future.set_result(result)
 
 
 def check_api_key(key: str) -> str:
@@ -85,12 +89,12 @@ class Server:
     """The generator, its shared drafting state, the request queue and the metrics."""
 
     def __init__(self, gen: LookaheadGenerator, model_name: str, state: DraftState | None = None, queue_limit: int = 16,
-                 state_path: Path | None = None, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None) -> None:
+                 state_path: Path | None = None, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
+                 max_batch: int = 8) -> None:
         self.gen, self.model_name, self.queue_limit, self.state_path = gen, model_name, queue_limit, state_path
         self.max_body_bytes = max_body_bytes
         self.api_key = None if api_key is None else check_api_key(api_key).encode()  # bytes: compared in constant time
         self.state = state or gen.new_state()
-        self.lock = asyncio.Lock()
         self.pending = 0
         self.state_lock = threading.Lock()
         r = self.registry = CollectorRegistry()
@@ -99,31 +103,42 @@ class Server:
         self.m_steps = Counter("lookahead_decode_steps", "Decode forwards (after the prefill)", registry=r)
         self.m_accepted = Counter("lookahead_accepted_draft_tokens", "Emitted draft tokens by source", ["source"], registry=r)
         self.m_queue = Gauge("lookahead_queue_length", "Requests waiting or running", registry=r)
+        self.m_batch = Gauge("lookahead_batch_size", "Requests decoding together in the running batch", registry=r)
+        self.m_step_batch = Histogram("lookahead_step_batch_size", "Requests carried by each decode step", registry=r,
+                                      buckets=(1, 2, 4, 8, 16, 32, 64))
+        self.scheduler = Scheduler(gen, max_batch, self.state_lock, self.m_step_batch.observe)
         self.m_latency = Histogram("lookahead_request_seconds", "Request latency", registry=r)
         self.m_tps = Gauge("lookahead_last_tokens_per_second", "Tokens/s of the last request", registry=r)
         self.m_compression = Gauge("lookahead_last_compression", "Tokens per forward of the last request", registry=r)
 
     # -- requests -------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int] | list[dict], chat: bool, kwargs: dict) -> list[int]:
-        """The prompt's token ids, checked as ``generate`` checks them (vocabulary, context, options), or a 400.
-        In the worker thread: a chat template over a long conversation takes seconds."""
+    def lane(self, prompt: str | list[int] | list[dict], chat: bool, kwargs: dict, streamer=None) -> Lane:
+        """The request checked as ``generate`` checks it (vocabulary, context, options), ready to join the batch, or
+        a 400. In the worker thread: a chat template over a long conversation takes seconds."""
         try:
             if chat:
                 try:
                     prompt = self.gen.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
                 except Exception as e:  # a template that rejects the conversation (roles, order)
                     raise ValueError(f"the chat template rejected the messages: {e}") from None
-            return self.gen.prepare(prompt, **kwargs)[0]
+            return self.gen.new_lane(prompt, state=self.state, streamer=streamer, **kwargs)
         except ValueError as e:
             message = str(e).strip().splitlines()[0]
             on_prompt = any(word in message for word in ("prompt", "token id", "chat template"))
             raise APIError(400, message, ("messages" if chat else "prompt") if on_prompt else None) from None
 
-    def run(self, ids: list[int], kwargs: dict, streamer=None):
-        """One generation of checked input in the worker thread, on the shared drafting state."""
-        with self.state_lock:
-            return self.gen.generate(ids, streamer=streamer, state=self.state, **kwargs)
+    def submit(self, lane: Lane) -> asyncio.Future:
+        """Queue a checked request into the running batch; the future gets its ``GenerationResult``."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def done(finished: Lane | BaseException) -> None:  # in the worker thread
+            result = finished if isinstance(finished, BaseException) else self.gen.result(finished)
+            loop.call_soon_threadsafe(_settle, future, result)
+
+        self.scheduler.submit(lane, done)
+        return future
 
     def record(self, endpoint: str, out, started: float) -> None:
         stats = out.stats
@@ -143,6 +158,11 @@ class Server:
         text = self.gen.tokenizer.decode(tokens, skip_special_tokens=True)
         cuts = [text.find(s) for s in stops if s in text]
         return (text[: min(cuts)], True) if cuts else (text, False)
+
+    def close(self) -> None:
+        """Stop the batch worker and keep the warm drafting state."""
+        self.scheduler.stop()
+        self.save_state()
 
     def save_state(self) -> None:
         if self.state_path is not None:
@@ -193,7 +213,7 @@ def create_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        server.save_state()  # the warm drafting state outlives the process
+        server.close()  # the warm drafting state outlives the process
 
     app = FastAPI(title="lookahead", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=server.max_body_bytes)
@@ -229,6 +249,7 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         server.m_queue.set(server.pending)
+        server.m_batch.set(server.scheduler.running)
         return Response(generate_latest(server.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
@@ -246,20 +267,22 @@ def create_app(server: Server) -> FastAPI:
             raise APIError(429, f"server busy: {server.pending} requests queued (limit {server.queue_limit}); retry later",
                            kind="rate_limit_exceeded")
         server.pending += 1
+        channel = _Channel(asyncio.get_running_loop()) if req.stream else None
         try:  # before any answer, so that bad input is a 400 for a stream too (as OpenAI answers)
-            ids = await asyncio.to_thread(server.tokenize, prompt, chat, kwargs)
+            lane = await asyncio.to_thread(server.lane, prompt, chat, kwargs, channel)
         except BaseException:
             server.pending -= 1
             raise
+        ids = lane.prompt
         rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
         head = {"id": rid, "created": created, "model": server.model_name}
         if req.stream:  # the stream frees its queue slot when it ends
-            return EventSourceResponse(stream(head, ids, kwargs, stops, chat, endpoint, req.return_token_ids), ping=15)
+            return EventSourceResponse(stream(head, lane, channel, stops, chat, endpoint, req.return_token_ids), ping=15)
         started = time.perf_counter()
         try:
-            async with server.lock:
-                out = await asyncio.to_thread(server.run, ids, kwargs)
-        finally:
+            out = await server.submit(lane)
+        finally:  # also when the client went away: the lane leaves the batch at its next step
+            lane.cancelled = not lane.finished
             server.pending -= 1
         server.record(endpoint, out, started)
         text, stopped = server.text_of(out.tokens, stops)
@@ -273,9 +296,8 @@ def create_app(server: Server) -> FastAPI:
                                  "total_tokens": len(ids) + len(out.tokens)},
                        "lookahead": out.stats.as_dict()}
 
-    async def stream(head, ids, kwargs, stops, chat, endpoint, with_ids):
+    async def stream(head, lane: Lane, channel: _Channel, stops, chat, endpoint, with_ids):
         """Server-sent events: a chunk per accepted batch, the text held back while it could still become a stop string."""
-        channel = _Channel(asyncio.get_running_loop())
         kind = "chat.completion.chunk" if chat else "text_completion"
         hold = max((len(s) for s in stops), default=1) - 1
         started, task, getter = time.perf_counter(), None, None
@@ -288,42 +310,36 @@ def create_app(server: Server) -> FastAPI:
             return json.dumps(head | {"object": kind, "choices": [choice]} | extra)
 
         try:
-            async with server.lock:
-                task = asyncio.ensure_future(asyncio.to_thread(server.run, ids, kwargs, channel))
-                tokens, sent, stopped = [], 0, False
-                while not stopped:
-                    getter = asyncio.ensure_future(channel.queue.get())
-                    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                    if not getter.done():
-                        getter.cancel()
-                        if channel.queue.empty():
-                            break
-                        new = channel.queue.get_nowait()
-                    else:
-                        new = getter.result()
-                    tokens += new
-                    text, stopped = server.text_of(tokens, stops)
-                    upto = len(text) if stopped else max(sent, len(text) - hold)
-                    if server.gen.tokenizer is not None and text.endswith("\ufffd"):
-                        upto = min(upto, len(text) - 1)
-                    if upto > sent or with_ids or server.gen.tokenizer is None:
-                        yield chunk(text[sent:upto], new, None)
-                        sent = upto
-                try:
-                    out = await task
-                except _Channel.Cancelled:
-                    out = None
+            task = server.submit(lane)
+            tokens, sent, stopped = [], 0, False
+            while not stopped:
+                getter = asyncio.ensure_future(channel.queue.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    if channel.queue.empty():
+                        break
+                    new = channel.queue.get_nowait()
+                else:
+                    new = getter.result()
+                tokens += new
                 text, stopped = server.text_of(tokens, stops)
-                reason = "stop" if stopped or (out is not None and out.finish_reason == "stop") else "length"
-                extra = {}
-                if out is not None:
-                    server.record(endpoint, out, started)
-                    extra = {"usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.tokens),
-                                       "total_tokens": len(ids) + len(out.tokens)}, "lookahead": out.stats.as_dict()}
-                yield chunk(text[sent:], [], reason, **extra)
-                yield "[DONE]"
-        finally:  # also when the client went away: the generation stops at its next step (``state_lock`` keeps
-            channel.cancelled = True  # the next request's generation from starting before that)
+                upto = len(text) if stopped else max(sent, len(text) - hold)
+                if server.gen.tokenizer is not None and text.endswith("\ufffd"):
+                    upto = min(upto, len(text) - 1)
+                if upto > sent or with_ids or server.gen.tokenizer is None:
+                    yield chunk(text[sent:upto], new, None)
+                    sent = upto
+            out = await task
+            text, stopped = server.text_of(tokens, stops)
+            reason = "stop" if stopped or out.finish_reason == "stop" else "length"
+            server.record(endpoint, out, started)
+            extra = {"usage": {"prompt_tokens": len(lane.prompt), "completion_tokens": len(out.tokens),
+                               "total_tokens": len(lane.prompt) + len(out.tokens)}, "lookahead": out.stats.as_dict()}
+            yield chunk(text[sent:], [], reason, **extra)
+            yield "[DONE]"
+        finally:  # also when the client went away: the lane leaves the batch at its next step
+            lane.cancelled = not lane.finished
             server.pending -= 1
             if getter is not None:
                 getter.cancel()
@@ -361,11 +377,11 @@ def background(server: Server, host: str = "127.0.0.1", port: int = 0):
 
 
 def serve(gen: LookaheadGenerator, model_name: str, host: str, port: int, state_path: Path | None, queue_limit: int,
-          max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None) -> None:
+          max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None, max_batch: int = 8) -> None:
     import uvicorn
 
     state = DraftState.load(state_path) if state_path is not None and state_path.exists() else None
     if state is not None:
         state.check_fits(gen.vocab_size, gen.config)
-    app = create_app(Server(gen, model_name, state, queue_limit, state_path, max_body_bytes, api_key))
+    app = create_app(Server(gen, model_name, state, queue_limit, state_path, max_body_bytes, api_key, max_batch))
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -4,6 +4,7 @@ stop strings, seeds, errors with their status codes, the queue limit, disconnect
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -237,6 +238,44 @@ def test_models_health_and_metrics(text_server):
     metrics = httpx.get(url + "/metrics").text
     assert "lookahead_generated_tokens_total" in metrics and "lookahead_queue_length" in metrics
     assert 'lookahead_accepted_draft_tokens_total{source="suffix"}' in metrics
+
+
+def test_concurrent_requests_share_steps_and_each_equals_its_request_alone():
+    server = Server(LookaheadGenerator(MODEL, None, LookaheadConfig(auto=False)), "tiny-batch", max_batch=4)
+    prompts = [[5, 9, 11, 5, 9], [7] * 3, list(range(3, 60)), [12, 13, 12, 13, 12], [40, 41], [8, 9, 10, 8, 9, 10]]
+    lengths = [24, 1, 30, 12, 40, 20]
+    with running(server) as url:
+        def ask(i: int) -> dict:
+            body = {"prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0, "stream": i % 2 == 1,
+                    "lookahead": i != 2}  # one request opts out of lookahead inside the batch
+            if not body["stream"]:
+                return httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+            ids = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data:") and line != "data: [DONE]":
+                        ids += json.loads(line[5:])["choices"][0]["token_ids"]
+            return {"choices": [{"token_ids": ids}]}
+
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(ask, range(6)))
+        metrics = httpx.get(url + "/metrics").text
+    for prompt, n, reply in zip(prompts, lengths, replies):
+        assert reply["choices"][0]["token_ids"] == hf_greedy(MODEL, prompt, n)
+    assert replies[2]["lookahead"]["mean_tree_nodes"] == 0 and replies[0]["lookahead"]["steps"] > 0
+    sizes = {line.split("le=")[1].split("}")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+             if line.startswith("lookahead_step_batch_size_bucket")}
+    assert sizes['"1.0"'] < sizes['"+Inf"'], "no step carried more than one request"
+    assert server.scheduler.running == 0 and server.pending == 0
+
+
+def test_a_failing_request_does_not_take_the_batch_down():
+    server = Server(LookaheadGenerator(MODEL, None, LookaheadConfig(auto=False)), "tiny-fail", max_batch=4)
+    with running(server) as url:
+        bad = httpx.post(url + "/v1/completions", json={"prompt": [5, 9, 1000], "max_tokens": 4})
+        good = httpx.post(url + "/v1/completions", json={"prompt": [5, 9, 11], "max_tokens": 8, "temperature": 0})
+    assert bad.status_code == 400 and "token id" in bad.json()["error"]["message"]
+    assert good.json()["choices"][0]["token_ids"] == hf_greedy(MODEL, [5, 9, 11], 8)
 
 
 def test_warm_state_is_shared_saved_on_shutdown_and_loaded(tmp_path):
