@@ -147,21 +147,24 @@ class LookaheadGenerator:
         for name, values in (("streamers", streamers), ("seeds", seeds)):
             if values is not None and len(values) != len(prompts):
                 raise ValueError(f"{name} has {len(values)} entries for {len(prompts)} prompts")
-        if len(prompts) > 1 and self.rotary_switches:
-            raise ValueError("this model switches its rotary embedding for a whole forward by its largest position "
-                             "(LongRoPE): sequences cannot share a step; generate them one at a time")
         if state is not None:
             state.check_fits(self.vocab_size, self.config)
         state = state or self.new_state()
         lanes = [self.new_lane(prompt, max_new_tokens, state=state, chat=chat, system=system, streamer=streamers[i] if streamers else None,
                                lookahead=lookahead, generation_config=generation_config, seed=seeds[i] if seeds else None, **options)
                  for i, prompt in enumerate(prompts)]
-        batch = self.new_batch(any(lane.lookahead for lane in lanes))
-        with torch.inference_mode():
-            for lane in lanes:
-                batch.join(lane)
-            while batch:
-                batch.step()
+        return self.decode(lanes)
+
+    def decode(self, lanes: list[Lane]) -> list[GenerationResult]:
+        """Decode ``new_lane``s together (each joins in turn) until every one has finished. LongRoPE picks its
+        factors for a whole forward by the largest position in it, so such a model decodes its lanes in turn."""
+        for group in ([[lane] for lane in lanes] if self.rotary_switches else [lanes]):
+            batch = self.new_batch(any(lane.lookahead for lane in group))
+            with torch.inference_mode():
+                for lane in group:
+                    batch.join(lane)
+                while batch:
+                    batch.step()
         return [self.result(lane) for lane in lanes]
 
     def new_lane(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int | None = None, *, state: DraftState,

@@ -67,8 +67,8 @@ def custom_generate(
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """generate()'s decoding loop replaced by lookahead's: greedy token for token, sampling with its distribution.
 
-    Rows are decoded one at a time (no batched path yet), each without its padding, then padded back as
-    generate() pads: rows ending before the longest get ``pad_token_id``. generate() keywords of our own:
+    The rows are decoded together (``LookaheadGenerator.decode``), each without its padding, then padded back
+    as generate() pads: rows ending before the longest get ``pad_token_id``. generate() keywords of our own:
     ``lookahead_config`` picks the step shape; ``lookahead_state`` (``generator_for(model).new_state()``)
     keeps the drafting sources learning across calls, as ``LookaheadGenerator.generate(state=...)`` does
     (default: a fresh state per call, as there). Options the loop cannot honour are refused by name with ValueError.
@@ -86,15 +86,16 @@ def custom_generate(
     width = input_ids.shape[1]
     max_new_tokens = config.max_length - width
     mask = model_kwargs.get("attention_mask")
-    rows = []
+    if lookahead_state is not None:
+        lookahead_state.check_fits(gen.vocab_size, gen.config)
+    state, lanes = lookahead_state or gen.new_state(), []
     for i, row in enumerate(input_ids):
         keep = mask[i].bool() if mask is not None else torch.ones_like(row, dtype=torch.bool)
         pads = int((~keep).sum())
         row_config = copy.copy(config)  # generate()'s lengths count the padding; the row's own do not
         row_config.max_length, row_config.min_length = config.max_length - pads, max(config.min_length - pads, 0)
-        out = gen.generate(row[keep].cpu(), max_new_tokens, streamer=streamer, generation_config=row_config,
-                           state=lookahead_state)
-        rows.append(out.tokens)
+        lanes.append(gen.new_lane(row[keep].cpu(), max_new_tokens, state=state, streamer=streamer, generation_config=row_config))
+    rows = [out.tokens for out in gen.decode(lanes)]
     sequences = torch.cat([input_ids, _padded(rows, config, input_ids)], dim=1)
     return GenerateDecoderOnlyOutput(sequences=sequences) if return_dict else sequences
 

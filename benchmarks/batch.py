@@ -1,0 +1,112 @@
+"""Batched decoding, side by side in one run: total tokens/s at B = 1, 2, 4, 8 sequences.
+
+    python -m benchmarks.batch [--batch 1,2,4,8 --max-new-tokens 64 --model smollm2-135m --out DIR]
+
+Rows, each over the same B prompts (drawn from the four prompt sets in turn): HF ``generate()`` greedy on the
+left-padded batch (stock kernels, fp32); our plain loop batched (``generate_batch(lookahead=False)``, the
+engine's kernels); lookahead batched (``generate_batch``); and today's one-at-a-time lookahead (``generate``
+per prompt, in turn). Every row of ours is checked against stock ``generate()`` on that prompt alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import datasets
+from benchmarks.prompts import prompt_ids
+from benchmarks.run import hardware, hf_generate, is_tie
+from lookahead import LookaheadGenerator, models
+
+
+def hf_batch(model, tokenizer, batch: list[list[int]], max_new_tokens: int) -> tuple[int, float]:
+    """(new tokens up to each row's EOS, seconds) of HF greedy over the left-padded batch."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(ids) for ids in batch)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    secs = time.perf_counter() - start
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    tokens = 0
+    for row in out[:, width:].tolist():
+        tokens += next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+    return tokens, secs
+
+
+def run(args) -> dict:
+    cache_dir = models.default_cache_dir()
+    machine = hardware()
+    stock, tokenizer = models.load(args.model, dtype="float32", cache_dir=cache_dir)
+    packed = models.load(args.model, dtype="float32", cache_dir=cache_dir, kernels=args.kernels)[0]
+    gen = LookaheadGenerator(packed, tokenizer, cache_dir=cache_dir)
+    sets = [datasets.load([s], None, cache_dir) for s in datasets.SETS]
+    prompts = [sets[i % len(sets)][i // len(sets)] for i in range(max(args.batch))]  # round-robin over the sets
+    ids = [prompt_ids(tokenizer, p.text, p.chat) for p in prompts]
+    refs = [hf_generate(stock, p, args.max_new_tokens)[0] for p in ids]  # stock generate() alone: the reference
+    gen.generate_batch(ids[:2], max_new_tokens=4)  # warm up: curve, kernels, numba
+    hf_batch(stock, tokenizer, ids[:2], 4)
+    rows = []
+    for b in args.batch:
+        batch = ids[:b]
+        tokens, secs = hf_batch(stock, tokenizer, batch, args.max_new_tokens)
+        row = {"batch": b, "hf_batched_tok_s": tokens / secs}
+        for name, call in (("plain_batched", lambda: gen.generate_batch(batch, args.max_new_tokens, lookahead=False)),
+                           ("lookahead_batched", lambda: gen.generate_batch(batch, args.max_new_tokens)),
+                           ("lookahead_one_at_a_time", lambda: [gen.generate(p, args.max_new_tokens) for p in batch])):
+            start = time.perf_counter()
+            results = call()
+            secs = time.perf_counter() - start
+            row[f"{name}_tok_s"] = sum(len(r.tokens) for r in results) / secs
+            row[f"{name}_exact"] = sum(r.tokens == ref or _tie(stock, p, r.tokens, ref) for p, r, ref in zip(batch, results, refs))
+            if name == "lookahead_batched":
+                row["compression"] = sum(len(r.tokens) for r in results) / sum(r.stats.steps + 1 for r in results)
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    return {"hardware": machine, "model": args.model, "max_new_tokens": args.max_new_tokens, "kernels": args.kernels, "rows": rows}
+
+
+def _tie(model, prompt: list[int], got: list[int], ref: list[int]) -> bool:
+    diverge = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    return diverge is not None and is_tie(model, prompt, ref[:diverge])
+
+
+def report(results: dict) -> str:
+    hw, rows = results["hardware"], results["rows"]
+    lines = [f"# Batched decoding: {results['model']} fp32, {hw['cpu']}, {hw['cores']} cores, torch {hw['torch']}, commit {hw['commit']}",
+             "", f"{results['max_new_tokens']} new tokens per sequence; total tokens/s over the batch; exact: rows equal to stock "
+             "generate() alone (ties aside).", "",
+             "| B | HF generate (padded batch) | our plain loop, batched | lookahead, one at a time | lookahead, batched | "
+             "batched / HF batched | batched / one at a time | tokens per forward | exact |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['hf_batched_tok_s']:.1f} | {r['plain_batched_tok_s']:.1f} | {r['lookahead_one_at_a_time_tok_s']:.1f} | "
+                     f"{r['lookahead_batched_tok_s']:.1f} | {r['lookahead_batched_tok_s'] / r['hf_batched_tok_s']:.2f}x | "
+                     f"{r['lookahead_batched_tok_s'] / r['lookahead_one_at_a_time_tok_s']:.2f}x | {r['compression']:.2f} | {r['lookahead_batched_exact']}/{r['batch']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", default="1,2,4,8", type=lambda s: [int(b) for b in s.split(",")])
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--model", default=models.DEFAULT_MODEL)
+    parser.add_argument("--kernels", choices=["packed", "stock"], default="packed")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/latest-batch"))
+    args = parser.parse_args(argv)
+    results = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "batch.json").write_text(json.dumps(results, indent=1))
+    (args.out / "batch.md").write_text(report(results))
+    print(report(results))
+
+
+if __name__ == "__main__":
+    main()
