@@ -49,8 +49,10 @@ class LookaheadGenerator:
         self.rotary_switches = support.rotary_switches(mc)
         TokenTree.warm_up()
         DraftState.warm_up()
-        support.check_step(model, lambda prompt: prefill(model, prompt),
-                           lambda *step: forward(model, self.windows, *step))
+        probes = (lambda prompt: prefill(model, prompt), lambda *step: forward(model, self.windows, *step))
+        support.check_step(model, *probes)
+        # sequences share a step where that is exact (LongRoPE switches a whole forward by its largest position)
+        self.batchable = not self.rotary_switches and support.check_batch(model, *probes)
 
     @classmethod
     def from_pretrained(
@@ -156,9 +158,9 @@ class LookaheadGenerator:
         return self.decode(lanes)
 
     def decode(self, lanes: list[Lane]) -> list[GenerationResult]:
-        """Decode ``new_lane``s together (each joins in turn) until every one has finished. LongRoPE picks its
-        factors for a whole forward by the largest position in it, so such a model decodes its lanes in turn."""
-        for group in ([[lane] for lane in lanes] if self.rotary_switches else [lanes]):
+        """Decode ``new_lane``s together (each joins in turn) until every one has finished; one after another
+        where sequences cannot share a step exactly (``batchable``)."""
+        for group in ([lanes] if self.batchable else [[lane] for lane in lanes]):
             batch = self.new_batch(any(lane.lookahead for lane in group))
             with torch.inference_mode():
                 for lane in group:

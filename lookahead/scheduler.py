@@ -31,7 +31,7 @@ class Scheduler:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.gen, self.lock, self.on_step = gen, lock, on_step
-        self.max_batch = 1 if gen.rotary_switches else max_batch  # LongRoPE: one forward, one factor set (see generator.decode)
+        self.max_batch = max_batch if gen.batchable else 1  # where sequences cannot share a step exactly
         self.inbox: queue.Queue[tuple[Lane, Done] | None] = queue.Queue()
         self.running = 0  # lanes in the batch (read by the metrics)
         self.thread = threading.Thread(target=self._work, name="lookahead-batch", daemon=True)

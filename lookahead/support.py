@@ -130,3 +130,33 @@ def check_step(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> No
         raise ValueError(f"{name}'s rows in a lookahead step differ from its plain forwards (max difference "
                          f"{float((got - want).abs().max()):.3g}): its forward ignores the 4D mask or the position ids "
                          "(ALiBi by cache slot as in MPT, or positions counted from the cache), or its cache cannot be rolled back")
+
+
+def check_batch(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> bool:
+    """Whether sequences can share a step exactly: two of different lengths (so one is left-padded), one step
+    with a two-node chain beside a lone token (a padding row), then a step after which the shorter sequence
+    keeps fewer rows (holes in its cache). Every row must give its plain forward's logits; where they do not,
+    the generator decodes a batch's sequences in turn."""
+    vocab = models.vocab_size(model)
+    t = (np.arange(1, 14) % vocab).tolist()
+    seqs = ([t[0], t[1], t[6], t[7], t[8], t[10]], [t[2], t[3], t[4], t[5], t[9], t[11], t[12]])  # full sequences
+    try:
+        with torch.inference_mode():
+            plain = [model(input_ids=torch.tensor([seq], device=model.device)).logits[0].float().cpu() for seq in seqs]
+            cache, _ = prefill(seqs[0][:2])
+            other, _ = prefill(seqs[1][:4])
+            cache.join(other)
+            chain = TokenTree.merge(np.array(seqs[0][3:5]), np.array([-1, 0]), np.array([0.5, 0.4]), np.ones(2, np.int64), 2)
+            first = stack([build_layout(0, 0, chain), build_layout(0, 0, TokenTree.empty())])
+            one = forward(first, cache, torch.tensor([seqs[0][2:5], [seqs[1][4], 0, 0]]), torch.tensor([2, 4]))
+            cache.compact(first.size, [torch.tensor([0, 1, 2]), torch.tensor([0])], [torch.tensor([2, 3, 4]), torch.tensor([4])])
+            node = TokenTree.merge(np.array(seqs[1][6:7]), np.array([-1]), np.array([0.5]), np.ones(1, np.int64), 1)
+            second = stack([build_layout(0, 0, TokenTree.empty()), build_layout(0, 0, node)])
+            two = forward(second, cache, torch.tensor([[seqs[0][5], 0], seqs[1][5:7]]), torch.tensor([5, 5]))
+    except Exception:  # noqa: BLE001 -- a model that cannot take a batched step decodes one sequence at a time
+        return False
+    got = torch.cat([first.logits_of(one, 0), second.logits_of(two, 0),
+                     first.logits_of(one, 1), second.logits_of(two, 1)])
+    want = torch.cat([plain[0][2:5], plain[0][5:6], plain[1][4:5], plain[1][5:7]])
+    tolerance = PROBE_TOLERANCE.get(model.dtype, 5e-2) * float(want.abs().max().clamp_min(1.0))
+    return bool(torch.allclose(got, want, rtol=0, atol=tolerance))

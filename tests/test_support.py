@@ -12,8 +12,9 @@ from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconFor
                           xLSTMForCausalLM)
 
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator
+from lookahead import LookaheadConfig, LookaheadGenerator, support
 from lookahead.cli import main
+from lookahead.loop import forward, prefill
 from lookahead.tuner import probe
 
 NO_SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
@@ -143,3 +144,16 @@ def test_a_model_that_ignores_logits_to_keep_is_served_exactly():
     assert_greedy_equal(model, prompt, gen.generate(prompt, max_new_tokens=40).tokens, hf_greedy(model, prompt, 40))
     with pytest.raises(ValueError, match="context of 64 tokens"):  # its context is max_target_positions
         gen.generate(prompt, max_new_tokens=59)
+
+
+def test_the_batch_probe_catches_rows_that_leak_between_sequences():
+    model = tiny_llama(seed=2)
+    gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False))
+    probes = (lambda prompt: prefill(model, prompt), lambda *step: forward(model, gen.windows, *step))
+    assert gen.batchable and support.check_batch(model, *probes)
+    leaky = lambda *step: probes[1](*step).mean(0, keepdim=True).expand(2, -1, -1)  # noqa: E731 -- rows mixed across the batch
+    assert not support.check_batch(model, probes[0], leaky)
+    gen.batchable = False  # as for such a model: a batch's sequences decode in turn, each still exact
+    prompts = [[5, 6, 5, 6, 5], [9, 10, 11] * 4]
+    for prompt, out in zip(prompts, gen.decode([gen.new_lane(p, 12, state=gen.new_state()) for p in prompts])):
+        assert out.tokens == hf_greedy(model, prompt, 12)
