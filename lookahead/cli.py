@@ -155,15 +155,21 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kerne
         raise click.ClickException(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
 
 
+def _given_or_read(value: str | None, path: Path | None, option: str, both: str) -> str | None:
+    """``value``, or the text of the file at ``path`` (given with ``option``): a usage error ``both`` if both are given."""
+    if value is not None and path is not None:
+        raise click.UsageError(both)
+    if path is None:
+        return value
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.BadParameter(f"cannot read {path}: {e}", param_hint=option) from None
+
+
 def _read_requests(prompt: str | None, prompt_file: Path | None, ids_mode: bool) -> list:
-    if prompt is not None and prompt_file is not None:
-        raise click.UsageError("give the prompt as an argument or with --file, not both")
-    if prompt_file is not None:
-        try:
-            prompt = prompt_file.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise click.BadParameter(f"cannot read {prompt_file}: {e}", param_hint="--file") from None
-    elif prompt is None:
+    prompt = _given_or_read(prompt, prompt_file, "--file", "give the prompt as an argument or with --file, not both")
+    if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise click.UsageError("no prompt: pass PROMPT, --file, or pipe it to standard input")
         prompt = sys.stdin.read()
@@ -253,13 +259,7 @@ def _read_api_key(key: str | None, key_file: Path | None) -> str | None:
     """The key from --api-key or --api-key-file (stripped: files end in a newline), checked as the server checks it."""
     from lookahead.server import check_api_key
 
-    if key is not None and key_file is not None:
-        raise click.UsageError("give the API key with --api-key or --api-key-file, not both")
-    if key_file is not None:
-        try:
-            key = key_file.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise click.BadParameter(f"cannot read {key_file}: {e}", param_hint="--api-key-file") from None
+    key = _given_or_read(key, key_file, "--api-key-file", "give the API key with --api-key or --api-key-file, not both")
     if key is None:
         return None
     try:

@@ -149,8 +149,6 @@ class LookaheadGenerator:
         for name, values in (("streamers", streamers), ("seeds", seeds)):
             if values is not None and len(values) != len(prompts):
                 raise ValueError(f"{name} has {len(values)} entries for {len(prompts)} prompts")
-        if state is not None:
-            state.check_fits(self.vocab_size, self.config)
         state = state or self.new_state()
         lanes = [self.new_lane(prompt, max_new_tokens, state=state, chat=chat, system=system, streamer=streamers[i] if streamers else None,
                                lookahead=lookahead, generation_config=generation_config, seed=seeds[i] if seeds else None, **options)
@@ -172,6 +170,7 @@ class LookaheadGenerator:
     def new_lane(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int | None = None, *, state: DraftState,
                  streamer=None, lookahead: bool = True, **options) -> Lane:
         """One request, checked and ready to join a batch (``new_batch``); ``options`` as ``prepare`` takes them."""
+        state.check_fits(self.vocab_size, self.config)
         ids, decoding = self.prepare(prompt, max_new_tokens, **options)
         return Lane(ids, decoding, state, streamer, lookahead)
 

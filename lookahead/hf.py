@@ -86,8 +86,6 @@ def custom_generate(
     width = input_ids.shape[1]
     max_new_tokens = config.max_length - width
     mask = model_kwargs.get("attention_mask")
-    if lookahead_state is not None:
-        lookahead_state.check_fits(gen.vocab_size, gen.config)
     state, lanes = lookahead_state or gen.new_state(), []
     for i, row in enumerate(input_ids):
         keep = mask[i].bool() if mask is not None else torch.ones_like(row, dtype=torch.bool)

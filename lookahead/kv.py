@@ -60,7 +60,8 @@ class BatchCache:
         start = int(used.int().argmax()) if bool(used.any()) else self.length
         self.positions = self.positions[:, start:]
         for layer in self._layers():
-            layer.keys, layer.values = layer.keys[index.to(layer.keys.device), :, start:], layer.values[index.to(layer.keys.device), :, start:]
+            on = index.to(layer.keys.device)
+            layer.keys, layer.values = layer.keys[on, :, start:], layer.values[on, :, start:]
 
     def masks(self, allowed: torch.Tensor, query_positions: torch.Tensor, windows: dict[str, int | None],
               dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:

@@ -179,9 +179,10 @@ class Batch:
         if self.curve is not None:
             self.curve.observe(len(lanes) * step.size, forward_s)
         # 3. verify: per lane, the deepest branch the model agrees with, plus its own next token
+        owns = [step.logits_of(logits, b) for b in range(len(lanes))]  # each lane's (its logit_rows, V)
         verdicts, news = [], []
-        for b, (lane, tree, layout) in enumerate(zip(lanes, trees, layouts)):
-            first, _, tree_logits = layout.split_logits(step.logits_of(logits, b))
+        for lane, tree, layout, own in zip(lanes, trees, layouts, owns):
+            first, _, tree_logits = layout.split_logits(own)
             history = lane.prompt + lane.out
             verdict = lane.decoding.verify(history, first, tree_logits, tree)
             new, lane.done = until_stop(lane.decoding, history, verdict.tokens[: lane.decoding.max_new_tokens - len(lane.out)])
@@ -193,9 +194,8 @@ class Batch:
         self.cache.compact(step.size, keep, [lane.position + layout.offsets[k] for lane, layout, k in zip(lanes, layouts, keep)])
         # 5. learn (not in plain decoding): the window advances; the sources take the trajectories, the new
         #    tokens and every row's top-k
-        for b, (lane, tree, level, layout, verdict, new) in enumerate(zip(lanes, trees, levels, layouts, verdicts, news)):
+        for b, (lane, tree, level, layout, verdict, new, own) in enumerate(zip(lanes, trees, levels, layouts, verdicts, news, owns)):
             if lane.lookahead:
-                own = step.logits_of(logits, b)
                 _, last_level, _ = layout.split_logits(own)
                 trajectories = lane.window.advance(last_level.argmax(-1).numpy()) if level else np.empty((0, cfg.ngram), np.int64)
                 row_tokens, row_topk = ranked_rows(layout, ids[b, : layout.size], own, verdict.path, cfg.recycle_k)
