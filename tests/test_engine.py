@@ -77,7 +77,9 @@ def test_a_kept_state_seeds_the_prompt_and_tolerates_foreign_pool_sources():
     out = gen.generate(prompt, max_new_tokens=32, state=state)
     assert_greedy_equal(model, prompt, out.tokens, hf_greedy(model, prompt, 32))
     assert prompt[1:4] in state.pool.lookup(prompt[0]).tolist()  # the prompt's n-grams were harvested
-
+    lane = gen.new_lane(prompt, 32, state=state)
+    [again] = gen.decode([lane])
+    assert lane.suffix.tokens.tolist() == prompt + again.tokens  # the request's own suffix source saw all of it
     with pytest.raises(ValueError, match="drafting state is for 4-grams"):
         LookaheadGenerator(model, config=LookaheadConfig(ngram=3)).generate(prompt, max_new_tokens=4, state=state)
 
