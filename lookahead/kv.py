@@ -12,7 +12,13 @@ masks hide those columns. Row b = 1 keeps 2 rows of a step, row b = 0 keeps 3 (`
         b=1     .  .  .  0  1  2  .
 
 Every layer is a full (unwindowed) layer: a sliding window is drawn in the masks from these positions, so
-holes never push a key the window still needs out of the cache.
+holes never push a key the window still needs out of the cache. Holes are paid for twice: every step attends
+over them, and each takes a key slot from the context (buffers such as GPT-Neo's causal mask end there);
+``squeeze`` closes them, moving each sequence's keys to the right in order:
+
+    positions   0  1  2  3  4  5  6  7         after squeeze
+        b=0     0  1  2  .  3  4  .  5    ->     0  1  2  3  4  5
+        b=1     .  .  .  0  1  .  .  2    ->     .  .  .  0  1  2
 """
 
 from __future__ import annotations
@@ -63,6 +69,22 @@ class BatchCache:
             on = index.to(layer.keys.device)
             layer.keys, layer.values = layer.keys[on, :, start:], layer.values[on, :, start:]
 
+    @property
+    def spare(self) -> int:
+        """Columns ``squeeze`` would remove: the cache's length beyond its longest sequence."""
+        return self.length - int((self.positions >= 0).sum(1).max()) if len(self) else 0
+
+    def squeeze(self) -> None:
+        """Close every sequence's holes (see the module docstring): a gather over the whole cache, so worth it only
+        when the holes cost more (``spare`` large, or the context short)."""
+        valid = self.positions >= 0  # (B, S)
+        length = int(valid.sum(1).max())
+        # stable sort puts each row's holes first and its keys after, in order; the last ``length`` columns hold every key
+        index = torch.sort(valid.int(), dim=1, stable=True).indices[:, self.length - length:]  # (B, length)
+        self.positions = self.positions.gather(1, index)
+        for layer in self._layers():
+            layer.keys, layer.values = (_gather_columns(states, index) for states in (layer.keys, layer.values))
+
     def masks(self, allowed: torch.Tensor, query_positions: torch.Tensor, windows: dict[str, int | None],
               dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """Per layer type, the (B, 1, T, S + T) additive mask of a step: 0 where attended, dtype-min elsewhere.
@@ -92,11 +114,15 @@ class BatchCache:
             for layer in self._layers():
                 for states in (layer.keys, layer.values):  # (batch, heads, seq, head_dim)
                     block = states.narrow(-2, states.shape[-2] - step, step)
-                    gather = index.to(states.device)[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
-                    block.narrow(-2, 0, kept).copy_(block.gather(-2, gather))
+                    block.narrow(-2, 0, kept).copy_(_gather_columns(block, index))
         self.cache.crop(kept - step)
         self.positions = torch.cat([self.positions, new], dim=1)
 
     def append(self, positions: torch.Tensor) -> None:
         """Record the positions (B, T) of the columns a forward just appended (a prefill's)."""
         self.positions = torch.cat([self.positions, positions], dim=1) if len(self) else positions
+
+
+def _gather_columns(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """states (B, heads, S, head_dim) -> (B, heads, C, head_dim): row b's sequence columns ``index[b]`` (C,)."""
+    return states.gather(2, index.to(states.device)[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3]))

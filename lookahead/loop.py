@@ -150,10 +150,11 @@ class Batch:
         if not self.lanes:
             return finished
         cfg, lanes, clock = self.config, self.lanes, Clock()
+        self._squeeze_if_costly()
         # 1. draft: every lane's sources propose continuations of its current token, merged into one tree
         trees, levels, spaces = [], [], []
         for lane in lanes:
-            room, space = self.limits(lane.position, lane.last_position)
+            room, space = self._limits(lane)
             tree = lane.state.propose(lane.out[-1], cfg, min(cfg.tree_budget if lane.lookahead else 0, space), room, lane.suffix)
             level = lane.window.levels_within(room) if lane.window else 0
             trees.append(tree)
@@ -212,6 +213,19 @@ class Batch:
                 lane.stats.phase_s[phase] += seconds
             lane.emit(new)
         return finished + self._retire()
+
+    def _limits(self, lane: Lane) -> tuple[int, int]:
+        """(room, space) of ``limits`` for the lane, each hole or padding column of the cache taking a key slot
+        from the context (the step's keys are the whole cache's length plus its rows, in every sequence)."""
+        room, space = self.limits(lane.position, lane.last_position)
+        return room, space - (self.cache.length - lane.position)
+
+    def _squeeze_if_costly(self) -> None:
+        """Close the cache's holes (``kv.BatchCache.squeeze``, one gather over the cache) once they are a quarter
+        of it (every step attends over them), or once they narrow a step before the end of the context."""
+        spare, widest = self.cache.spare, 1 + self.config.tree_budget + self.config.window * (self.config.ngram - 1)
+        if spare and (4 * spare >= self.cache.length or any(self._limits(lane)[1] < widest for lane in self.lanes)):
+            self.cache.squeeze()
 
     def _retire(self) -> list[Lane]:
         """The finished lanes leave the batch (their cache rows go at once)."""

@@ -136,3 +136,23 @@ def test_batch_drawing_matches_stack():
     assert step.logit_rows.tolist() == [0, 1, 2]
     logits = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
     assert step.logits_of(logits, 1).tolist() == logits[1, :2].tolist()  # b=1 reads c and u0, not the padding
+
+
+def test_squeeze_drawing_matches_the_cache():
+    # kv's drawing: each row's keys keep their order and move right; the columns that were holes in every row go
+    doc = kv.__doc__.splitlines()
+    start = next(i for i, line in enumerate(doc) if "after squeeze" in line)
+    grids = [[], []]
+    for line in doc[start + 1 : start + 3]:
+        before, after = line.split("->")
+        for grid, text in zip(grids, (before.split()[1:], after.split())):
+            grid.append([-1 if t == "." else int(t) for t in text])
+    cache = kv.BatchCache()
+    cache.cache.update(*(torch.tensor(grids[0], dtype=torch.float32)[:, None, :, None].expand(-1, 2, -1, 3).contiguous(),) * 2, 0)
+    cache.positions = torch.tensor(grids[0])
+    assert cache.spare == 2
+    cache.squeeze()
+    assert cache.positions.tolist() == grids[1] and cache.spare == 0
+    keys = cache.cache.layers[0].keys  # (B, heads, S, head_dim), each key holding its own position
+    valid = cache.positions >= 0
+    assert torch.equal(keys[:, 0, :, 0][valid], cache.positions[valid].float())
