@@ -1,12 +1,13 @@
 """Load test of ``lookahead serve``: concurrent clients, a few hundred requests (malformed ones and clients
 that hang up mid-stream among them), against the real server started in-process on a loopback port.
 
-    python -m benchmarks.serve_load [--clients 8 --requests 300 --max-tokens 16 --max-batch 8 --model smollm2-135m]
+    python -m benchmarks.serve_load [--clients 8 --requests 300 --max-tokens 16 --max-batch 1,8 --model smollm2-135m]
 
 Checked as it runs: every well-formed request gets a 200 whose tokens equal what the same request got when
 sent alone (greedy, so the answer is fixed: nothing lost or mixed up between clients), every malformed one a
 4xx with an OpenAI-style body, and the process's peak memory stays bounded. Reported: requests/s, p50/p95
-latency, generated tokens/s. Then the warm-state pass: the summarisation prompts twice through one server,
+latency, generated tokens/s, for each ``--max-batch`` in turn on the same generator (1: one request at a time,
+the server before continuous batching), so the two are compared in one run. Then the warm-state pass: the summarisation prompts twice through one server,
 tokens per forward in each pass.
 """
 
@@ -110,23 +111,28 @@ def main(argv=None) -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--warm-tokens", type=int, default=64)
-    parser.add_argument("--max-batch", type=int, default=8, help="requests decoded together (1: one at a time)")
+    parser.add_argument("--max-batch", default="1,8", type=lambda v: [int(b) for b in v.split(",")],
+                        help="requests decoded together (1: one at a time); several: one load test each, same run")
     args = parser.parse_args(argv)
     gen = LookaheadGenerator.from_pretrained(args.model, dtype=args.dtype)
     prompts = [p.text for p in datasets.load(["mt_bench", "gsm8k"], 3, models.default_cache_dir())]
     hw = hardware()
     print(f"{args.model} ({str(gen.model.dtype).split('.')[-1]}), {hw['cpu']}, {hw['cores']} cores, commit {hw['commit']}")
-    r = load_test(Server(gen, args.model, queue_limit=args.clients + 1, max_batch=args.max_batch), prompts, args.clients,
-                  args.requests, args.max_tokens)
-    print(f"{r['requests']} requests ({r['ok']} completions, {r['malformed']} malformed, {r['hangups']} hang-ups) from "
-          f"{r['clients']} clients in {r['wall_s']:.1f} s: {r['requests_per_s']:.2f} requests/s, p50 {r['p50_s']:.2f} s, "
-          f"p95 {r['p95_s']:.2f} s, {r['tokens_per_s']:.1f} generated tokens/s; failures: {len(r['failures'])}; "
-          f"queue after: {r['queue_after']}; peak RSS {r['peak_rss_mb']:.0f} MB")
+    failures = []
+    for max_batch in args.max_batch:
+        r = load_test(Server(gen, args.model, queue_limit=args.clients + 1, max_batch=max_batch), prompts, args.clients,
+                      args.requests, args.max_tokens)
+        print(f"--max-batch {max_batch}: {r['requests']} requests ({r['ok']} completions, {r['malformed']} malformed, {r['hangups']} "
+              f"hang-ups) from {r['clients']} clients in {r['wall_s']:.1f} s: {r['requests_per_s']:.2f} requests/s, p50 {r['p50_s']:.2f} s, "
+              f"p95 {r['p95_s']:.2f} s, {r['tokens_per_s']:.1f} generated tokens/s; failures: {len(r['failures'])}; "
+              f"queue after: {r['queue_after']}; peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+        failures += r["failures"]
     summaries = [prompt_ids(gen.tokenizer, p.text, p.chat) for p in datasets.load(["summarisation"], None, models.default_cache_dir())]
-    first, second = warm_passes(gen, summaries, args.warm_tokens)
-    print(f"warm state, summarisation set ({len(summaries)} prompts) twice: {first:.2f} then {second:.2f} tokens per forward")
-    if r["failures"]:
-        raise SystemExit(f"failed requests: {r['failures'][:5]}")
+    if args.warm_tokens:
+        first, second = warm_passes(gen, summaries, args.warm_tokens)
+        print(f"warm state, summarisation set ({len(summaries)} prompts) twice: {first:.2f} then {second:.2f} tokens per forward")
+    if failures:
+        raise SystemExit(f"failed requests: {failures[:5]}")
 
 
 if __name__ == "__main__":
