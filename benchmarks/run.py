@@ -87,7 +87,7 @@ def parse_config(spec: str) -> tuple[str, LookaheadConfig]:
 def hf_generate(model, ids: list[int], max_new_tokens: int, **kwargs) -> tuple[list[int], float]:
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
     return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
@@ -99,20 +99,20 @@ def is_tie(model, prompt: list[int], generated: list[int]) -> bool:
     whole sequence, and generate()'s order (the prompt, then one generated token at a time against the cache).
     """
     with torch.inference_mode():
-        whole = model(input_ids=torch.tensor([prompt + generated]), logits_to_keep=1).logits[0, -1].float()
+        whole = model(input_ids=torch.tensor([prompt + generated], device=model.device), logits_to_keep=1).logits[0, -1].float()
         top = whole.topk(2).values
         if model.dtype == torch.float32:
             return float(top[0] - top[1]) < TIE
         cache = DynamicCache(config=model.config)
-        stepwise = model(input_ids=torch.tensor([prompt]), past_key_values=cache, logits_to_keep=1).logits[0, -1]
+        stepwise = model(input_ids=torch.tensor([prompt], device=model.device), past_key_values=cache, logits_to_keep=1).logits[0, -1]
         for token in generated:
-            stepwise = model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[0, -1]
+            stepwise = model(input_ids=torch.tensor([[token]], device=model.device), past_key_values=cache).logits[0, -1]
     return float(top[0] - top[1]) <= float((whole - stepwise.float()).abs().max())
 
 
 def cost_curve(model, sizes: list[int], context: int = 128, reps: int = 5) -> dict[int, float]:
     """c(T)/c(1): time of one forward adding T tokens to a ``context``-token cache, relative to T=1."""
-    ids = torch.randint(100, 1000, (1, context))
+    ids = torch.randint(100, 1000, (1, context), device=model.device)
     times = {}
     with torch.inference_mode():
         for size in sizes:
@@ -120,12 +120,19 @@ def cost_curve(model, sizes: list[int], context: int = 128, reps: int = 5) -> di
             for _ in range(reps):
                 cache = DynamicCache(config=model.config)
                 model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
-                new = torch.randint(100, 1000, (1, size))
+                new = torch.randint(100, 1000, (1, size), device=model.device)
+                _synchronize(model.device)
                 start = time.perf_counter()
                 model(input_ids=new, past_key_values=cache, logits_to_keep=size)
+                _synchronize(model.device)
                 samples.append(time.perf_counter() - start)
             times[size] = sorted(samples)[len(samples) // 2]
     return {size: times[size] / times[sizes[0]] for size in sizes} | {"ms_at_1": times[sizes[0]] * 1000}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def hardware() -> dict:
@@ -139,7 +146,7 @@ def hardware() -> dict:
     import transformers
 
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+        "cpu": cpu, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
         "torch": torch.__version__, "transformers": transformers.__version__, "numba": numba.__version__,
         "lookahead": getattr(lookahead, "__version__", "dev"), "commit": commit + ("+dirty" if dirty else ""),
     }
@@ -149,9 +156,10 @@ def run_all(args) -> dict:
     cache_dir = args.cache_dir or models.default_cache_dir()
     machine = hardware()  # before the run, so the commit recorded is the one measured
     configs = dict(parse_config(spec) for spec in args.configs)
-    loaded = {dtype: models.load(args.model, dtype=dtype, cache_dir=cache_dir) for dtype in args.dtypes}  # stock: HF's baselines
-    # our loop runs on the engine's kernels (packed by default), a copy of its own; HF's methods on the stock model
-    ours = {dtype: models.load(args.model, dtype=dtype, cache_dir=cache_dir, kernels=args.kernels)[0] for dtype in args.dtypes}
+    loaded = {dtype: models.load(args.model, dtype=dtype, device=args.device, cache_dir=cache_dir) for dtype in args.dtypes}  # stock: HF's baselines
+    # our loop runs on the engine's kernels (packed by default on CPU), a copy of its own; HF's methods on the stock model
+    ours = {dtype: models.load(args.model, dtype=dtype, device=args.device, cache_dir=cache_dir, kernels=args.kernels)[0]
+            for dtype in args.dtypes}
     tokenizer = next(iter(loaded.values()))[1]
     gens = {(dtype, name): LookaheadGenerator(ours[dtype], tok, c, cache_dir=cache_dir) for dtype, (_, tok) in loaded.items()
             for name, c in configs.items()}
@@ -193,7 +201,7 @@ def run_all(args) -> dict:
               flush=True)
     curves = {f"{dtype} {kernels_of(model)}": cost_curve(model, args.cost_sizes)
               for dtype in args.dtypes for model in {id(m): m for m in (loaded[dtype][0], ours[dtype])}.values()}
-    return {"hardware": machine, "model": args.model, "max_new_tokens": args.max_new_tokens, "dtypes": args.dtypes,
+    return {"hardware": machine, "model": args.model, "device": args.device, "max_new_tokens": args.max_new_tokens, "dtypes": args.dtypes,
             "kernels": {dtype: kernels_of(model) for dtype, model in ours.items()},
             "pld_tokens": args.pld_tokens, "summary": summarise(runs), "cost_curve": curves, "runs": [asdict(r) for r in runs]}
 
@@ -247,7 +255,8 @@ def write_report(results: dict, out: Path) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     hw = results["hardware"]
     lines = [f"# Lookahead benchmark: {results['model']}", "",
-             f"{hw['cpu']}, {hw['cores']} cores ({hw['torch_threads']} torch threads); torch {hw['torch']}, transformers "
+             (f"{hw['gpu']} (device {results.get('device', 'cpu')}); " if hw.get("gpu") else "")
+             + f"{hw['cpu']}, {hw['cores']} cores ({hw['torch_threads']} torch threads); torch {hw['torch']}, transformers "
              f"{hw['transformers']}; commit {hw['commit']}; {results['max_new_tokens']} new tokens per prompt, greedy.", "",
              "HF methods run on the stock model; ours (plain loop, lookahead) on kernels "
              + ", ".join(f"{k} in {d}" for d, k in results.get("kernels", {}).items()) + " (see lookahead/kernels.py).", "",
@@ -321,6 +330,7 @@ def parse_args(argv=None):
     parser.add_argument("--pld-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     parser.add_argument("--cost-sizes", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--kernels", choices=["packed", "stock"], default="packed", help="the kernels our loop runs on")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (packed kernels are CPU-only: elsewhere ours run as loaded)")
     parser.add_argument("--cache-dir", type=Path)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))
     args = parser.parse_args(argv)

@@ -49,8 +49,9 @@ class Decoding:
         self.max_new_tokens = self._length(model, config, prompt_len, generation_config, options)
         config.max_length = prompt_len + self.max_new_tokens
         config.max_new_tokens = self.max_new_tokens
-        model._prepare_special_tokens(config, device=model.device)
-        self.processors = model._get_logits_processor(config, input_ids_seq_length=prompt_len, device=model.device)
+        host = torch.device("cpu")  # the loop verifies on the host: a step's logits come back once, whatever the model's device
+        model._prepare_special_tokens(config, device=host)
+        self.processors = model._get_logits_processor(config, input_ids_seq_length=prompt_len, device=host)
         self.do_sample = bool(config.do_sample)
         eos = config._eos_token_tensor
         self.eos_ids = frozenset(eos.flatten().tolist()) if eos is not None else frozenset()

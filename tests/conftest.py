@@ -48,7 +48,7 @@ def tiny_gemma3(seed: int = 0, sliding_window: int = 8) -> Gemma3ForCausalLM:
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
-        ids = torch.tensor([prompt])  # an explicit mask: generate() would otherwise mask every id equal to pad_token_id
+        ids = torch.tensor([prompt], device=model.device)  # an explicit mask: generate() would otherwise mask every id equal to pad_token_id
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=0, pad_token_id=0)
     return out[0, len(prompt):].tolist()
