@@ -26,7 +26,7 @@ from lookahead.drafting import TRAJECTORY, DraftState
 from lookahead.layout import BatchLayout, StepLayout, build_layout, stack
 from lookahead.stats import Clock, GenerationStats
 from lookahead.tree import TokenTree
-from lookahead.tuner import JacobiWorth, LiveCurve, plan
+from lookahead.tuner import Calibration, JacobiWorth, LiveCurve, plan
 from lookahead.window import JacobiWindow
 from ngram_pool import SuffixDrafter
 
@@ -46,7 +46,8 @@ class Lane:
     stats: GenerationStats = field(default_factory=GenerationStats)
     suffix: SuffixDrafter | None = None
     window: JacobiWindow | None = None
-    worth: JacobiWorth | None = None
+    worth: JacobiWorth | None = None  # these two with the cost model only
+    calibration: Calibration | None = None
     clock: Clock = field(default_factory=Clock)
 
     @property
@@ -135,7 +136,8 @@ class Batch:
         lane.suffix = lane.state.start(lane.prompt + lane.out, cfg)
         if lane.lookahead and cfg.window:
             lane.window = JacobiWindow(cfg.window, cfg.ngram, np.asarray(lane.prompt), cfg.seed)
-        lane.worth = JacobiWorth() if lane.lookahead and self.curve is not None else None
+        if lane.lookahead and self.curve is not None:
+            lane.worth, lane.calibration = JacobiWorth(), Calibration()
         lane.stats.prefill_s = lane.clock.lap()
         lane.emit(lane.out)
         if lane.finished:
@@ -161,7 +163,8 @@ class Batch:
             levels.append(level if level * cfg.window <= space else 0)
             spaces.append(space)
         if self.curve is not None:  # the cost model keeps only what is expected to pay (possibly nothing: plain steps)
-            choices = plan(self.curve, trees, [lv * cfg.window for lv in levels], [ln.worth.value if ln.worth else 0.0 for ln in lanes])
+            choices = plan(self.curve, trees, [lv * cfg.window for lv in levels], [ln.worth.value if ln.worth else 0.0 for ln in lanes],
+                           [ln.calibration.factor if ln.calibration else 1.0 for ln in lanes])
             for b, (lane, choice) in enumerate(zip(lanes, choices)):
                 trees[b] = trees[b].best(choice.nodes)
                 levels[b] = levels[b] if lane.worth is not None and lane.worth.runs(choice.window) else 0
@@ -204,6 +207,8 @@ class Batch:
                 lane.state.learn(cfg, tree, verdict.path, new, trajectories, row_tokens, row_topk, history[-(cfg.ngram - 1):], lane.suffix)
             if lane.worth is not None and level:
                 lane.worth.update(int((tree.sources[verdict.path] == 1 << TRAJECTORY).sum()))
+            if lane.calibration is not None and len(tree):
+                lane.calibration.update(float(tree.scores.sum()), len(verdict.path))
             lane.out += new
             lane.stats.record(tree, level, verdict.path, len(new))
         learn_s = clock.lap()

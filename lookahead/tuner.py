@@ -46,6 +46,8 @@ JACOBI_RETRY = 64  # steps after which a Jacobi branch the chooser left off runs
 # probability 0.5 given its parent (~2 tokens per forward at full width, what the default shape measured)
 REFERENCE_CHAIN = (0.5, 16)
 LIVE_WEIGHT = 0.1  # weight of each of the loop's own forward timings in the curve's online correction
+CALIBRATION_DECAY = 0.95  # a sequence's calibration remembers its last ~20 drafting steps
+CALIBRATION_PRIOR = 1.0  # ... and starts as if one promised draft token had come (factor 1)
 
 
 @dataclass(frozen=True)
@@ -232,15 +234,18 @@ def choose(curve: CostCurve | LiveCurve, tree: TokenTree, window_rows: int, wind
     return plan(curve, [tree], [window_rows], [window_value])[0]
 
 
-def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list[int], window_values: list[float]) -> list[Choice]:
+def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list[int], window_values: list[float],
+         factors: list[float] | None = None) -> list[Choice]:
     """The step of a batch: one width T for every sequence (the step is padded to its widest), each filling
     it with its best nodes (and its Jacobi branch where that gains more), maximising
 
         value(T) = sum over sequences of (1 + gain_b(T)) / r(B x T)
 
     so drafting shrinks as the batch grows, and stops where the batch alone fills the machine. B = 1 is the
-    single-sequence rule of the module docstring."""
-    gains = [np.concatenate([[0.0], np.cumsum(np.sort(tree.scores)[::-1])]) for tree in trees]  # S_b(k), k = 0..K_b
+    single-sequence rule of the module docstring. ``factors``: each sequence's ``Calibration.factor`` (its
+    node scores times it, at most 1 a node)."""
+    factors = factors or [1.0] * len(trees)
+    gains = [np.concatenate([[0.0], np.cumsum(np.minimum(np.sort(tree.scores)[::-1] * f, 1.0))]) for tree, f in zip(trees, factors)]  # S_b(k)
     widest = max(1 + g.size - 1 + w for g, w in zip(gains, window_rows))
     best, best_value = [Choice(0, False, 1.0)] * len(trees), float(len(trees)) / curve.ratio(len(trees))
     for width in range(1, widest + 1):
@@ -258,6 +263,27 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
             best_value, best = value, [c for _, c in choices]
     per_sequence = best_value / len(trees)
     return [Choice(c.nodes, c.window, per_sequence) for c in best]
+
+
+class Calibration:
+    """Draft tokens a sequence got accepted per token its trees' scores promised, over its recent drafting steps.
+
+    The scores come from acceptance statistics shared by every sequence of a batch (and across requests), per
+    source and depth: a sequence whose drafts fare worse than the mix (a chat answer beside a summary) would be
+    planned with the mix's hopes. Measured, 8 sequences x 256 tokens: the scores promised 1.94 accepted tokens
+    per drafting step and 1.41 came (one sequence alone: 0.99 promised, 1.19 came)."""
+
+    def __init__(self) -> None:
+        self.promised = self.got = CALIBRATION_PRIOR
+
+    @property
+    def factor(self) -> float:
+        return self.got / self.promised
+
+    def update(self, promised: float, got: int) -> None:
+        """One step verified a tree whose scores summed to ``promised``; ``got`` of its nodes were accepted."""
+        self.promised = CALIBRATION_DECAY * self.promised + promised
+        self.got = CALIBRATION_DECAY * self.got + got
 
 
 class JacobiWorth:

@@ -8,7 +8,8 @@ import pytest
 from conftest import hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator
 from lookahead.tree import TokenTree
-from lookahead.tuner import CostCurve, JacobiWorth, LiveCurve, cached_curve, choose, curve_file, lookahead_speed, probe
+from lookahead.tuner import (Calibration, CostCurve, JacobiWorth, LiveCurve, cached_curve, choose, curve_file, lookahead_speed, plan,
+                              probe)
 
 FLAT = CostCurve((1, 64), (1.0, 1.05), 10.0)
 STEEP = CostCurve((1, 2, 64), (1.0, 1.9, 60.0), 10.0)
@@ -104,3 +105,20 @@ def test_auto_dtype_prefers_the_curve_where_lookahead_runs_fastest():
     # a slightly slower plain step with cheap wide steps beats a faster plain step with steep ones
     cheap_wide, steep = CostCurve((1, 16, 64), (1.0, 1.1, 2.0), 11.0), CostCurve((1, 2, 64), (1.0, 1.9, 60.0), 10.0)
     assert lookahead_speed(cheap_wide) > lookahead_speed(steep) == pytest.approx(100.0)
+
+
+def test_a_sequence_whose_drafts_fare_worse_than_promised_drafts_less():
+    calibration = Calibration()
+    assert calibration.factor == 1.0
+    for _ in range(60):
+        calibration.update(promised=2.0, got=0)  # its trees promised two accepted tokens a step and none came
+    assert calibration.factor < 0.05
+    curve = CostCurve((1, 8, 32), (1.0, 1.2, 2.4), 10.0)
+    tree = chain([0.9, 0.8, 0.7])
+    trusted, doubted = plan(curve, [tree, tree], [0, 0], [0.0, 0.0], [1.0, calibration.factor])
+    assert trusted.nodes == 3 and trusted.value > 1.0 / curve.ratio(2)  # the pair still drafts for the trusted one
+    alone = plan(curve, [tree], [0], [0.0], [calibration.factor])[0]
+    assert alone.nodes == 0  # alone, the doubted sequence's step is plain
+    for _ in range(60):
+        calibration.update(promised=0.5, got=3)  # far better than promised: scores scale up, at most 1 a node
+    assert calibration.factor > 1 and plan(curve, [chain([0.2] * 3)], [0], [0.0], [calibration.factor])[0].nodes == 3
