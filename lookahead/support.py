@@ -15,11 +15,11 @@ import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from lookahead import kv, models
+from lookahead import kernels, kv, models
 from lookahead.layout import BatchLayout, build_layout, stack
 from lookahead.tree import TokenTree
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
+SUPPORTED_ATTENTION = ("sdpa", "eager", kernels.GROUPED_SDPA)
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx", "max_sequence_length",
                   "max_target_positions")
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # of the largest logit; half precision: 5e-2

@@ -37,7 +37,7 @@ from lookahead.tree import TokenTree
 
 PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROBE_CONTEXT = 256
-CURVE_FORMAT = 2  # 2: fastest of interleaved rounds, monotone envelope (1's median curves are re-probed)
+CURVE_FORMAT = 3  # 2: fastest of interleaved rounds, monotone envelope; 3: packed models attend with grouped_sdpa (older curves are re-probed)
 AUTO_DTYPES = ("float32", "bfloat16")  # what --dtype auto chooses from (float16 on CPU is slow and lossy)
 JACOBI_PRIOR = 0.05  # draft tokens per step credited to the Jacobi branch before any is measured (SmolLM2: ~0)
 JACOBI_DECAY = 0.05  # weight of each step in its running estimate

@@ -76,6 +76,21 @@ def test_packed_model_lookahead_equals_stock_generate(build):
             assert_greedy_equal(stock, prompt, out.tokens, ref)
 
 
+def test_pack_lets_sdpa_share_grouped_kv_heads_and_a_masked_wide_step_agrees_with_stock_attention():
+    stock = tiny_llama()  # 4 query heads over 2 K/V heads
+    model = copy.deepcopy(stock)
+    kernels.pack(model)
+    assert model.config._attn_implementation == kernels.GROUPED_SDPA and stock.config._attn_implementation == "sdpa"
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)  # (B, heads, rows, head_dim)
+    mask = torch.zeros(2, 1, 5, 9).masked_fill_(torch.rand(2, 1, 5, 9) < 0.3, torch.finfo(torch.float32).min)
+    mask[..., 0] = 0  # every row sees a key
+    attention = model.model.layers[0].self_attn
+    grouped, _ = kernels.grouped_sdpa(attention, q, k, v, mask, scaling=0.25)
+    with torch.no_grad():
+        want, _ = kernels.sdpa_attention_forward(attention, q, k, v, mask, scaling=0.25)  # copies the K/V heads
+    assert grouped.shape == want.shape == (2, 5, 4, 16) and torch.allclose(grouped, want, atol=1e-6)
+
+
 class QuantizedLinear(nn.Linear):
     """Stands for a quantization library's linear: a subclass whose forward is not nn.Linear's."""
 

@@ -55,7 +55,7 @@ def test_probe_is_cached_and_bad_files_are_reprobed(tmp_path):
     assert path.is_file() and CostCurve.from_json(path.read_text()) == curve
     assert curve.sizes[0] == 1 and curve.ratios[0] == 1.0 and curve.ms_at_1 > 0
     assert cached_curve(model, tmp_path) == curve  # read back, not measured again
-    for junk in ("{not json", '{"format": 2, "sizes": [1], "ratios": [1.0], "ms_at_1": 1.0}', '{"format": 99}', "[]"):
+    for junk in ("{not json", '{"format": 3, "sizes": [1], "ratios": [1.0], "ms_at_1": 1.0}', '{"format": 99}', "[]"):
         path.write_text(junk)
         with pytest.raises(ValueError, match="not a cost curve"):
             CostCurve.from_json(junk)
