@@ -19,7 +19,7 @@ import torch
 
 from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
-from benchmarks.run import hardware, hf_generate, is_tie
+from benchmarks.run import equal_or_tie, hardware, hf_generate
 from lookahead import LookaheadGenerator, models
 
 
@@ -65,17 +65,12 @@ def run(args) -> dict:
             results = call()
             secs = time.perf_counter() - start
             row[f"{name}_tok_s"] = sum(len(r.tokens) for r in results) / secs
-            row[f"{name}_exact"] = sum(r.tokens == ref or _tie(stock, p, r.tokens, ref) for p, r, ref in zip(batch, results, refs))
+            row[f"{name}_exact"] = sum(equal_or_tie(stock, p, r.tokens, ref) for p, r, ref in zip(batch, results, refs))
             if name == "lookahead_batched":
                 row["compression"] = sum(len(r.tokens) for r in results) / sum(r.stats.steps + 1 for r in results)
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     return {"hardware": machine, "model": args.model, "max_new_tokens": args.max_new_tokens, "kernels": args.kernels, "rows": rows}
-
-
-def _tie(model, prompt: list[int], got: list[int], ref: list[int]) -> bool:
-    diverge = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
-    return diverge is not None and is_tie(model, prompt, ref[:diverge])
 
 
 def report(results: dict) -> str:

@@ -208,9 +208,14 @@ def run_all(args) -> dict:
 
 def check(run: Run, ref: list[int], ids: list[int], model) -> Run:
     run.equal = run.tokens == ref
-    at = next((i for i, (a, b) in enumerate(zip(run.tokens, ref)) if a != b), None)
-    run.equal_or_tie = run.equal or (at is not None and is_tie(model, ids, ref[:at]))
+    run.equal_or_tie = equal_or_tie(model, ids, run.tokens, ref)
     return run
+
+
+def equal_or_tie(model, prompt: list[int], got: list[int], ref: list[int]) -> bool:
+    """``got`` equals the reference ``ref``, or first differs from it where the reference's top-2 logits tie."""
+    at = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    return got == ref or (at is not None and is_tie(model, prompt, ref[:at]))
 
 
 def summarise(runs: list[Run]) -> list[dict]:

@@ -17,7 +17,7 @@ Attention: transformers' SDPA path copies every layer's grouped K/V heads once p
 mask is given and more than one row is fed, which is every lookahead step and every batch step (a one-row
 step avoids it). ``pack`` also switches such a model to ``grouped_sdpa``, registered through transformers'
 public ``AttentionInterface``: the same SDPA call, with SDPA sharing the grouped heads (``enable_gqa``)
-instead of a copy (8 sequences x 4 rows over 435 keys, fp32: 141 -> 102 ms a step on a 2-core Zen 4).
+instead of a copy (8 sequences x 4 rows over 435 keys, fp32: 141 -> 107 ms a step on a 2-core Zen 4).
 
 Memory: each weight is packed, then its original freed, one module at a time, so the peak is the model plus
 one layer. A weight shared with another module (tied input and output embeddings) stays for that module,
