@@ -156,3 +156,25 @@ def test_squeeze_drawing_matches_the_cache():
     keys = cache.cache.layers[0].keys  # (B, heads, S, head_dim), each key holding its own position
     valid = cache.positions >= 0
     assert torch.equal(keys[:, 0, :, 0][valid], cache.positions[valid].float())
+
+
+def test_growing_layer_appends_in_place_and_matches_the_stock_layer():
+    # kv.GrowingLayer against transformers' DynamicLayer through the same updates, crops and replacements
+    from transformers.cache_utils import DynamicLayer
+
+    torch.manual_seed(0)
+    ours, stock = kv.GrowingLayer(), DynamicLayer()
+    new = lambda t: (torch.randn(2, 3, t, 4), torch.randn(2, 3, t, 4))  # noqa: E731 (batch, heads, seq, head_dim)
+    buffers = set()
+    for step, (t, crop) in enumerate([(5, 0), (3, -1), (4, -2), (1, 0), (2, 0), (80, -3)]):
+        k, v = new(t)
+        for layer in (ours, stock):
+            out = layer.update(k, v)
+            assert torch.equal(out[0], layer.keys) and torch.equal(out[1], layer.values)
+            layer.crop(crop)
+        assert torch.equal(ours.keys, stock.keys) and torch.equal(ours.values, stock.values)
+        buffers.add(ours.keys.untyped_storage().data_ptr())
+        if step == 3:  # a replacement (as BatchCache.keep or squeeze makes) moves into a new buffer at the next update
+            ours.keys, ours.values = ours.keys[[1, 0]], ours.values[[1, 0]]
+            stock.keys, stock.values = stock.keys[[1, 0]], stock.values[[1, 0]]
+    assert len(buffers) == 3  # the first buffer, the replacement's and one growth: the other steps wrote in place
