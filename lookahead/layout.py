@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lookahead.tree import TokenTree, ancestor_matrix
@@ -116,9 +117,9 @@ class BatchLayout:
     def size(self) -> int:
         return self.offsets.shape[1]
 
-    def logits_of(self, logits: torch.Tensor, b: int) -> torch.Tensor:
-        """Sequence b's logits (its ``logit_rows``, V) out of the step's (B, U, V)."""
-        return logits[b, torch.searchsorted(self.logit_rows, self.layouts[b].logit_rows)]
+    def logits_of(self, logits: torch.Tensor | np.ndarray, b: int) -> torch.Tensor | np.ndarray:
+        """Sequence b's logits (its ``logit_rows``, V) out of the step's (B, U, V) (or anything else per logit row)."""
+        return logits[b, torch.searchsorted(self.logit_rows, self.layouts[b].logit_rows).numpy()]
 
 
 def stack(layouts: list[StepLayout]) -> BatchLayout:

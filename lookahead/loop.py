@@ -181,7 +181,7 @@ class Batch:
         logits = forward(self.model, self.windows, step, self.cache, ids, positions)
         forward_s = clock.lap()
         if self.curve is not None:
-            self.curve.observe(len(lanes) * step.size, forward_s)
+            self.curve.observe(len(lanes) * step.size, forward_s, len(lanes))
         # 3. verify: per lane, the deepest branch the model agrees with, plus its own next token
         owns = [step.logits_of(logits, b) for b in range(len(lanes))]  # each lane's (its logit_rows, V)
         verdicts, news = [], []
@@ -197,12 +197,14 @@ class Batch:
         keep = [torch.tensor([0] + [layout.first_tree_row + n for n in v.path]) for layout, v in zip(layouts, verdicts)]
         self.cache.compact(step.size, keep, [lane.position + layout.offsets[k] for lane, layout, k in zip(lanes, layouts, keep)])
         # 5. learn (not in plain decoding): the window advances; the sources take the trajectories, the new
-        #    tokens and every row's top-k
+        #    tokens and every row's top-k (one top-k over the whole step)
+        k = min(cfg.recycle_k, logits.shape[-1]) if any(lane.lookahead for lane in lanes) else 0
+        topk = torch.topk(logits, k).indices.numpy() if k else np.empty((*logits.shape[:2], 0), np.int64)  # (B, U, k)
         for b, (lane, tree, level, layout, verdict, new, own) in enumerate(zip(lanes, trees, levels, layouts, verdicts, news, owns)):
             if lane.lookahead:
                 _, last_level, _ = layout.split_logits(own)
                 trajectories = lane.window.advance(last_level.argmax(-1).numpy()) if level else np.empty((0, cfg.ngram), np.int64)
-                row_tokens, row_topk = ranked_rows(layout, ids[b, : layout.size], own, verdict.path, cfg.recycle_k)
+                row_tokens, row_topk = ranked_rows(layout, ids[b, : layout.size].numpy(), step.logits_of(topk, b), verdict.path)
                 history = lane.prompt + lane.out
                 lane.state.learn(cfg, tree, verdict.path, new, trajectories, row_tokens, row_topk, history[-(cfg.ngram - 1):], lane.suffix)
             if lane.worth is not None and level:
@@ -251,12 +253,11 @@ class Batch:
             lane.streamer.end()
 
 
-def ranked_rows(layout: StepLayout, ids: torch.Tensor, logits: torch.Tensor, path: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Input token (R,) and top-k next tokens (R, k) of every row with logits, the accepted rows last (they win)."""
-    if not k:
-        return np.empty(0, np.int64), np.empty((0, 0), np.int64)
+def ranked_rows(layout: StepLayout, ids: np.ndarray, topk: np.ndarray, path: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Input token (R,) and top-k next tokens (R, k) of every row with logits (``topk``: theirs, in row order),
+    the accepted rows last (they win)."""
     first_tree = layout.logit_rows.numel() - (layout.size - layout.first_tree_row)
-    trusted = torch.zeros(layout.logit_rows.numel(), dtype=torch.bool)
+    trusted = np.zeros(layout.logit_rows.numel(), bool)
     trusted[[0] + [first_tree + n for n in path]] = True
-    order = torch.cat([torch.nonzero(~trusted).flatten(), torch.nonzero(trusted).flatten()])
-    return ids[layout.logit_rows[order]].numpy(), torch.topk(logits[order], min(k, logits.shape[-1])).indices.numpy()
+    order = np.concatenate([np.flatnonzero(~trusted), np.flatnonzero(trusted)])
+    return ids[layout.logit_rows.numpy()[order]], topk[order]

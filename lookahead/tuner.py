@@ -59,8 +59,9 @@ class CostCurve:
     ms_at_1: float
     probe_s: float = 0.0  # what measuring it cost
 
-    def ratio(self, tokens: int) -> float:
-        """r(T), interpolated between measured sizes and extrapolated linearly beyond the largest."""
+    def ratio(self, tokens: int, batch: int = 1) -> float:
+        """r(T), interpolated between measured sizes and extrapolated linearly beyond the largest (the probe fed
+        one sequence: ``batch`` is for ``LiveCurve``'s signature)."""
         sizes, ratios = np.asarray(self.sizes, float), np.asarray(self.ratios, float)
         if tokens <= sizes[-1]:
             return float(np.interp(tokens, sizes, ratios))
@@ -88,34 +89,41 @@ class CostCurve:
 
 
 class LiveCurve:
-    """The probed curve, corrected online by the loop's own forward timings.
+    """The probed curve, corrected online by the loop's own forward timings, per batch size.
 
     A probe can disagree with the loop (seen: a bf16 probe's c(1) 40% above what the loop measured), and a
-    wrong c(1) skews every ratio. Each timed forward of T tokens updates a running log-correction of c at
-    the nearest probed size; sizes never observed borrow the nearest observed correction, so the curve keeps
-    its probed shape where the loop has not been.
+    wrong c(1) skews every ratio. Each timed forward of T rows updates a running log-correction of c at the
+    nearest probed size; sizes never observed borrow the nearest observed correction, so the curve keeps its
+    probed shape where the loop has not been. The probe fed one sequence, and B sequences of T/B rows cost
+    more than one of T (each attends over its own cache; measured, SmolLM2 fp32 over ~400 keys: 8 x 1 rows
+    50 ms, 1 x 8 rows 37 ms), so each batch size keeps its own corrections.
     """
 
     def __init__(self, curve: CostCurve) -> None:
         self.curve = curve
-        self.log_scale = np.full(len(curve.sizes), np.nan)  # log(measured / probed c) per probed size
+        self.log_scale: dict[int, np.ndarray] = {}  # batch size -> log(measured / probed c) per probed size, nan: unseen
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One forward of ``tokens`` rows took ``seconds``."""
+    def observe(self, tokens: int, seconds: float, batch: int = 1) -> None:
+        """One forward of ``tokens`` rows over ``batch`` sequences took ``seconds``."""
+        scale = self.log_scale.setdefault(batch, np.full(len(self.curve.sizes), np.nan))
         i = int(np.abs(np.asarray(self.curve.sizes) - tokens).argmin())
         probed = self.curve.ms_at_1 * self.curve.ratio(tokens) / 1000
         error = float(np.log(max(seconds, 1e-9) / probed))
-        old = 0.0 if np.isnan(self.log_scale[i]) else self.log_scale[i]  # starts from the probe: one slow first call moves it little
-        self.log_scale[i] = old + LIVE_WEIGHT * (error - old)
+        old = 0.0 if np.isnan(scale[i]) else scale[i]  # starts from the probe: one slow first call moves it little
+        scale[i] = old + LIVE_WEIGHT * (error - old)
 
-    def ratio(self, tokens: int) -> float:
-        """r(T) with the correction: c(T) / c(1), both corrected, never below 1."""
-        seen = np.flatnonzero(~np.isnan(self.log_scale))
+    def ratio(self, tokens: int, batch: int = 1) -> float:
+        """c(T rows over ``batch`` sequences) / c(1 row, one sequence), both corrected, never below 1."""
+        return max(1.0, self.curve.ratio(tokens) * float(np.exp(self._near(batch, tokens) - self._near(1, 1))))
+
+    def _near(self, batch: int, tokens: int) -> float:
+        """The correction at the observed size nearest ``tokens`` for this batch size (0: none observed)."""
+        scale = self.log_scale.get(batch)
+        seen = np.flatnonzero(~np.isnan(scale)) if scale is not None else np.empty(0, int)
         if seen.size == 0:
-            return self.curve.ratio(tokens)
+            return 0.0
         sizes = np.asarray(self.curve.sizes)
-        near = lambda t: self.log_scale[seen[np.abs(sizes[seen] - t).argmin()]]  # noqa: E731
-        return max(1.0, self.curve.ratio(tokens) * float(np.exp(near(tokens) - near(1))))
+        return float(scale[seen[np.abs(sizes[seen] - tokens).argmin()]])
 
 
 def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT, rounds: int = 4,
@@ -247,7 +255,7 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
     factors = factors or [1.0] * len(trees)
     gains = [np.concatenate([[0.0], np.cumsum(np.minimum(np.sort(tree.scores)[::-1] * f, 1.0))]) for tree, f in zip(trees, factors)]  # S_b(k)
     widest = max(1 + g.size - 1 + w for g, w in zip(gains, window_rows))
-    best, best_value = [Choice(0, False, 1.0)] * len(trees), float(len(trees)) / curve.ratio(len(trees))
+    best, best_value = [Choice(0, False, 1.0)] * len(trees), float(len(trees)) / curve.ratio(len(trees), len(trees))
     for width in range(1, widest + 1):
         choices = []
         for g, rows, worth in zip(gains, window_rows, window_values):
@@ -258,7 +266,7 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
                 if g[with_window] + worth > choice[0] + 1e-12:
                     choice = (g[with_window] + worth, Choice(with_window, True, 0.0))
             choices.append(choice)
-        value = sum(1.0 + gain for gain, _ in choices) / curve.ratio(len(trees) * width)
+        value = sum(1.0 + gain for gain, _ in choices) / curve.ratio(len(trees) * width, len(trees))
         if value > best_value + 1e-9:
             best_value, best = value, [c for _, c in choices]
     per_sequence = best_value / len(trees)

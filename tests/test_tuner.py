@@ -101,6 +101,21 @@ def test_live_curve_corrects_a_probe_that_overstates_the_one_token_step():
     assert live.ratio(64) >= 1.0
 
 
+def test_live_curve_keeps_each_batch_size_apart():
+    # one sequence of 8 rows costs 11 ms; eight sequences of one row each (also 8 rows) cost 16 ms, of 4 rows 48
+    live = LiveCurve(CostCurve((1, 8, 32), (1.0, 1.1, 2.0), 10.0))
+    for _ in range(300):
+        live.observe(1, 0.010)
+        live.observe(8, 0.011)
+        live.observe(8, 0.016, batch=8)
+        live.observe(32, 0.048, batch=8)
+    assert live.ratio(8) == pytest.approx(1.1, rel=0.01) and live.ratio(8, 8) == pytest.approx(1.6, rel=0.01)
+    assert live.ratio(32, 8) / live.ratio(8, 8) == pytest.approx(3.0, rel=0.01)  # what drafting costs a batch of 8
+    assert live.ratio(32, 4) == pytest.approx(2.0)  # a batch size never seen: the probe's curve
+    tree = chain([0.25, 0.2])  # worth a row to one sequence, not to each of eight (16 rows cost 2.04 against 1.6)
+    assert plan(live, [tree], [0], [0.0])[0].nodes >= 1 and plan(live, [tree] * 8, [0] * 8, [0.0] * 8)[0].nodes == 0
+
+
 def test_auto_dtype_prefers_the_curve_where_lookahead_runs_fastest():
     # a slightly slower plain step with cheap wide steps beats a faster plain step with steep ones
     cheap_wide, steep = CostCurve((1, 16, 64), (1.0, 1.1, 2.0), 11.0), CostCurve((1, 2, 64), (1.0, 1.9, 60.0), 10.0)
