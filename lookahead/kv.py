@@ -48,12 +48,11 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         held = self.keys.shape[-2] if self.keys.dim() == 4 else 0  # (batch, heads, seq, head_dim); empty: 1-D
         length = held + key_states.shape[-2]
-        if self._view is None or self.keys is not self._view[0] or self.values is not self._view[1] \
-                or length > self._buffers[0].shape[-2]:
-            self._buffers = tuple(self._grown(old, new, held, length) for old, new in ((self.keys, key_states), (self.values, value_states)))
-        for buffer, new in zip(self._buffers, (key_states, value_states)):
-            buffer[:, :, held:length].copy_(new)
-        self.keys, self.values = self._view = tuple(buffer[:, :, :length] for buffer in self._buffers)
+        if self._view is None or self.keys is not self._view[0] or length > self._keys.shape[-2]:  # keys and values go together
+            self._keys, self._values = self._grown(self.keys, key_states, held, length), self._grown(self.values, value_states, held, length)
+        self._keys[:, :, held:length] = key_states
+        self._values[:, :, held:length] = value_states
+        self.keys, self.values = self._view = self._keys[:, :, :length], self._values[:, :, :length]
         return self.keys, self.values
 
     @staticmethod
@@ -65,7 +64,7 @@ class GrowingLayer(DynamicLayer):
         return buffer
 
     def crop(self, tokens_to_remove: int) -> None:
-        ours = self._view is not None and self.keys is self._view[0] and self.values is self._view[1]
+        ours = self._view is not None and self.keys is self._view[0]
         super().crop(tokens_to_remove)
         if ours:  # a shorter view of the same buffer
             self._view = (self.keys, self.values)

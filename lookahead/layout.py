@@ -119,7 +119,10 @@ class BatchLayout:
 
     def logits_of(self, logits: torch.Tensor | np.ndarray, b: int) -> torch.Tensor | np.ndarray:
         """Sequence b's logits (its ``logit_rows``, V) out of the step's (B, U, V) (or anything else per logit row)."""
-        return logits[b, torch.searchsorted(self.logit_rows, self.layouts[b].logit_rows).numpy()]
+        rows = self.layouts[b].logit_rows
+        if rows.numel() == self.logit_rows.numel():  # all of them (always so for one sequence): a view, no copy
+            return logits[b]
+        return logits[b, torch.searchsorted(self.logit_rows, rows).numpy()]
 
 
 def stack(layouts: list[StepLayout]) -> BatchLayout:

@@ -59,14 +59,14 @@ class CostCurve:
     ms_at_1: float
     probe_s: float = 0.0  # what measuring it cost
 
-    def ratio(self, tokens: int, batch: int = 1) -> float:
+    def ratio(self, tokens: int | np.ndarray, batch: int = 1) -> float | np.ndarray:
         """r(T), interpolated between measured sizes and extrapolated linearly beyond the largest (the probe fed
-        one sequence: ``batch`` is for ``LiveCurve``'s signature)."""
+        one sequence: ``batch`` is for ``LiveCurve``'s signature); an array of T gives an array."""
         sizes, ratios = np.asarray(self.sizes, float), np.asarray(self.ratios, float)
-        if tokens <= sizes[-1]:
-            return float(np.interp(tokens, sizes, ratios))
         slope = (ratios[-1] - ratios[-2]) / (sizes[-1] - sizes[-2])
-        return float(ratios[-1] + slope * (tokens - sizes[-1]))
+        t = np.asarray(tokens, float)
+        r = np.where(t <= sizes[-1], np.interp(t, sizes, ratios), ratios[-1] + slope * (t - sizes[-1]))
+        return r if r.ndim else float(r)
 
     @classmethod
     def from_json(cls, text: str) -> "CostCurve":
@@ -112,18 +112,19 @@ class LiveCurve:
         old = 0.0 if np.isnan(scale[i]) else scale[i]  # starts from the probe: one slow first call moves it little
         scale[i] = old + LIVE_WEIGHT * (error - old)
 
-    def ratio(self, tokens: int, batch: int = 1) -> float:
+    def ratio(self, tokens: int | np.ndarray, batch: int = 1) -> float | np.ndarray:
         """c(T rows over ``batch`` sequences) / c(1 row, one sequence), both corrected, never below 1."""
-        return max(1.0, self.curve.ratio(tokens) * float(np.exp(self._near(batch, tokens) - self._near(1, 1))))
+        r = np.maximum(1.0, self.curve.ratio(tokens) * np.exp(self._near(batch, tokens) - self._near(1, 1)))
+        return r if np.ndim(r) else float(r)
 
-    def _near(self, batch: int, tokens: int) -> float:
+    def _near(self, batch: int, tokens: int | np.ndarray) -> float | np.ndarray:
         """The correction at the observed size nearest ``tokens`` for this batch size (0: none observed)."""
         scale = self.log_scale.get(batch)
         seen = np.flatnonzero(~np.isnan(scale)) if scale is not None else np.empty(0, int)
         if seen.size == 0:
             return 0.0
-        sizes = np.asarray(self.curve.sizes)
-        return float(scale[seen[np.abs(sizes[seen] - tokens).argmin()]])
+        nearest = np.abs(np.asarray(self.curve.sizes)[seen] - np.asarray(tokens)[..., None]).argmin(-1)
+        return scale[seen[nearest]]
 
 
 def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT, rounds: int = 4,
@@ -255,7 +256,8 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
     factors = factors or [1.0] * len(trees)
     gains = [np.concatenate([[0.0], np.cumsum(np.minimum(np.sort(tree.scores)[::-1] * f, 1.0))]) for tree, f in zip(trees, factors)]  # S_b(k)
     widest = max(1 + g.size - 1 + w for g, w in zip(gains, window_rows))
-    best, best_value = [Choice(0, False, 1.0)] * len(trees), float(len(trees)) / curve.ratio(len(trees), len(trees))
+    costs = curve.ratio(len(trees) * np.arange(1, widest + 1), len(trees))  # (widest,): r(B x T) for T = 1..widest
+    best, best_value = [Choice(0, False, 1.0)] * len(trees), len(trees) / float(costs[0])
     for width in range(1, widest + 1):
         choices = []
         for g, rows, worth in zip(gains, window_rows, window_values):
@@ -266,7 +268,7 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
                 if g[with_window] + worth > choice[0] + 1e-12:
                     choice = (g[with_window] + worth, Choice(with_window, True, 0.0))
             choices.append(choice)
-        value = sum(1.0 + gain for gain, _ in choices) / curve.ratio(len(trees) * width, len(trees))
+        value = sum(1.0 + gain for gain, _ in choices) / float(costs[width - 1])
         if value > best_value + 1e-9:
             best_value, best = value, [c for _, c in choices]
     per_sequence = best_value / len(trees)
