@@ -92,25 +92,29 @@ class LiveCurve:
     """The probed curve, corrected online by the loop's own forward timings, per batch size.
 
     A probe can disagree with the loop (seen: a bf16 probe's c(1) 40% above what the loop measured), and a
-    wrong c(1) skews every ratio. Each timed forward of T rows updates a running log-correction of c at the
-    nearest probed size; sizes never observed borrow the nearest observed correction, so the curve keeps its
-    probed shape where the loop has not been. The probe fed one sequence, and B sequences of T/B rows cost
-    more than one of T (each attends over its own cache; measured, SmolLM2 fp32 over ~400 keys: 8 x 1 rows
-    50 ms, 1 x 8 rows 37 ms), so each batch size keeps its own corrections.
+    wrong c(1) skews every ratio. Each timed forward of T rows over B sequences updates a running
+    log-correction of c in its cell (B, the probed size nearest T); a step whose cell was never observed
+    borrows the nearest observed cell's (in log B and log T), so the curve keeps its probed shape where the
+    loop has not been. Batch sizes are kept apart because the probe fed one sequence, and B sequences of T/B
+    rows cost more than one of T (each reads its own cache; measured, SmolLM2 fp32 over ~400 keys: 8 x 1 rows
+    50 ms, 1 x 8 rows 37 ms). A cell's first samples weigh more (1/2, 1/3, ... down to ``LIVE_WEIGHT``): a
+    batch size that comes and goes in a server must learn its cost in a few steps, yet one slow first call
+    must not keep a size off for good.
     """
 
     def __init__(self, curve: CostCurve) -> None:
         self.curve = curve
-        self.log_scale: dict[int, np.ndarray] = {}  # batch size -> log(measured / probed c) per probed size, nan: unseen
+        self.log_scale: dict[tuple[int, int], float] = {}  # (batch, probed size index) -> log(measured / probed c)
+        self.samples: dict[tuple[int, int], int] = {}
 
     def observe(self, tokens: int, seconds: float, batch: int = 1) -> None:
         """One forward of ``tokens`` rows over ``batch`` sequences took ``seconds``."""
-        scale = self.log_scale.setdefault(batch, np.full(len(self.curve.sizes), np.nan))
-        i = int(np.abs(np.asarray(self.curve.sizes) - tokens).argmin())
+        cell = (batch, int(np.abs(np.asarray(self.curve.sizes) - tokens).argmin()))
         probed = self.curve.ms_at_1 * self.curve.ratio(tokens) / 1000
         error = float(np.log(max(seconds, 1e-9) / probed))
-        old = 0.0 if np.isnan(scale[i]) else scale[i]  # starts from the probe: one slow first call moves it little
-        scale[i] = old + LIVE_WEIGHT * (error - old)
+        n = self.samples[cell] = self.samples.get(cell, 0) + 1
+        old = self.log_scale.get(cell, 0.0)  # starts from the probe
+        self.log_scale[cell] = old + max(LIVE_WEIGHT, 1 / (n + 1)) * (error - old)
 
     def ratio(self, tokens: int | np.ndarray, batch: int = 1) -> float | np.ndarray:
         """c(T rows over ``batch`` sequences) / c(1 row, one sequence), both corrected, never below 1."""
@@ -118,13 +122,13 @@ class LiveCurve:
         return r if np.ndim(r) else float(r)
 
     def _near(self, batch: int, tokens: int | np.ndarray) -> float | np.ndarray:
-        """The correction at the observed size nearest ``tokens`` for this batch size (0: none observed)."""
-        scale = self.log_scale.get(batch)
-        seen = np.flatnonzero(~np.isnan(scale)) if scale is not None else np.empty(0, int)
-        if seen.size == 0:
+        """The correction of the observed cell nearest (``batch``, ``tokens``) (0: none observed)."""
+        if not self.log_scale:
             return 0.0
-        nearest = np.abs(np.asarray(self.curve.sizes)[seen] - np.asarray(tokens)[..., None]).argmin(-1)
-        return scale[seen[nearest]]
+        cells = np.array(list(self.log_scale))  # (n, 2): batch, probed size index
+        rows = np.asarray(self.curve.sizes, float)[cells[:, 1]]
+        distance = np.abs(np.log(rows / np.asarray(tokens, float)[..., None])) + np.abs(np.log(cells[:, 0] / batch))
+        return np.array(list(self.log_scale.values()))[distance.argmin(-1)]
 
 
 def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT, rounds: int = 4,
