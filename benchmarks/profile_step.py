@@ -22,7 +22,7 @@ from lookahead import kv, models
 from lookahead.kernels import kernels_of
 from lookahead.layout import build_layout, stack
 from lookahead.tree import TokenTree
-from lookahead.tuner import chain_tree
+from lookahead.planner import chain_tree
 
 CLASSES = {  # op name fragment -> class, first match wins
     "linear": "linears", "addmm": "linears", "aten::mm": "linears", "matmul": "linears", "bmm": "attention",

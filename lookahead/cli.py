@@ -189,7 +189,7 @@ def _read_requests(prompt: str | None, prompt_file: Path | None, ids_mode: bool)
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Also draw the curves into this PNG.")
 def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
     """Measure this machine's forward cost r(T) = c(T)/c(1) anew, cache it, and print what it implies."""
-    from lookahead import tuner
+    from lookahead import planner, tuner
 
     cache_dir = cache_dir or models.default_cache_dir()
     curves = {}
@@ -206,7 +206,7 @@ def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
     fastest = max(curves, key=lambda n: tuner.lookahead_speed(curves[n]))
     click.echo(f"fastest lookahead expected in {fastest} (~{tuner.lookahead_speed(curves[fastest]):.1f} tokens/s); --dtype auto picks it")
     for p in (0.3, 0.5, 0.8):  # a chain whose every node is accepted with probability p given its parent
-        nodes = tuner.choose(curves[fastest], tuner.chain_tree(p, 64), 0, 0.0)
+        nodes = planner.choose(curves[fastest], planner.chain_tree(p, 64), 0, 0.0)
         click.echo(f"drafts accepted with p={p}: verify {nodes.nodes} nodes per step, {nodes.value:.2f}x plain decoding expected")
     if plot:
         tuner.plot_curves(curves, plot)

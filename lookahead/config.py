@@ -28,9 +28,9 @@ class LookaheadConfig:
     so N-1 window levels and pool drafts of N-1 tokens; guess (G): pool n-grams offered to the tree;
     tree_budget: most tree nodes verified per step (0 = no verification); suffix_drafts/suffix_length:
     suffix-match drafts and their longest length (0 = off); recycle_k: successors kept per token by the
-    recycling table (0 = off). auto: each step, the measured cost model (``tuner.py``) picks how many of
-    the tree's best nodes to verify and whether to run the Jacobi branch, within the shape above; False:
-    always the full shape.
+    recycling table (0 = off). auto: each step, the measured cost model (``tuner.py``, ``planner.py``)
+    picks how many of the tree's best nodes to verify and whether to run the Jacobi branch, within the
+    shape above; False: always the full shape.
     """
 
     # small steps pay off on CPUs (see benchmarks/README.md); GPUs afford wider ones

@@ -17,7 +17,8 @@ from lookahead.loop import Batch, Lane, forward, prefill
 from lookahead.prompt import prompt_ids
 from lookahead.stats import GenerationStats
 from lookahead.tree import TokenTree
-from lookahead.tuner import CostCurve, LiveCurve, cached_curve, fastest_dtype
+from lookahead.planner import LiveCurve
+from lookahead.tuner import CostCurve, cached_curve, fastest_dtype
 
 SPARSE_POOL_VOCAB = 65536
 

@@ -26,7 +26,7 @@ from lookahead.drafting import TRAJECTORY, DraftState
 from lookahead.layout import BatchLayout, StepLayout, build_layout, stack
 from lookahead.stats import Clock, GenerationStats
 from lookahead.tree import TokenTree
-from lookahead.tuner import Calibration, JacobiWorth, LiveCurve, plan
+from lookahead.planner import Calibration, JacobiWorth, LiveCurve, plan
 from lookahead.window import JacobiWindow
 from ngram_pool import SuffixDrafter
 

@@ -1,20 +1,10 @@
-"""The cost model: how much a step of T tokens costs on this machine, and what step is worth running.
+"""The cost curve: how much a step of T tokens costs on this machine, measured once.
 
 A forward that feeds T new tokens costs c(T) = c(1) x r(T), and r depends on the machine, the dtype and
 the thread count far more than on the model's name (a 2-core CPU: r(16) from 1.2 to 2.1). ``probe`` times
 forwards of T = 1..64 tokens over a realistic cache once; the curve is cached on disk per (model, dtype,
-device, threads, CPU, torch), so the price (a few seconds) is paid once.
-
-Each step, ``choose`` takes the drafted tree and the estimated value of the Jacobi branch and picks the
-tree size k and whether to feed the window, maximising expected tokens per unit of cost:
-
-    value(k, window) = (1 + S(k) + window x J) / r(1 + k + window x W(N-1))
-
-where S(k) is the sum of the k best node scores (each the estimated probability that the node is
-accepted, so the sum is the expected number of accepted draft tokens) and J the Jacobi branch's measured
-worth (draft tokens accepted per step that only its trajectories proposed). Plain decoding is value 1: when
-nothing beats it, the step is plain (T = 1), and the tree keeps being drafted (cheap), so an input-grounded
-stretch (a long suffix match) turns drafting back on by itself.
+device, kernels, threads, CPU, torch), so the price (a few seconds) is paid once. What each step runs on
+that curve is ``planner``'s.
 """
 
 from __future__ import annotations
@@ -33,21 +23,15 @@ from transformers import PreTrainedModel
 
 from lookahead import kv, models, support
 from lookahead.kernels import available, kernels_of
-from lookahead.tree import TokenTree
+from lookahead.planner import chain_tree, choose
 
 PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROBE_CONTEXT = 256
 CURVE_FORMAT = 3  # 2: fastest of interleaved rounds, monotone envelope; 3: packed models attend with grouped_sdpa (older curves are re-probed)
 AUTO_DTYPES = ("float32", "bfloat16")  # what --dtype auto chooses from (float16 on CPU is slow and lossy)
-JACOBI_PRIOR = 0.05  # draft tokens per step credited to the Jacobi branch before any is measured (SmolLM2: ~0)
-JACOBI_DECAY = 0.05  # weight of each step in its running estimate
-JACOBI_RETRY = 64  # steps after which a Jacobi branch the chooser left off runs once more, to re-measure it
 # what --dtype auto expects of drafting before anything is measured: a chain of 16 drafts, each accepted with
 # probability 0.5 given its parent (~2 tokens per forward at full width, what the default shape measured)
 REFERENCE_CHAIN = (0.5, 16)
-LIVE_WEIGHT = 0.1  # weight of each of the loop's own forward timings in the curve's online correction
-CALIBRATION_DECAY = 0.95  # a sequence's calibration remembers its last ~20 drafting steps
-CALIBRATION_PRIOR = 1.0  # ... and starts as if one promised draft token had come (factor 1)
 
 
 @dataclass(frozen=True)
@@ -86,49 +70,6 @@ class CostCurve:
 
     def to_json(self) -> str:
         return json.dumps({"format": CURVE_FORMAT} | asdict(self))
-
-
-class LiveCurve:
-    """The probed curve, corrected online by the loop's own forward timings, per batch size.
-
-    A probe can disagree with the loop (seen: a bf16 probe's c(1) 40% above what the loop measured), and a
-    wrong c(1) skews every ratio. Each timed forward of T rows over B sequences updates a running
-    log-correction of c in its cell (B, the probed size nearest T); a step whose cell was never observed
-    borrows the nearest observed cell's (in log B and log T), so the curve keeps its probed shape where the
-    loop has not been. Batch sizes are kept apart because the probe fed one sequence, and B sequences of T/B
-    rows cost more than one of T (each reads its own cache; measured, SmolLM2 fp32 over ~400 keys: 8 x 1 rows
-    50 ms, 1 x 8 rows 37 ms). A cell's first samples weigh more (1/2, 1/3, ... down to ``LIVE_WEIGHT``): a
-    batch size that comes and goes in a server must learn its cost in a few steps, yet one slow first call
-    must not keep a size off for good.
-    """
-
-    def __init__(self, curve: CostCurve) -> None:
-        self.curve = curve
-        self.log_scale: dict[tuple[int, int], float] = {}  # (batch, probed size index) -> log(measured / probed c)
-        self.samples: dict[tuple[int, int], int] = {}
-
-    def observe(self, tokens: int, seconds: float, batch: int = 1) -> None:
-        """One forward of ``tokens`` rows over ``batch`` sequences took ``seconds``."""
-        cell = (batch, int(np.abs(np.asarray(self.curve.sizes) - tokens).argmin()))
-        probed = self.curve.ms_at_1 * self.curve.ratio(tokens) / 1000
-        error = float(np.log(max(seconds, 1e-9) / probed))
-        n = self.samples[cell] = self.samples.get(cell, 0) + 1
-        old = self.log_scale.get(cell, 0.0)  # starts from the probe
-        self.log_scale[cell] = old + max(LIVE_WEIGHT, 1 / (n + 1)) * (error - old)
-
-    def ratio(self, tokens: int | np.ndarray, batch: int = 1) -> float | np.ndarray:
-        """c(T rows over ``batch`` sequences) / c(1 row, one sequence), both corrected, never below 1."""
-        r = np.maximum(1.0, self.curve.ratio(tokens) * np.exp(self._near(batch, tokens) - self._near(1, 1)))
-        return r if np.ndim(r) else float(r)
-
-    def _near(self, batch: int, tokens: int | np.ndarray) -> float | np.ndarray:
-        """The correction of the observed cell nearest (``batch``, ``tokens``) (0: none observed)."""
-        if not self.log_scale:
-            return 0.0
-        cells = np.array(list(self.log_scale))  # (n, 2): batch, probed size index
-        rows = np.asarray(self.curve.sizes, float)[cells[:, 1]]
-        distance = np.abs(np.log(rows / np.asarray(tokens, float)[..., None])) + np.abs(np.log(cells[:, 0] / batch))
-        return np.array(list(self.log_scale.values()))[distance.argmin(-1)]
 
 
 def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT, rounds: int = 4,
@@ -233,93 +174,6 @@ def _cpu() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-@dataclass(frozen=True)
-class Choice:
-    nodes: int  # tree nodes verified (the best ``nodes`` by score)
-    window: bool  # whether the Jacobi branch runs
-    value: float  # expected tokens per unit of plain-step cost (plain decoding: 1.0)
-
-
-def choose(curve: CostCurve | LiveCurve, tree: TokenTree, window_rows: int, window_value: float) -> Choice:
-    """The step that maximises expected emitted tokens per cost for one sequence (see the module docstring)."""
-    return plan(curve, [tree], [window_rows], [window_value])[0]
-
-
-def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list[int], window_values: list[float],
-         factors: list[float] | None = None) -> list[Choice]:
-    """The step of a batch: one width T for every sequence (the step is padded to its widest), each filling
-    it with its best nodes (and its Jacobi branch where that gains more), maximising
-
-        value(T) = sum over sequences of (1 + gain_b(T)) / r(B x T)
-
-    so drafting shrinks as the batch grows, and stops where the batch alone fills the machine. B = 1 is the
-    single-sequence rule of the module docstring. ``factors``: each sequence's ``Calibration.factor`` (its
-    node scores times it, at most 1 a node)."""
-    factors = factors or [1.0] * len(trees)
-    gains = [np.concatenate([[0.0], np.cumsum(np.minimum(np.sort(tree.scores)[::-1] * f, 1.0))]) for tree, f in zip(trees, factors)]  # S_b(k)
-    widest = max(1 + g.size - 1 + w for g, w in zip(gains, window_rows))
-    costs = curve.ratio(len(trees) * np.arange(1, widest + 1), len(trees))  # (widest,): r(B x T) for T = 1..widest
-    best, best_value = [Choice(0, False, 1.0)] * len(trees), len(trees) / float(costs[0])
-    for width in range(1, widest + 1):
-        choices = []
-        for g, rows, worth in zip(gains, window_rows, window_values):
-            nodes = min(width - 1, g.size - 1)
-            choice = (g[nodes], Choice(nodes, False, 0.0))
-            if rows and width - 1 >= rows:
-                with_window = min(width - 1 - rows, g.size - 1)
-                if g[with_window] + worth > choice[0] + 1e-12:
-                    choice = (g[with_window] + worth, Choice(with_window, True, 0.0))
-            choices.append(choice)
-        value = sum(1.0 + gain for gain, _ in choices) / float(costs[width - 1])
-        if value > best_value + 1e-9:
-            best_value, best = value, [c for _, c in choices]
-    per_sequence = best_value / len(trees)
-    return [Choice(c.nodes, c.window, per_sequence) for c in best]
-
-
-class Calibration:
-    """Draft tokens a sequence got accepted per token its trees' scores promised, over its recent drafting steps.
-
-    The scores come from acceptance statistics shared by every sequence of a batch (and across requests), per
-    source and depth: a sequence whose drafts fare worse than the mix (a chat answer beside a summary) would be
-    planned with the mix's hopes. Measured, 8 sequences x 256 tokens: the scores promised 1.94 accepted tokens
-    per drafting step and 1.41 came (one sequence alone: 0.99 promised, 1.19 came)."""
-
-    def __init__(self) -> None:
-        self.promised = self.got = CALIBRATION_PRIOR
-
-    @property
-    def factor(self) -> float:
-        return self.got / self.promised
-
-    def update(self, promised: float, got: int) -> None:
-        """One step verified a tree whose scores summed to ``promised``; ``got`` of its nodes were accepted."""
-        self.promised = CALIBRATION_DECAY * self.promised + promised
-        self.got = CALIBRATION_DECAY * self.got + got
-
-
-class JacobiWorth:
-    """Running estimate of the draft tokens per step that only the Jacobi trajectories proposed; a branch
-    left off is retried now and then, since its worth is only measured while it runs."""
-
-    def __init__(self) -> None:
-        self.value, self.idle = JACOBI_PRIOR, 0
-
-    def runs(self, chosen: bool) -> bool:
-        """Whether the branch runs this step: when chosen, or after ``JACOBI_RETRY`` steps without."""
-        self.idle = 0 if chosen or self.idle >= JACOBI_RETRY else self.idle + 1
-        return self.idle == 0
-
-    def update(self, tokens: int) -> None:
-        self.value += JACOBI_DECAY * (tokens - self.value)
-
-
-def chain_tree(p: float, length: int) -> TokenTree:
-    """A chain of ``length`` drafts, each accepted with probability ``p`` given its parent (what ``tune`` prints for)."""
-    scores = p ** np.arange(1, length + 1)
-    return TokenTree.merge(np.zeros(length, np.int64), np.arange(length) - 1, scores, np.ones(length, np.int64), length)
 
 
 def plot_curves(curves: dict[str, CostCurve], path: Path) -> None:

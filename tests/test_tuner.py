@@ -1,4 +1,4 @@
-"""The cost model: the chooser on synthetic curves and trees, the probe and its on-disk cache."""
+"""The cost model: the planner on synthetic curves and trees, the probe and its on-disk cache."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from conftest import hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator
 from lookahead.tree import TokenTree
-from lookahead.tuner import (Calibration, CostCurve, JacobiWorth, LiveCurve, cached_curve, choose, curve_file, lookahead_speed, plan,
-                              probe)
+from lookahead.planner import Calibration, JacobiWorth, LiveCurve, choose, plan
+from lookahead.tuner import CostCurve, cached_curve, curve_file, lookahead_speed, probe
 
 FLAT = CostCurve((1, 64), (1.0, 1.05), 10.0)
 STEEP = CostCurve((1, 2, 64), (1.0, 1.9, 60.0), 10.0)
