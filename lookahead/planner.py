@@ -42,9 +42,10 @@ class LiveCurve:
     borrows the nearest observed cell's (in log B and log T), so the curve keeps its probed shape where the
     loop has not been. Batch sizes are kept apart because the probe fed one sequence, and B sequences of T/B
     rows cost more than one of T (each reads its own cache; measured, SmolLM2 fp32 over ~400 keys: 8 x 1 rows
-    50 ms, 1 x 8 rows 37 ms). A cell's first samples weigh more (1/2, 1/3, ... down to ``LIVE_WEIGHT``): a
-    batch size that comes and goes in a server must learn its cost in a few steps, yet one slow first call
-    must not keep a size off for good.
+    50 ms, 1 x 8 rows 37 ms). A new cell starts from the correction it borrowed, and its first samples weigh
+    more (1/2, 1/3, ... down to ``LIVE_WEIGHT``): a batch size that comes and goes in a server must learn its
+    cost in a few steps (started from the probe instead, 8 sequences x 4 rows were still priced 7% low after
+    13 samples), yet one slow first call must not keep a size off for good.
     """
 
     def __init__(self, curve: CostCurve) -> None:
@@ -58,7 +59,7 @@ class LiveCurve:
         probed = self.curve.ms_at_1 * self.curve.ratio(tokens) / 1000
         error = float(np.log(max(seconds, 1e-9) / probed))
         n = self.samples[cell] = self.samples.get(cell, 0) + 1
-        old = self.log_scale.get(cell, 0.0)  # starts from the probe
+        old = self.log_scale[cell] if cell in self.log_scale else float(self._near(batch, tokens))  # starts from what it borrowed
         self.log_scale[cell] = old + max(LIVE_WEIGHT, 1 / (n + 1)) * (error - old)
 
     def ratio(self, tokens: int | np.ndarray, batch: int = 1) -> float | np.ndarray:
