@@ -17,7 +17,7 @@ from lookahead.loop import Batch, Lane, forward, prefill
 from lookahead.prompt import prompt_ids
 from lookahead.stats import GenerationStats
 from lookahead.tree import TokenTree
-from lookahead.planner import LiveCurve
+from lookahead.planner import Calibration, LiveCurve
 from lookahead.tuner import CostCurve, cached_curve, fastest_dtype
 
 SPARSE_POOL_VOCAB = 65536
@@ -42,6 +42,7 @@ class LookaheadGenerator:
         self.config = config or LookaheadConfig()
         self._cost, self._cache_dir, self._progress = cost, cache_dir, progress
         self._live: LiveCurve | None = None
+        self._calibration = Calibration()  # the drafts' promise against what came, over every sequence (kept across requests)
         mc = model.config.get_text_config(decoder=True)
         support.check_config(model)
         self.vocab_size = models.vocab_size(model)
@@ -178,7 +179,7 @@ class LookaheadGenerator:
     def new_batch(self, lookahead: bool = True) -> Batch:
         """An empty running batch over this generator's model (the cost model on where ``config.auto`` and lookahead)."""
         auto = self.config.auto and lookahead
-        return Batch(self.model, self.config, self.windows, self._limits, self.live_cost if auto else None)
+        return Batch(self.model, self.config, self.windows, self._limits, self.live_cost if auto else None, self._calibration)
 
     def result(self, lane: Lane) -> GenerationResult:
         """What a finished lane gives back."""

@@ -114,10 +114,12 @@ class Batch:
     """The running batch: its lanes and their shared KV cache; ``step`` runs the numbered loop once."""
 
     def __init__(self, model: PreTrainedModel, config: LookaheadConfig, windows: dict[str, int | None],
-                 limits, curve: LiveCurve | None) -> None:
+                 limits, curve: LiveCurve | None, calibration: Calibration | None = None) -> None:
         """windows: layer type -> sliding window (``support.mask_layers``); limits(position, last_position) ->
-        (room, space) as ``LookaheadGenerator._limits``; curve: the cost model (None: the fixed shape)."""
+        (room, space) as ``LookaheadGenerator._limits``; curve: the cost model (None: the fixed shape);
+        calibration: every sequence's steps so far, pooled (a joining sequence starts from its factor)."""
         self.model, self.config, self.windows, self.limits, self.curve = model, config, windows, limits, curve
+        self.calibration = calibration or Calibration()
         self.lanes: list[Lane] = []
         self.cache = kv.BatchCache()
 
@@ -137,7 +139,7 @@ class Batch:
         if lane.lookahead and cfg.window:
             lane.window = JacobiWindow(cfg.window, cfg.ngram, np.asarray(lane.prompt), cfg.seed)
         if lane.lookahead and self.curve is not None:
-            lane.worth, lane.calibration = JacobiWorth(), Calibration()
+            lane.worth, lane.calibration = JacobiWorth(), Calibration(self.calibration.factor)
         lane.stats.prefill_s = lane.clock.lap()
         lane.emit(lane.out)
         if lane.finished:
@@ -210,7 +212,8 @@ class Batch:
             if lane.worth is not None and level:
                 lane.worth.update(int((tree.sources[verdict.path] == 1 << TRAJECTORY).sum()))
             if lane.calibration is not None and len(tree):
-                lane.calibration.update(float(tree.scores.sum()), len(verdict.path))
+                for calibration in (lane.calibration, self.calibration):
+                    calibration.update(float(tree.scores.sum()), len(verdict.path))
             lane.out += new
             lane.stats.record(tree, level, verdict.path, len(new))
         learn_s = clock.lap()

@@ -137,3 +137,7 @@ def test_a_sequence_whose_drafts_fare_worse_than_promised_drafts_less():
     for _ in range(60):
         calibration.update(promised=0.5, got=3)  # far better than promised: scores scale up, at most 1 a node
     assert calibration.factor > 1 and plan(curve, [chain([0.2] * 3)], [0], [0.0], [calibration.factor])[0].nodes == 3
+    seeded = Calibration(0.5)  # a sequence joining after others got half of what was promised starts there
+    assert seeded.factor == 0.5
+    seeded.update(promised=1.0, got=1)  # and its own steps take over
+    assert 0.5 < seeded.factor < 1.0
