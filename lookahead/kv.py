@@ -48,7 +48,7 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         held = self.keys.shape[-2] if self.keys.dim() == 4 else 0  # (batch, heads, seq, head_dim); empty: 1-D
         length = held + key_states.shape[-2]
-        if self._view is None or self.keys is not self._view[0] or length > self._keys.shape[-2]:  # keys and values go together
+        if not self._in_buffer or length > self._keys.shape[-2]:
             self._keys, self._values = self._grown(self.keys, key_states, held, length), self._grown(self.values, value_states, held, length)
         self._keys[:, :, held:length] = key_states
         self._values[:, :, held:length] = value_states
@@ -63,8 +63,13 @@ class GrowingLayer(DynamicLayer):
             buffer[:, :, :held].copy_(old)
         return buffer
 
+    @property
+    def _in_buffer(self) -> bool:
+        """Whether ``keys``/``values`` are still the views of the buffer this layer handed out (they go together)."""
+        return self._view is not None and self.keys is self._view[0]
+
     def crop(self, tokens_to_remove: int) -> None:
-        ours = self._view is not None and self.keys is self._view[0]
+        ours = self._in_buffer
         super().crop(tokens_to_remove)
         if ours:  # a shorter view of the same buffer
             self._view = (self.keys, self.values)
