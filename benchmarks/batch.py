@@ -1,6 +1,12 @@
 """Batched decoding, side by side in one run: total tokens/s at B = 1, 2, 4, 8 sequences.
 
     python -m benchmarks.batch [--batch 1,2,4,8 --max-new-tokens 64 --model smollm2-135m --out DIR]
+    python -m benchmarks.batch --join 2048 [--chunks 0,256,128,64]
+
+``--join N``: instead, how long a request that joins with an N-token prompt stalls the others (as the server
+joins it): B - 1 requests decode, a long prompt joins after a few steps, prefilled whole (chunk 0) or by
+chunks between steps; reported: the longest gap between two steps of the running requests, the joining
+request's time to its first token, and the running requests' tokens/s.
 
 Rows, each over the same B prompts (drawn from the four prompt sets in turn): HF ``generate()`` greedy on the
 left-padded batch (stock kernels, fp32); our plain loop batched (``generate_batch(lookahead=False)``, the
@@ -11,6 +17,7 @@ per prompt, in turn). Every row of ours is checked against stock ``generate()`` 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -73,8 +80,60 @@ def run(args) -> dict:
     return {"hardware": machine, "model": args.model, "max_new_tokens": args.max_new_tokens, "kernels": args.kernels, "rows": rows}
 
 
+def join_stall(gen: LookaheadGenerator, running: list[list[int]], long: list[int], chunk: int, max_new_tokens: int) -> dict:
+    """The running requests decode for 4 steps, then ``long`` joins (its prefill by ``chunk``s; 0: whole); the
+    gaps between the running requests' steps until they finish, and the joiner's time to its first token."""
+    state = gen.new_state()
+    lanes = [gen.new_lane(p, max_new_tokens, state=state) for p in running]
+    joiner = gen.new_lane(long, max_new_tokens, state=state)
+    batch, gaps = gen.new_batch(prefill_chunk=chunk or None), []
+    with torch.inference_mode():
+        for lane in lanes:
+            batch.join(lane)
+        start = last = time.perf_counter()
+        for step in itertools.count():
+            if step == 4:
+                batch.join(joiner)
+            if not any(lane in batch for lane in lanes):
+                break
+            batch.step()
+            gaps.append(time.perf_counter() - last)
+            last = time.perf_counter()
+        elapsed = last - start
+        while batch:
+            batch.step()
+    return {"chunk": chunk, "max_gap_s": max(gaps), "joiner_first_token_s": joiner.stats.prefill_s,
+            "running_tok_s": sum(len(lane.out) for lane in lanes) / elapsed, "exact": joiner.out == gen.generate(long, max_new_tokens).tokens}
+
+
+def run_join(args) -> dict:
+    cache_dir = models.default_cache_dir()
+    machine = hardware()
+    model, tokenizer = models.load(args.model, dtype="float32", cache_dir=cache_dir, kernels=args.kernels)
+    gen = LookaheadGenerator(model, tokenizer, cache_dir=cache_dir)
+    passages = datasets.load(["summarisation"], None, cache_dir)
+    long = sum((prompt_ids(tokenizer, p.text, False) for p in passages), [])[: args.join]
+    running = [prompt_ids(tokenizer, p.text, p.chat) for p in datasets.load(["mt_bench"], max(args.batch) - 1, cache_dir)]
+    gen.generate_batch(running[:2], max_new_tokens=4)  # warm up: curve, kernels, numba
+    rows = [join_stall(gen, running, long, chunk, args.max_new_tokens) for chunk in args.chunks]
+    for row in rows:
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    return {"hardware": machine, "model": args.model, "max_new_tokens": args.max_new_tokens, "kernels": args.kernels,
+            "join_tokens": len(long), "running": len(running), "join_rows": rows}
+
+
 def report(results: dict) -> str:
-    hw, rows = results["hardware"], results["rows"]
+    hw = results["hardware"]
+    if "join_rows" in results:
+        lines = [f"# A {results['join_tokens']}-token prompt joining {results['running']} running requests: {results['model']} fp32, "
+                 f"{hw['cpu']}, {hw['cores']} cores, torch {hw['torch']}, commit {hw['commit']}", "",
+                 "| prefill chunk | longest gap between two steps of the running requests | joiner's first token | running requests' tokens/s | joiner exact |",
+                 "|---|---|---|---|---|"]
+        for r in results["join_rows"]:
+            lines.append(f"| {r['chunk'] or 'whole'} | {r['max_gap_s'] * 1000:.0f} ms | {r['joiner_first_token_s']:.2f} s | "
+                         f"{r['running_tok_s']:.1f} | {r['exact']} |")
+        return "\n".join(lines) + "\n"
+    rows = results["rows"]
     lines = [f"# Batched decoding: {results['model']} fp32, {hw['cpu']}, {hw['cores']} cores, torch {hw['torch']}, commit {hw['commit']}",
              "", f"{results['max_new_tokens']} new tokens per sequence; total tokens/s over the batch; exact: rows equal to stock "
              "generate() alone (ties aside).", "",
@@ -94,12 +153,16 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument("--kernels", choices=["packed", "stock"], default="packed")
+    parser.add_argument("--join", type=int, default=0, help="measure a prompt of this many tokens joining B - 1 running requests")
+    parser.add_argument("--chunks", default="0,256,128,64", type=lambda s: [int(c) for c in s.split(",")],
+                        help="with --join: prefill chunks to compare (0: the whole prompt at once)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/latest-batch"))
     args = parser.parse_args(argv)
-    results = run(args)
+    results = run_join(args) if args.join else run(args)
+    name = "join" if args.join else "batch"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "batch.json").write_text(json.dumps(results, indent=1))
-    (args.out / "batch.md").write_text(report(results))
+    (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"{name}.md").write_text(report(results))
     print(report(results))
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from lookahead import models
-from lookahead.config import MAX_BODY_BYTES, LookaheadConfig
+from lookahead.config import MAX_BODY_BYTES, PREFILL_CHUNK, LookaheadConfig
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -230,12 +230,15 @@ def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
               help="Largest request body; a larger one gets 413.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests decoded together (continuous batching); 1 decodes one at a time.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=PREFILL_CHUNK, show_default=True,
+              help="Prompt tokens a joining request prefills between two steps while others decode (smaller: steadier "
+                   "streams, later first tokens).")
 @click.option("--api-key", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (other users see it "
                                 "in the process list: prefer --api-key-file).")
 @click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Read the API key from this file (surrounding whitespace stripped).")
-def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, queue_limit, max_body_bytes, max_batch, api_key,
-          api_key_file) -> None:
+def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, queue_limit, max_body_bytes, max_batch, prefill_chunk,
+          api_key, api_key_file) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (needs the [serve] extra)."""
     try:
         from lookahead import server
@@ -250,7 +253,8 @@ def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, 
         if api_key is None and not server.is_loopback(host):
             click.echo(f"[lookahead] warning: serving on {host} without an API key: anyone who can reach it can use it "
                        "(--api-key-file)", err=True)
-        server.serve(gen, model_spec, host, port, state_dir, queue_limit, max_body_bytes, api_key=api_key, max_batch=max_batch)
+        server.serve(gen, model_spec, host, port, state_dir, queue_limit, max_body_bytes, api_key=api_key, max_batch=max_batch,
+                     prefill_chunk=prefill_chunk)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e).strip().splitlines()[0]) from None
 

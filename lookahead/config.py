@@ -10,6 +10,7 @@ MAX_GUESS = 128
 MAX_TREE = 256
 MAX_RECYCLE = 64
 MAX_BODY_BYTES = 8 * 2**20  # the server's request body limit: far above a long context's text or token ids
+PREFILL_CHUNK = 128  # the server's prompt tokens a step while others decode (SmolLM2, 2 cores: ~0.1 s, a few decode steps)
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

@@ -176,10 +176,11 @@ class LookaheadGenerator:
         ids, decoding = self.prepare(prompt, max_new_tokens, **options)
         return Lane(ids, decoding, state, streamer, lookahead)
 
-    def new_batch(self, lookahead: bool = True) -> Batch:
-        """An empty running batch over this generator's model (the cost model on where ``config.auto`` and lookahead)."""
+    def new_batch(self, lookahead: bool = True, prefill_chunk: int | None = None) -> Batch:
+        """An empty running batch over this generator's model (the cost model on where ``config.auto`` and lookahead);
+        ``prefill_chunk``: see ``Batch``."""
         auto = self.config.auto and lookahead
-        return Batch(self.model, self.config, self.windows, self._limits, self.live_cost if auto else None, self._calibration)
+        return Batch(self.model, self.config, self.windows, self._limits, self.live_cost if auto else None, self._calibration, prefill_chunk)
 
     def result(self, lane: Lane) -> GenerationResult:
         """What a finished lane gives back."""

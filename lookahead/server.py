@@ -6,7 +6,8 @@
 
 Both POST endpoints stream with ``"stream": true`` (server-sent events, one chunk per accepted batch of
 tokens, then ``[DONE]``). Requests are batched continuously (``scheduler.py``): each joins the running batch
-at the next step, up to ``max_batch`` together, and leaves when done; more than ``queue_limit`` waiting or
+at the next step, up to ``max_batch`` together (its prompt prefilled ``prefill_chunk`` tokens a step while
+others decode), and leaves when done; more than ``queue_limit`` waiting or
 running get 429. A client that disconnects stops its generation at the next step. ``"lookahead": false``
 decodes a request plainly (one token per forward) inside the same batch. All requests share one drafting
 state (pools, recycling table, acceptance statistics), saved on shutdown and loaded at start with
@@ -37,7 +38,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from lookahead.api import APIError, BodyLimit, ChatRequest, CompletionRequest, check_request
-from lookahead.config import MAX_BODY_BYTES
+from lookahead.config import MAX_BODY_BYTES, PREFILL_CHUNK
 from lookahead.drafting import SOURCES, DraftState
 from lookahead.generator import LookaheadGenerator
 from lookahead.loop import Lane
@@ -90,7 +91,7 @@ class Server:
 
     def __init__(self, gen: LookaheadGenerator, model_name: str, state: DraftState | None = None, queue_limit: int = 16,
                  state_path: Path | None = None, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
-                 max_batch: int = 8) -> None:
+                 max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.gen, self.model_name, self.queue_limit, self.state_path = gen, model_name, queue_limit, state_path
         self.max_body_bytes = max_body_bytes
         self.api_key = None if api_key is None else check_api_key(api_key).encode()  # bytes: compared in constant time
@@ -106,7 +107,7 @@ class Server:
         self.m_batch = Gauge("lookahead_batch_size", "Requests decoding together in the running batch", registry=r)
         self.m_step_batch = Histogram("lookahead_step_batch_size", "Requests carried by each decode step", registry=r,
                                       buckets=(1, 2, 4, 8, 16, 32, 64))
-        self.scheduler = Scheduler(gen, max_batch, self.state_lock, self.m_step_batch.observe)
+        self.scheduler = Scheduler(gen, max_batch, self.state_lock, self.m_step_batch.observe, prefill_chunk)
         self.m_latency = Histogram("lookahead_request_seconds", "Request latency", registry=r)
         self.m_tps = Gauge("lookahead_last_tokens_per_second", "Tokens/s of the last request", registry=r)
         self.m_compression = Gauge("lookahead_last_compression", "Tokens per forward of the last request", registry=r)
@@ -377,11 +378,11 @@ def background(server: Server, host: str = "127.0.0.1", port: int = 0):
 
 
 def serve(gen: LookaheadGenerator, model_name: str, host: str, port: int, state_path: Path | None, queue_limit: int,
-          max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None, max_batch: int = 8) -> None:
+          max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> None:
     import uvicorn
 
     state = DraftState.load(state_path) if state_path is not None and state_path.exists() else None
     if state is not None:
         state.check_fits(gen.vocab_size, gen.config)
-    app = create_app(Server(gen, model_name, state, queue_limit, state_path, max_body_bytes, api_key, max_batch))
+    app = create_app(Server(gen, model_name, state, queue_limit, state_path, max_body_bytes, api_key, max_batch, prefill_chunk))
     uvicorn.run(app, host=host, port=port, log_level="info")

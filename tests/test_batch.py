@@ -355,6 +355,77 @@ def test_rows_ending_by_eos_stop_string_length_and_prefill_together():
     assert results[2].tokens == plain[2].tokens and results[4].tokens == plain[4].tokens
 
 
+def join_while_decoding(gen: LookaheadGenerator, first: list[int], joining: list[list[int]], max_new_tokens: int,
+                        chunk: int, **options) -> tuple[list, list[Recorder], list[int]]:
+    """Lane 0 decodes alone for two steps, then the others join with their prompts going in ``chunk`` tokens a
+    step; returns the lanes (all finished), their recorders and the number of joining lanes after each step.
+    Lane 0 decodes plainly (a token a step), so it is still running while the others go in."""
+    state, streamers = gen.new_state(), recorders(1 + len(joining))
+    lanes = [gen.new_lane(p, max_new_tokens, state=state, streamer=r, lookahead=i > 0, **options)
+             for i, (p, r) in enumerate(zip([first, *joining], streamers))]
+    batch, still_joining = gen.new_batch(prefill_chunk=chunk), []
+    with torch.inference_mode():
+        batch.join(lanes[0])
+        for _ in range(2):
+            batch.step()
+        for lane in lanes[1:]:
+            batch.join(lane)
+        while batch:
+            batch.step()
+            still_joining.append(len(batch.joining))
+    return lanes, streamers, still_joining
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("config", [FIXED, AUTO], ids=["fixed", "auto"])
+def test_prompts_joining_by_chunks_while_a_row_decodes_equal_generate(model_name, config):
+    """A 40- and a 120-token prompt join a running row 16 tokens a step (chunks crossing gemma3's 8-token window):
+    the running row keeps emitting meanwhile, and every row equals generate() alone."""
+    model = MODELS[model_name]()
+    gen = generator(model, config)
+    first, *joining = mixed_prompts()
+    lanes, streamers, still_joining = join_while_decoding(gen, first, joining, 24, chunk=16)
+    # 40 tokens: chunks of 16, 16, then 8 and the 120-token prompt's first 8 in the same step; then 7 chunks of 16
+    assert still_joining[:10] == [2, 2] + [1] * 7 + [0]
+    assert len(streamers[0].puts) >= 2 + 2 + 10  # the prompt, the first token, two steps alone, then a put every step
+    for lane, rec in zip(lanes, streamers):
+        assert_greedy_equal(model, lane.prompt, lane.out, hf_greedy(model, lane.prompt, 24))
+        assert rec.puts[0] == lane.prompt and sum(rec.puts[1:], []) == lane.out and rec.ends == 1
+
+
+def test_a_joining_row_cancelled_or_finished_at_its_first_token_leaves_before_decoding():
+    model = tiny_llama()
+    gen = generator(model)
+    first, short, long = mixed_prompts()  # 3, 40 and 120 tokens
+    eos = hf_greedy(model, short, 1)[0]
+    state, streamers = gen.new_state(), recorders(3)
+    lanes = [gen.new_lane(p, 16, state=state, streamer=r, eos_token_id=eos if p is short else None)
+             for p, r in zip([first, long, short], streamers)]
+    batch = gen.new_batch(prefill_chunk=16)
+    with torch.inference_mode():
+        batch.join(lanes[0])
+        batch.step()
+        batch.join(lanes[1])
+        batch.join(lanes[2])
+        batch.step()  # 16 of the long prompt's 120 tokens are in
+        lanes[1].cancelled = True
+        finished = batch.step()  # it leaves; 16 of the short prompt's 40 go in
+        assert lanes[1] in finished and lanes[1] not in batch and lanes[1].out == [] and lanes[1].finish_reason == "cancelled"
+        assert [batch.step(), batch.step()] == [[], [lanes[2]]]  # the short prompt is in: its first token is the EOS
+        assert lanes[2].out == [eos] and lanes[2].finish_reason == "stop" and lanes[2] not in batch
+        while batch:
+            batch.step()
+    assert lanes[0].out == hf_greedy(model, first, 16)
+    assert [rec.ends for rec in streamers] == [1, 1, 1]
+
+
+def test_a_bad_prefill_chunk_is_a_value_error():
+    gen = generator(tiny_llama())
+    for bad in (0, -3, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            gen.new_batch(prefill_chunk=bad)
+
+
 # -- 4. streamers -------------------------------------------------------------------------------
 
 
@@ -525,6 +596,19 @@ def test_smollm2_batch_equals_generate(smollm2, smollm2_packed):
     """The engine on its default packed kernels, the reference generate() on the stock model."""
     model, tok = smollm2
     check_real_batch(model, tok, smollm2_packed[0], 48, LookaheadConfig(auto=False, window=3, ngram=3, guess=3, tree_budget=16))
+
+
+@pytest.mark.slow
+def test_smollm2_long_prompt_joining_by_chunks_equals_generate(smollm2, smollm2_packed):
+    """As the server joins requests: the passage and the code prompt go in 32 tokens a step while the chat
+    request decodes."""
+    model, tok = smollm2
+    chat, code, passage = real_prompts(tok)
+    gen = LookaheadGenerator(smollm2_packed[0], tok, LookaheadConfig(auto=False, window=3, ngram=3, guess=3, tree_budget=16))
+    lanes, _, still_joining = join_while_decoding(gen, chat, [passage, code], 32, chunk=32)
+    assert still_joining.index(0) == -(-(len(passage) + len(code)) // 32) - 1  # the step taking the last chunk leaves none joining
+    for lane in lanes:
+        assert_greedy_equal(model, lane.prompt, lane.out, hf_greedy(model, lane.prompt, 32))
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from conftest import tiny_llama
 from lookahead.cli import main
+from lookahead.config import PREFILL_CHUNK
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +290,14 @@ def test_serve_warns_without_a_key_off_loopback(tokenizerless_dir, serve_calls):
         assert result.exit_code == 0, result.output
         warnings = [line for line in result.stderr.splitlines() if "warning" in line]
         assert len(warnings) == warned and (not warned or f"serving on {host} without an API key" in warnings[0]), (host, result.stderr)
+
+
+def test_serve_takes_a_prefill_chunk(tokenizerless_dir, serve_calls):
+    args = ["serve", "--model", tokenizerless_dir, "--dtype", "float32", "--port", "0"]
+    assert run(*args).exit_code == 0 and serve_calls[-1]["prefill_chunk"] == PREFILL_CHUNK
+    assert run(*args, "--prefill-chunk", "32").exit_code == 0 and serve_calls[-1]["prefill_chunk"] == 32
+    result = run(*args, "--prefill-chunk", "0")
+    assert result.exit_code == 2 and "--prefill-chunk" in result.output and len(serve_calls) == 2
 
 
 def test_tune_measures_prints_and_plots(tokenizerless_dir, tmp_path):

@@ -15,6 +15,7 @@ import torch
 
 from conftest import hf_greedy, tiny_llama, tiny_tokenizer
 from lookahead import LookaheadConfig, LookaheadGenerator
+from lookahead.config import PREFILL_CHUNK
 from lookahead.drafting import DraftState
 from lookahead.server import Server, background as running
 
@@ -240,8 +241,9 @@ def test_models_health_and_metrics(text_server):
     assert 'lookahead_accepted_draft_tokens_total{source="suffix"}' in metrics
 
 
-def test_concurrent_requests_share_steps_and_each_equals_its_request_alone():
-    server = Server(LookaheadGenerator(MODEL, None, LookaheadConfig(auto=False)), "tiny-batch", max_batch=4)
+@pytest.mark.parametrize("prefill_chunk", [PREFILL_CHUNK, 4])  # 4: the 57-token prompt joins over 15 steps
+def test_concurrent_requests_share_steps_and_each_equals_its_request_alone(prefill_chunk):
+    server = Server(LookaheadGenerator(MODEL, None, LookaheadConfig(auto=False)), "tiny-batch", max_batch=4, prefill_chunk=prefill_chunk)
     prompts = [[5, 9, 11, 5, 9], [7] * 3, list(range(3, 60)), [12, 13, 12, 13, 12], [40, 41], [8, 9, 10, 8, 9, 10]]
     lengths = [24, 1, 30, 12, 40, 20]
     with running(server) as url:
