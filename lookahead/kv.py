@@ -55,6 +55,23 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = self._view = self._keys[:, :, :length], self._values[:, :, :length]
         return self.keys, self.values
 
+    def stack(self, other: "GrowingLayer", pad_self: int, pad_other: int) -> None:
+        """Append ``other``'s sequences after this layer's, each side padded on the left with zero (masked)
+        columns to one length, written once into a new buffer with room to grow: padded copies and their
+        concatenation moved every key four times (measured: a 2048-token prompt joining 7 sequences, SmolLM2
+        fp32, 2.1 s)."""
+        length = self.keys.shape[-2] + pad_self
+        mine = self.keys.shape[0]
+        for name in ("keys", "values"):
+            a, b = getattr(self, name), getattr(other, name)  # (batch, heads, seq, head_dim)
+            buffer = a.new_empty(a.shape[0] + b.shape[0], a.shape[1], int(length * GROWTH) + SLACK, a.shape[3])
+            buffer[:mine, :, :pad_self] = 0  # padding must be finite: a masked key still meets its value with weight 0
+            buffer[:mine, :, pad_self:length] = a
+            buffer[mine:, :, :pad_other] = 0
+            buffer[mine:, :, pad_other:length] = b
+            setattr(self, "_" + name, buffer)
+        self.keys, self.values = self._view = self._keys[:, :, :length], self._values[:, :, :length]
+
     @staticmethod
     def _grown(old: torch.Tensor, new: torch.Tensor, held: int, length: int) -> torch.Tensor:
         """A buffer for ``length`` columns and room to grow, holding ``old``'s ``held`` columns."""
@@ -107,9 +124,7 @@ class BatchCache:
             return
         pad_self, pad_other = max(other.length - self.length, 0), max(self.length - other.length, 0)
         for mine, theirs in zip(self._layers(), other._layers(), strict=True):
-            for name in ("keys", "values"):  # (batch, heads, seq, head_dim)
-                joined = torch.cat([F.pad(getattr(mine, name), (0, 0, pad_self, 0)), F.pad(getattr(theirs, name), (0, 0, pad_other, 0))])
-                setattr(mine, name, joined)
+            mine.stack(theirs, pad_self, pad_other)
         self.positions = torch.cat([F.pad(self.positions, (pad_self, 0), value=-1), F.pad(other.positions, (pad_other, 0), value=-1)])
 
     def keep(self, rows: list[int]) -> None:

@@ -178,3 +178,24 @@ def test_growing_layer_appends_in_place_and_matches_the_stock_layer():
             ours.keys, ours.values = ours.keys[[1, 0]], ours.values[[1, 0]]
             stock.keys, stock.values = stock.keys[[1, 0]], stock.values[[1, 0]]
     assert len(buffers) == 3  # the first buffer, the replacement's and one growth: the other steps wrote in place
+
+
+def test_a_joining_cache_is_stacked_once_into_a_buffer_the_next_step_appends_to():
+    # kv.BatchCache.join: the shorter side padded on the left with zeros, as a padded concatenation would give
+    torch.manual_seed(0)
+    caches = []
+    for batch, length in ((2, 5), (1, 9)):
+        cache = kv.BatchCache()
+        k, v = torch.randn(batch, 3, length, 4), torch.randn(batch, 3, length, 4)
+        cache.cache.update(k, v, 0)
+        cache.append(torch.arange(length).expand(batch, -1))
+        caches.append((cache, k, v))
+    (ours, k0, v0), (other, k1, v1) = caches
+    ours.join(other)
+    layer = ours.cache.layers[0]
+    pad = torch.nn.functional.pad
+    assert torch.equal(layer.keys, torch.cat([pad(k0, (0, 0, 4, 0)), k1])) and torch.equal(layer.values, torch.cat([pad(v0, (0, 0, 4, 0)), v1]))
+    assert ours.positions.tolist() == [[-1] * 4 + list(range(5))] * 2 + [list(range(9))]
+    storage = layer.keys.untyped_storage().data_ptr()
+    layer.update(torch.randn(3, 3, 2, 4), torch.randn(3, 3, 2, 4))
+    assert layer.keys.shape[-2] == 11 and layer.keys.untyped_storage().data_ptr() == storage  # appended in place
