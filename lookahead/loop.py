@@ -252,8 +252,8 @@ class Batch:
                 row_tokens, row_topk = ranked_rows(layout, ids[b, : layout.size].numpy(), step.logits_of(topk, b), verdict.path)
                 history = lane.prompt + lane.out
                 lane.state.learn(cfg, tree, verdict.path, new, trajectories, row_tokens, row_topk, history[-(cfg.ngram - 1):], lane.suffix)
-            if lane.worth is not None and level:
-                lane.worth.update(int((tree.sources[verdict.path] == 1 << TRAJECTORY).sum()))
+            if lane.worth is not None:
+                lane.worth.update(int((tree.sources[verdict.path] == 1 << TRAJECTORY).sum()), level > 0)
             if lane.calibration is not None and len(tree):
                 for calibration in (lane.calibration, self.calibration):
                     calibration.update(float(tree.scores.sum()), len(verdict.path))

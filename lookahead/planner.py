@@ -144,19 +144,26 @@ class Calibration:
 
 
 class JacobiWorth:
-    """Running estimate of the draft tokens per step that only the Jacobi trajectories proposed; a branch
-    left off is retried now and then, since its worth is only measured while it runs."""
+    """Running estimate of what one run of the Jacobi branch yields: the draft tokens accepted that only its
+    trajectories proposed, from that run until the next (its n-grams stay in the pool and are drafted later:
+    counted only in the steps that ran the branch, a branch run once in ``JACOBI_RETRY`` steps was credited
+    with a step's share of them, and so never ran). A branch left off is retried now and then."""
 
     def __init__(self) -> None:
-        self.value, self.idle = JACOBI_PRIOR, 0
+        self.value, self.idle, self.since_run = JACOBI_PRIOR, 0, 0
 
     def runs(self, chosen: bool) -> bool:
         """Whether the branch runs this step: when chosen, or after ``JACOBI_RETRY`` steps without."""
         self.idle = 0 if chosen or self.idle >= JACOBI_RETRY else self.idle + 1
         return self.idle == 0
 
-    def update(self, tokens: int) -> None:
-        self.value += JACOBI_DECAY * (tokens - self.value)
+    def update(self, tokens: int, ran: bool) -> None:
+        """Every step: ``tokens`` accepted draft tokens only the trajectories proposed; ``ran``: the branch ran
+        in it (closing the previous run's account: the tokens so far came from the n-grams of earlier runs)."""
+        self.since_run += tokens
+        if ran:
+            self.value += JACOBI_DECAY * (self.since_run - self.value)
+            self.since_run = 0
 
 
 def chain_tree(p: float, length: int) -> TokenTree:

@@ -48,6 +48,15 @@ def test_jacobi_branch_is_retried_after_a_while():
     assert sum(runs) == 2 and worth.runs(True)
 
 
+def test_a_jacobi_run_is_credited_with_what_its_ngrams_got_accepted_until_the_next_run():
+    every, rarely = JacobiWorth(), JacobiWorth()
+    for step in range(1000):  # the same trajectory-only tokens: 0.2 a step, run every step or once in 10
+        every.update(step % 5 == 0, True)
+        rarely.update(step % 5 == 0, step % 10 == 0)
+    assert every.value == pytest.approx(0.2, abs=0.05)
+    assert rarely.value == pytest.approx(2.0, abs=0.2)  # 10 steps' worth per run, not a step's share
+
+
 def test_probe_is_cached_and_bad_files_are_reprobed(tmp_path):
     model = tiny_llama()
     curve = cached_curve(model, tmp_path)
