@@ -163,19 +163,21 @@ class Batch:
             lane.worth, lane.calibration = JacobiWorth(), Calibration(self.calibration.factor)
         lane.stats.prefill_s = lane.clock.lap()
         lane.emit(lane.out)
-        if lane.finished:
+        finished = lane.finished  # read once: another thread may cancel it, a deadline may pass meanwhile
+        if finished:
             self._finish(lane)
         else:
             self.cache.join(cache)
             self.lanes.append(lane)
-        return lane.finished
+        return finished
 
     def _prefill_some(self) -> list[Lane]:
         """Up to ``prefill_chunk`` prompt tokens of the joining lanes, oldest first (all of them while no lane
         decodes); a lane whose prompt is in joins. Returns the joining lanes that finished (cancelled, out of
         time, or at their first token)."""
-        finished = [lane for lane, _ in self.joining if lane.finished]
-        self.joining = [(lane, cache) for lane, cache in self.joining if not lane.finished]
+        done = [lane.finished for lane, _ in self.joining]  # once, as in ``_retire``
+        finished = [lane for (lane, _), d in zip(self.joining, done) if d]
+        self.joining = [joining for joining, d in zip(self.joining, done) if not d]
         for lane in finished:
             self._finish(lane)
         budget = self.prefill_chunk if self.lanes else float("inf")

@@ -419,6 +419,27 @@ def test_a_joining_row_cancelled_or_finished_at_its_first_token_leaves_before_de
     assert [rec.ends for rec in streamers] == [1, 1, 1]
 
 
+@pytest.mark.parametrize("flip", range(8))
+def test_a_joining_row_whose_deadline_passes_between_two_reads_is_returned_once(flip):
+    """A deadline (or a cancel from the server's thread) may come between any two reads of ``finished``: the row
+    is still returned by exactly one step, whichever read it comes before."""
+    model = tiny_llama()
+    gen = generator(model)
+    first, short, _ = mixed_prompts()
+    state, streamers = gen.new_state(), recorders(2)
+    lanes = [gen.new_lane(p, 12, state=state, streamer=r) for p, r in zip([first, short], streamers)]
+    reads = itertools.count()
+    lanes[1].decoding.out_of_time = lambda: next(reads) >= flip  # the flip-th read on sees the deadline passed
+    batch, returned = gen.new_batch(prefill_chunk=16), []
+    with torch.inference_mode():
+        batch.join(lanes[0])
+        batch.join(lanes[1])
+        while batch:
+            returned += batch.step()
+    assert sorted(map(id, returned)) == sorted(map(id, lanes)) and [rec.ends for rec in streamers] == [1, 1]
+    assert lanes[0].out == hf_greedy(model, first, 12)
+
+
 def test_a_bad_prefill_chunk_is_a_value_error():
     gen = generator(tiny_llama())
     for bad in (0, -3, 2.5, True, "8"):
