@@ -25,6 +25,7 @@ from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
 from benchmarks.run import hardware
 from lookahead import LookaheadGenerator, models
+from lookahead.config import PREFILL_CHUNK
 from lookahead.server import Server, background
 
 MALFORMED = [
@@ -115,16 +116,18 @@ def main(argv=None) -> None:
     parser.add_argument("--warm-tokens", type=int, default=64)
     parser.add_argument("--max-batch", default="1,8", type=lambda v: [int(b) for b in v.split(",")],
                         help="requests decoded together (1: one at a time); several: one load test each, same run")
+    parser.add_argument("--prefill-chunk", default=str(PREFILL_CHUNK), type=lambda v: [int(c) for c in v.split(",")],
+                        help="the server's --prefill-chunk; several: one load test each (with every --max-batch above 1)")
     args = parser.parse_args(argv)
     gen = LookaheadGenerator.from_pretrained(args.model, dtype=args.dtype)
     prompts = [p.text for p in datasets.load(["mt_bench", "gsm8k"], 3, models.default_cache_dir())]
     hw = hardware()
     print(f"{args.model} ({str(gen.model.dtype).split('.')[-1]}), {hw['cpu']}, {hw['cores']} cores, commit {hw['commit']}")
     failures = []
-    for max_batch in args.max_batch:
-        r = load_test(Server(gen, args.model, queue_limit=args.clients + 1, max_batch=max_batch), prompts, args.clients,
-                      args.requests, args.max_tokens)
-        print(f"--max-batch {max_batch}: {r['requests']} requests ({r['ok']} completions, {r['malformed']} malformed, {r['hangups']} "
+    for max_batch, chunk in [(b, c) for b in args.max_batch for c in (args.prefill_chunk if b > 1 else args.prefill_chunk[:1])]:
+        r = load_test(Server(gen, args.model, queue_limit=args.clients + 1, max_batch=max_batch, prefill_chunk=chunk), prompts,
+                      args.clients, args.requests, args.max_tokens)
+        print(f"--max-batch {max_batch} --prefill-chunk {chunk}: {r['requests']} requests ({r['ok']} completions, {r['malformed']} malformed, {r['hangups']} "
               f"hang-ups) from {r['clients']} clients in {r['wall_s']:.1f} s: {r['requests_per_s']:.2f} requests/s, p50 {r['p50_s']:.2f} s, "
               f"p95 {r['p95_s']:.2f} s, {r['tokens_per_s']:.1f} generated tokens/s; failures: {len(r['failures'])}; "
               f"queue after: {r['queue_after']}; peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
