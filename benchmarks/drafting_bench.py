@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from lookahead import LookaheadConfig, models
+from lookahead import LookaheadConfig, kv, models
 from lookahead.drafting import DraftState
 from lookahead.tree import TokenTree
 
@@ -61,9 +61,9 @@ def forward_ms(model, rows: int, context: int = 512, reps: int = 20) -> float:
     with torch.inference_mode():
         for _ in range(reps):
             cache = DynamicCache(config=model.config)
-            model(input_ids=torch.randint(100, 1000, (1, context)), past_key_values=cache, logits_to_keep=1)
+            model(input_ids=torch.randint(100, 1000, (1, context)), **kv.cache_kwarg(model, cache), logits_to_keep=1)
             start = time.perf_counter()
-            model(input_ids=torch.randint(100, 1000, (1, rows)), past_key_values=cache, logits_to_keep=rows)
+            model(input_ids=torch.randint(100, 1000, (1, rows)), **kv.cache_kwarg(model, cache), logits_to_keep=rows)
             times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2] * 1000
 

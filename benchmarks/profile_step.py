@@ -41,7 +41,7 @@ def forward_once(model, cache: kv.BatchCache, size: int, context: int, mask: tor
     ids = torch.randint(100, 1000, (1, size))
     start = time.perf_counter()
     model(input_ids=ids, position_ids=torch.arange(context, context + size)[None], attention_mask=mask,
-          past_key_values=cache.cache, use_cache=True, logits_to_keep=size)
+          **kv.cache_kwarg(model, cache.cache), use_cache=True, logits_to_keep=size)
     seconds = time.perf_counter() - start
     cache.cache.crop(-size)
     return seconds
@@ -50,7 +50,7 @@ def forward_once(model, cache: kv.BatchCache, size: int, context: int, mask: tor
 def profile_size(model, size: int, context: int, reps: int) -> dict:
     cache = kv.BatchCache()
     with torch.inference_mode():
-        model(input_ids=torch.randint(100, 1000, (1, context)), past_key_values=cache.cache, logits_to_keep=1)
+        model(input_ids=torch.randint(100, 1000, (1, context)), **kv.cache_kwarg(model, cache.cache), logits_to_keep=1)
         cache.append(torch.arange(context)[None])
         step = stack([build_layout(0, 0, chain_tree(0.5, size - 1) if size > 1 else TokenTree.empty())])  # a chain: the causal mask
         start = time.perf_counter()

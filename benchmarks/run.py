@@ -30,7 +30,7 @@ from transformers import DynamicCache
 import lookahead
 from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
-from lookahead import LookaheadConfig, LookaheadGenerator, models
+from lookahead import LookaheadConfig, LookaheadGenerator, kv, models
 from lookahead.drafting import SOURCES
 from lookahead.kernels import kernels_of
 
@@ -104,9 +104,9 @@ def is_tie(model, prompt: list[int], generated: list[int]) -> bool:
         if model.dtype == torch.float32:
             return float(top[0] - top[1]) < TIE
         cache = DynamicCache(config=model.config)
-        stepwise = model(input_ids=torch.tensor([prompt], device=model.device), past_key_values=cache, logits_to_keep=1).logits[0, -1]
+        stepwise = model(input_ids=torch.tensor([prompt], device=model.device), **kv.cache_kwarg(model, cache), logits_to_keep=1).logits[0, -1]
         for token in generated:
-            stepwise = model(input_ids=torch.tensor([[token]], device=model.device), past_key_values=cache).logits[0, -1]
+            stepwise = model(input_ids=torch.tensor([[token]], device=model.device), **kv.cache_kwarg(model, cache)).logits[0, -1]
     return float(top[0] - top[1]) <= float((whole - stepwise.float()).abs().max())
 
 
@@ -119,11 +119,11 @@ def cost_curve(model, sizes: list[int], context: int = 128, reps: int = 5) -> di
             samples = []
             for _ in range(reps):
                 cache = DynamicCache(config=model.config)
-                model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+                model(input_ids=ids, **kv.cache_kwarg(model, cache), logits_to_keep=1)
                 new = torch.randint(100, 1000, (1, size), device=model.device)
                 _synchronize(model.device)
                 start = time.perf_counter()
-                model(input_ids=new, past_key_values=cache, logits_to_keep=size)
+                model(input_ids=new, **kv.cache_kwarg(model, cache), logits_to_keep=size)
                 _synchronize(model.device)
                 samples.append(time.perf_counter() - start)
             times[size] = sorted(samples)[len(samples) // 2]

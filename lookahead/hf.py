@@ -31,7 +31,8 @@ from lookahead.generator import LookaheadGenerator
 HUB_DIR = str(Path(__file__).parent)
 
 # what generate() puts in model_kwargs on its own; anything else (inputs_embeds, pixel_values, ...) is refused
-PREPARED_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache", "cache_position"}
+CACHE_KWARGS = ("cache", "past_key_values")  # the cache's name since transformers 5.24, and before
+PREPARED_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "use_cache", "cache_position", *CACHE_KWARGS}
 # outputs the loop does not compute as generate() does: refused by name
 UNRETURNED = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 # criteria generate() builds from the generation config, which the loop applies itself
@@ -118,9 +119,10 @@ def _refuse_unhonoured(model: PreTrainedModel, input_ids: torch.Tensor, logits_p
     extra = sorted(set(k for k, v in model_kwargs.items() if v is not None) - PREPARED_KWARGS)
     if extra:
         raise ValueError(f"model input(s) {', '.join(extra)} are not supported by lookahead decoding")
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("past_key_values with content are not supported by lookahead decoding; pass the whole prompt")
+    for name in CACHE_KWARGS:
+        cache = model_kwargs.get(name)
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError(f"{name} with content are not supported by lookahead decoding; pass the whole prompt")
     built = model._get_logits_processor(config, input_ids_seq_length=input_ids.shape[1], device=input_ids.device)
     if [type(p) for p in logits_processor] != [type(p) for p in built]:
         raise ValueError("logits_processor / prefix_allowed_tokens_fn are not supported by lookahead decoding; "

@@ -23,10 +23,24 @@ over them, and each takes a key slot from the context (buffers such as GPT-Neo's
 
 from __future__ import annotations
 
+import inspect
+from functools import cache as memoize
+
 import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
+
+def cache_kwarg(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
+    """The forward keyword that takes ``cache``: ``cache`` since transformers 5.24, ``past_key_values`` before
+    (and in remote code that kept it); the old name still works there, with a FutureWarning on every call."""
+    return {_cache_name(type(model)): cache}
+
+
+@memoize
+def _cache_name(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
 
 GROWTH = 1.5  # a full layer's buffer grows to this many times what it must hold, plus ``SLACK`` columns
 SLACK = 64

@@ -79,7 +79,7 @@ def prefill(model: PreTrainedModel, prompt: list[int], cache: kv.BatchCache | No
     cache = kv.BatchCache() if cache is None else cache
     start = cache.length
     ids = torch.tensor([prompt[start:]], device=model.device)
-    logits = model(input_ids=ids, past_key_values=cache.cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(input_ids=ids, **kv.cache_kwarg(model, cache.cache), use_cache=True, logits_to_keep=1).logits
     cache.append(torch.arange(start, len(prompt))[None])
     return cache, logits[0, -1].float().cpu()
 
@@ -94,7 +94,7 @@ def forward(model: PreTrainedModel, windows: dict[str, int | None], step: BatchL
         input_ids=ids.to(device),
         position_ids=query.to(device),
         attention_mask=masks if len(masks) > 1 else next(iter(masks.values())),  # (B, 1, T, S + T) each
-        past_key_values=cache.cache,
+        **kv.cache_kwarg(model, cache.cache),
         use_cache=True,
         logits_to_keep=step.logit_rows.to(device),
     )

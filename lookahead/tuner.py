@@ -91,11 +91,11 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
     times = dict.fromkeys(sizes, float("inf"))
     with torch.inference_mode():
         cache = kv.BatchCache().cache  # every layer full, as the loop's
-        model(input_ids=torch.randint(0, vocab, (1, context), device=device), past_key_values=cache, logits_to_keep=1)
+        model(input_ids=torch.randint(0, vocab, (1, context), device=device), **kv.cache_kwarg(model, cache), logits_to_keep=1)
         for size in (sizes[0],) * 2 + sizes * rounds:  # two warm-up forwards, then the interleaved rounds
             ids = torch.randint(0, vocab, (1, size), device=device)
             t0 = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, logits_to_keep=size)
+            model(input_ids=ids, **kv.cache_kwarg(model, cache), logits_to_keep=size)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[size] = min(times[size], time.perf_counter() - t0)

@@ -8,12 +8,12 @@ import itertools
 
 import pytest
 import torch
-from transformers import (LogitsProcessorList, StoppingCriteriaList, StopStringCriteria, TextStreamer, TopKLogitsWarper,
+from transformers import (DynamicCache, LogitsProcessorList, StoppingCriteriaList, StopStringCriteria, TextStreamer, TopKLogitsWarper,
                           pipeline, set_seed)
 
 from benchmarks.prompts import PROMPTS, prompt_ids
 from conftest import assert_greedy_equal, tiny_llama, tiny_tokenizer
-from lookahead import LookaheadConfig, custom_generate, models
+from lookahead import LookaheadConfig, custom_generate, kv, models
 from lookahead.hf import HUB_DIR, generator_for
 from test_sampling import K, VOCAB, chi_square_p, exact_distribution, sharp_tiny_model
 
@@ -127,6 +127,16 @@ def test_generator_is_built_once_per_model_and_config_and_a_state_can_be_kept():
 def test_unhonoured_options_are_refused_by_name(options, message):
     with pytest.raises(ValueError, match=message):
         generate(tiny_llama(), torch.tensor([[1, 2, 3]]), max_new_tokens=4, custom_generate=custom_generate, **options)
+
+
+def test_a_cache_with_content_is_refused():
+    model, ids = tiny_llama(), torch.tensor([[1, 2, 3]])
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :2], **kv.cache_kwarg(model, cache))
+    name = next(iter(kv.cache_kwarg(model, cache)))
+    with pytest.raises(ValueError, match="with content are not supported"):
+        generate(model, ids, max_new_tokens=4, custom_generate=custom_generate, **{name: cache})
 
 
 def test_sampling_with_set_seed_reproduces_and_matches_plain_sampling():
