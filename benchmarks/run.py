@@ -30,7 +30,7 @@ from transformers import DynamicCache
 import lookahead
 from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
-from lookahead import LookaheadConfig, LookaheadGenerator, kv, models
+from lookahead import LookaheadConfig, LookaheadGenerator, kv, models, tuner
 from lookahead.drafting import SOURCES
 from lookahead.kernels import kernels_of
 
@@ -136,7 +136,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def hardware() -> dict:
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    cpu = tuner.cpu_name()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip())

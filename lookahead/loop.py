@@ -211,7 +211,7 @@ class Batch:
             spaces.append(space)
         if self.curve is not None:  # the cost model keeps only what is expected to pay (possibly nothing: plain steps)
             choices = plan(self.curve, trees, [lv * cfg.window for lv in levels], [ln.worth.value if ln.worth else 0.0 for ln in lanes],
-                           [ln.calibration.factor if ln.calibration else 1.0 for ln in lanes])
+                           [ln.calibration.factor if ln.calibration else 1.0 for ln in lanes], explore=self.curve.stale)
             for b, (lane, choice) in enumerate(zip(lanes, choices)):
                 trees[b] = trees[b].best(choice.nodes)
                 levels[b] = levels[b] if lane.worth is not None and lane.worth.runs(choice.window) else 0

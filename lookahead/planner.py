@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 JACOBI_PRIOR = 0.05  # draft tokens per step credited to the Jacobi branch before any is measured (SmolLM2: ~0)
 JACOBI_DECAY = 0.05  # weight of each step in its running estimate
-JACOBI_RETRY = 64  # steps after which a Jacobi branch the chooser left off runs once more, to re-measure it
+RETRY = 64  # steps after which what the planner left off (drafting, the Jacobi branch) runs once more, to re-measure it
 LIVE_WEIGHT = 0.1  # weight of each of the loop's own forward timings in the curve's online correction
+LIVE_CLIP = 0.5  # most one timing moves a correction, in log units (a one-off stall must not price a width out)
 CALIBRATION_DECAY = 0.95  # a sequence's calibration remembers its last ~20 drafting steps
 CALIBRATION_PRIOR = 1.0  # ... and starts as if one promised draft token had come (factor 1)
 
@@ -45,22 +46,41 @@ class LiveCurve:
     50 ms, 1 x 8 rows 37 ms). A new cell starts from the correction it borrowed, and its first samples weigh
     more (1/2, 1/3, ... down to ``LIVE_WEIGHT``): a batch size that comes and goes in a server must learn its
     cost in a few steps (started from the probe instead, 8 sequences x 4 rows were still priced 7% low after
-    13 samples), yet one slow first call must not keep a size off for good.
+    13 samples).
+
+    A width priced out is never run, so its cell is never corrected: measured, a 5-second stall of the machine
+    (~90 ms forwards where 25 were usual) while a generator drafted left every drafting width priced ~3x
+    high, and it decoded plain for the rest of the run (0.75x our plain loop, which pays no drafting host
+    work). So one timing moves a cell by at most ``LIVE_CLIP``, a cell unobserved for ``RETRY`` forwards
+    learns again as a new one (its next samples weigh 1/2, 1/3, ...), and after ``RETRY`` plain forwards in a
+    row (``stale``, across requests) the loop drafts once whatever the prices say (``plan(explore=True)``).
     """
 
     def __init__(self, curve: CostCurve) -> None:
         self.curve = curve
         self.log_scale: dict[tuple[int, int], float] = {}  # (batch, probed size index) -> log(measured / probed c)
         self.samples: dict[tuple[int, int], int] = {}
+        self.seen: dict[tuple[int, int], int] = {}  # the cell's last observation, counted in ``observed`` forwards
+        self.observed = 0
+        self.plain_run = 0  # forwards in a row of one row per sequence
+
+    @property
+    def stale(self) -> bool:
+        """No drafting width has been timed for ``RETRY`` forwards: the next step should draft, to re-measure."""
+        return self.plain_run >= RETRY
 
     def observe(self, tokens: int, seconds: float, batch: int = 1) -> None:
         """One forward of ``tokens`` rows over ``batch`` sequences took ``seconds``."""
         cell = (batch, int(np.abs(np.asarray(self.curve.sizes) - tokens).argmin()))
         probed = self.curve.ms_at_1 * self.curve.ratio(tokens) / 1000
         error = float(np.log(max(seconds, 1e-9) / probed))
-        n = self.samples[cell] = self.samples.get(cell, 0) + 1
+        self.observed += 1
+        self.plain_run = self.plain_run + 1 if tokens <= batch else 0
+        stale = self.observed - self.seen.get(cell, self.observed) > RETRY
+        self.seen[cell] = self.observed
+        n = self.samples[cell] = 1 if stale else self.samples.get(cell, 0) + 1
         old = self.log_scale[cell] if cell in self.log_scale else float(self._near(batch, tokens))  # starts from what it borrowed
-        self.log_scale[cell] = old + max(LIVE_WEIGHT, 1 / (n + 1)) * (error - old)
+        self.log_scale[cell] = old + max(LIVE_WEIGHT, 1 / (n + 1)) * float(np.clip(error - old, -LIVE_CLIP, LIVE_CLIP))
 
     def ratio(self, tokens: int | np.ndarray, batch: int = 1) -> float | np.ndarray:
         """c(T rows over ``batch`` sequences) / c(1 row, one sequence), both corrected, never below 1."""
@@ -90,7 +110,7 @@ def choose(curve: CostCurve | LiveCurve, tree: TokenTree, window_rows: int, wind
 
 
 def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list[int], window_values: list[float],
-         factors: list[float] | None = None) -> list[Choice]:
+         factors: list[float] | None = None, explore: bool = False) -> list[Choice]:
     """The step of a batch: one width T for every sequence (the step is padded to its widest), each filling
     it with its best nodes (and its Jacobi branch where that gains more), maximising
 
@@ -98,13 +118,15 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
 
     so drafting shrinks as the batch grows, and stops where the batch alone fills the machine. B = 1 is the
     single-sequence rule of the module docstring. ``factors``: each sequence's ``Calibration.factor`` (its
-    node scores times it, at most 1 a node)."""
+    node scores times it, at most 1 a node). ``explore``: the best step that drafts, even where plain is
+    expected to be better (to re-measure a width the live curve has kept off; plain when nothing is drafted)."""
     factors = factors or [1.0] * len(trees)
     gains = [np.concatenate([[0.0], np.cumsum(np.minimum(np.sort(tree.scores)[::-1] * f, 1.0))]) for tree, f in zip(trees, factors)]  # S_b(k)
     widest = max(1 + g.size - 1 + w for g, w in zip(gains, window_rows))
     costs = curve.ratio(len(trees) * np.arange(1, widest + 1), len(trees))  # (widest,): r(B x T) for T = 1..widest
-    best, best_value = [Choice(0, False, 1.0)] * len(trees), len(trees) / float(costs[0])
-    for width in range(1, widest + 1):
+    first = 2 if explore and widest > 1 else 1  # exploring: plain (width 1) is not a candidate
+    best, best_value = [Choice(0, False, 1.0)] * len(trees), len(trees) / float(costs[0]) if first == 1 else -np.inf
+    for width in range(first, widest + 1):
         choices = []
         for g, rows, worth in zip(gains, window_rows, window_values):
             nodes = min(width - 1, g.size - 1)
@@ -146,15 +168,15 @@ class Calibration:
 class JacobiWorth:
     """Running estimate of what one run of the Jacobi branch yields: the draft tokens accepted that only its
     trajectories proposed, from that run until the next (its n-grams stay in the pool and are drafted later:
-    counted only in the steps that ran the branch, a branch run once in ``JACOBI_RETRY`` steps was credited
+    counted only in the steps that ran the branch, a branch run once in ``RETRY`` steps was credited
     with a step's share of them, and so never ran). A branch left off is retried now and then."""
 
     def __init__(self) -> None:
         self.value, self.idle, self.since_run = JACOBI_PRIOR, 0, 0
 
     def runs(self, chosen: bool) -> bool:
-        """Whether the branch runs this step: when chosen, or after ``JACOBI_RETRY`` steps without."""
-        self.idle = 0 if chosen or self.idle >= JACOBI_RETRY else self.idle + 1
+        """Whether the branch runs this step: when chosen, or after ``RETRY`` steps without."""
+        self.idle = 0 if chosen or self.idle >= RETRY else self.idle + 1
         return self.idle == 0
 
     def update(self, tokens: int, ran: bool) -> None:

@@ -113,7 +113,7 @@ def curve_file(model: PreTrainedModel, cache_dir: Path) -> Path:
 
 def curve_path(name: str, dtype: torch.dtype, device: str, cache_dir: Path, kernels: str = "stock") -> Path:
     """``curve_file`` before loading: ``name`` is the directory the model is loaded from."""
-    key = json.dumps([name, str(dtype), torch.device(device).type, torch.get_num_threads(), _cpu(), torch.__version__, kernels])
+    key = json.dumps([name, str(dtype), torch.device(device).type, torch.get_num_threads(), cpu_name(), torch.__version__, kernels])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir / "costs" / f"{Path(name).name or 'model'}-{str(dtype).split('.')[-1]}-{kernels}-{digest}.json"
 
@@ -167,13 +167,35 @@ def cached_curve(model: PreTrainedModel, cache_dir: Path, progress: Callable[[st
         return curve
 
 
-def _cpu() -> str:
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which kernels oneDNN runs
+
+
+def cpu_name() -> str:
+    """The CPU's name with its family/model and vector extensions: a name alone says "AMD EPYC" for Zen 3, 4
+    and 5 alike, whose cost curves differ (a cached curve is keyed by this), e.g.
+    "AMD EPYC (Zen 5, family 26 model 2; avx2 avx512f avx512_bf16)"."""
     cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    if not cpuinfo.exists():
+        return platform.processor() or platform.machine()
+    fields: dict[str, str] = {}
+    for line in cpuinfo.read_text().splitlines():
+        if not line.strip():
+            break  # the first processor's block says it
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    family, model = int(fields.get("cpu family", 0) or 0), int(fields.get("model", 0) or 0)
+    zen = _zen(family, model) if fields.get("vendor_id") == "AuthenticAMD" else None
+    flags = [f for f in ISA_FLAGS if f in fields.get("flags", "").split()]
+    return f"{fields.get('model name', platform.machine())} ({zen + ', ' if zen else ''}family {family} model {model}; {' '.join(flags) or 'no avx2'})"
+
+
+def _zen(family: int, model: int) -> str | None:
+    """AMD's core generation from the CPUID family and model (AMD's published family/model ranges)."""
+    if family == 0x17:
+        return "Zen 2" if model >= 0x30 else "Zen/Zen+"
+    if family == 0x19:
+        return "Zen 4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0xAF else "Zen 3"
+    return "Zen 5" if family == 0x1A else None
 
 
 def plot_curves(curves: dict[str, CostCurve], path: Path) -> None:
@@ -187,7 +209,7 @@ def plot_curves(curves: dict[str, CostCurve], path: Path) -> None:
         ax.plot(curve.sizes, curve.ratios, marker="o", label=f"{name} (c(1) = {curve.ms_at_1:.1f} ms)")
     ax.set_xlabel("tokens T fed in one forward")
     ax.set_ylabel("r(T) = c(T) / c(1)")
-    ax.set_title(_cpu(), fontsize=8)
+    ax.set_title(cpu_name(), fontsize=8)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -9,6 +9,7 @@ from conftest import hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator
 from lookahead.tree import TokenTree
 from lookahead.planner import Calibration, JacobiWorth, LiveCurve, choose, plan
+from lookahead import tuner
 from lookahead.tuner import CostCurve, cached_curve, curve_file, lookahead_speed, probe
 
 FLAT = CostCurve((1, 64), (1.0, 1.05), 10.0)
@@ -125,6 +126,29 @@ def test_live_curve_keeps_each_batch_size_apart():
     assert plan(live, [tree], [0], [0.0])[0].nodes >= 1 and plan(live, [tree] * 8, [0] * 8, [0.0] * 8)[0].nodes == 0
 
 
+def test_a_stall_while_drafting_does_not_keep_drafting_off_for_good():
+    # drafting 8 rows costs 1.1 plain steps; a stall of the machine triples the forwards of 60 drafting steps,
+    # then the machine is itself again: the loop must find its way back to drafting
+    live, tree = LiveCurve(CostCurve((1, 2, 8, 32), (1.0, 1.0, 1.1, 2.0), 10.0)), chain([0.5, 0.3, 0.2, 0.1, 0.1, 0.05, 0.05])
+    for _ in range(20):
+        live.observe(1, 0.010)
+        live.observe(8, 0.011)
+    assert plan(live, [tree], [0], [0.0])[0].nodes == 7
+    for _ in range(30):
+        live.observe(2, 0.030)
+        live.observe(8, 0.033)
+    assert plan(live, [tree], [0], [0.0])[0].nodes == 0  # priced out: only a re-measurement can bring it back
+    explored = drafted = 0
+    for _ in range(400):
+        choice = plan(live, [tree], [0], [0.0], explore=live.stale)[0]
+        explored += live.stale
+        drafted += choice.nodes > 0 and not live.stale
+        rows = 1 + choice.nodes
+        live.observe(rows, 0.010 * (1.0 if rows <= 2 else 1.1))
+    assert 1 <= explored <= 3 and drafted > 250
+    assert plan(live, [chain([])], [0], [0.0], explore=True)[0].nodes == 0  # nothing drafted: nothing to explore
+
+
 def test_auto_dtype_prefers_the_curve_where_lookahead_runs_fastest():
     # a slightly slower plain step with cheap wide steps beats a faster plain step with steep ones
     cheap_wide, steep = CostCurve((1, 16, 64), (1.0, 1.1, 2.0), 11.0), CostCurve((1, 2, 64), (1.0, 1.9, 60.0), 10.0)
@@ -150,3 +174,9 @@ def test_a_sequence_whose_drafts_fare_worse_than_promised_drafts_less():
     assert seeded.factor == 0.5
     seeded.update(promised=1.0, got=1)  # and its own steps take over
     assert 0.5 < seeded.factor < 1.0
+
+
+def test_cpu_name_tells_apart_amd_generations_that_share_a_name():
+    assert [tuner._zen(f, m) for f, m in ((0x17, 0x31), (0x19, 0x01), (0x19, 0x11), (0x19, 0x61), (0x1A, 0x02), (6, 0x6A))] \
+        == ["Zen 2", "Zen 3", "Zen 4", "Zen 4", "Zen 5", None]
+    assert "family" in tuner.cpu_name() or not tuner.Path("/proc/cpuinfo").exists()
