@@ -3,6 +3,7 @@ sampling that ``model.generate()`` would use, plus the acceptance rule that matc
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -33,7 +34,11 @@ class Decoding:
                  generation_config: GenerationConfig | None, seed: int | None, options: dict) -> None:
         # the same helpers generate() uses, so defaults, validation and processor order match it exactly
         if max_new_tokens is not None:  # an explicit argument outranks every config, as generate()'s keyword does
-            options = options | {"max_new_tokens": max_new_tokens}
+            if generation_config is not None:  # set there: beside a config, transformers 5.24 warns of a keyword
+                generation_config = copy.copy(generation_config)
+                generation_config.max_new_tokens = max_new_tokens
+            else:
+                options = options | {"max_new_tokens": max_new_tokens}
         config, unused = model._prepare_generation_config(generation_config, **options)
         if unused:
             raise ValueError(f"unknown generation option(s): {', '.join(sorted(unused))}")
