@@ -198,7 +198,8 @@ class BatchCache:
                 for states in (layer.keys, layer.values):  # (batch, heads, seq, head_dim)
                     block = states.narrow(-2, states.shape[-2] - step, step)
                     block.narrow(-2, 0, kept).copy_(_gather_columns(block, index))
-        self.cache.crop(kept - step)
+        if kept < step:
+            self.cache.crop(kept - step)
         self.positions = torch.cat([self.positions, new], dim=1)
 
     def append(self, positions: torch.Tensor) -> None:

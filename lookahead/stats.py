@@ -47,6 +47,8 @@ class GenerationStats:
         self.window_steps += levels > 0
         self.plain_steps += levels == 0 and len(tree) == 0
         self.accepted_hist[emitted] += 1
+        if not len(tree):
+            return
         for counter, nodes in ((self.drafted_by_source, tree.sources), (self.accepted_by_source, tree.sources[path[:emitted]])):
             for bit, name in enumerate(SOURCES):
                 if count := int(((nodes >> bit) & 1).sum()):
