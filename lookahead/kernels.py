@@ -14,10 +14,12 @@ of a T-row product equals the one-row product bit for bit ("row-invariant") is m
 ``row_invariant`` and reported, not assumed.
 
 Attention: transformers' SDPA path copies every layer's grouped K/V heads once per query head whenever a 4D
-mask is given and more than one row is fed, which is every lookahead step and every batch step (a one-row
-step avoids it). ``pack`` also switches such a model to ``grouped_sdpa``, registered through transformers'
-public ``AttentionInterface``: the same SDPA call, with SDPA sharing the grouped heads (``enable_gqa``)
-instead of a copy (8 sequences x 4 rows over 435 keys, fp32: 141 -> 107 ms a step on a 2-core Zen 4).
+mask is given, which is every step of the loop. ``pack`` also switches such a model to ``grouped_sdpa``,
+registered through transformers' public ``AttentionInterface``: the same SDPA call, with SDPA sharing the
+grouped heads (``enable_gqa``) instead of a copy, for steps of several rows (8 sequences x 4 rows over 435
+keys, fp32: 141 -> 107 ms a step on a 2-core Zen 4; one sequence x 16 rows over 1024 keys, Zen 5: bf16 30.4 ->
+29.3 ms, fp32 41.4 -> 40.2). A one-row step keeps the copy: there CPU SDPA's grouped path is the slower one
+(Zen 5, bf16, one row over 1024 keys: 18 ms a forward with the copy, 28 without).
 
 Memory: each weight is packed, then its original freed, one module at a time, so the peak is the model plus
 one layer. A weight shared with another module (tied input and output embeddings) stays for that module,
