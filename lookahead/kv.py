@@ -31,6 +31,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+
 def cache_kwarg(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
     """The forward keyword that takes ``cache``: ``cache`` since transformers 5.24, ``past_key_values`` before
     (and in remote code that kept it); the old name still works there, with a FutureWarning on every call."""

@@ -9,6 +9,7 @@ that curve is ``planner``'s.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import platform
@@ -170,6 +171,7 @@ def cached_curve(model: PreTrainedModel, cache_dir: Path, progress: Callable[[st
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which kernels oneDNN runs
 
 
+@functools.cache  # the CPU does not change under a running process: read /proc/cpuinfo once
 def cpu_name() -> str:
     """The CPU's name with its family/model and vector extensions: a name alone says "AMD EPYC" for Zen 3, 4
     and 5 alike, whose cost curves differ (a cached curve is keyed by this), e.g.

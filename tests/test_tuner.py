@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import hf_greedy, tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator
+from lookahead import LookaheadConfig, LookaheadGenerator, tuner
 from lookahead.tree import TokenTree
 from lookahead.planner import Calibration, JacobiWorth, LiveCurve, choose, plan
-from lookahead import tuner
 from lookahead.tuner import CostCurve, cached_curve, curve_file, lookahead_speed, probe
 
 FLAT = CostCurve((1, 64), (1.0, 1.05), 10.0)
