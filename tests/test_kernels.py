@@ -161,3 +161,37 @@ def test_checking_and_packing_leave_the_global_rng_alone():
 def test_a_packed_linear_still_shows_its_weight():
     linear = nn.Linear(48, 24)
     assert torch.equal(kernels.PackedLinear(linear).weight, linear.weight)
+
+
+@needs_onednn
+def test_sibling_linears_share_one_product_exact_in_any_call_order():
+    """q/k/v run as one packed product (gate/up likewise); a call order other than a decoder's computes afresh."""
+    torch.manual_seed(0)
+    block = nn.Module()
+    block.q_proj, block.k_proj, block.v_proj, block.o_proj = nn.Linear(48, 48), nn.Linear(48, 16), nn.Linear(48, 16), nn.Linear(48, 48)
+    stock = copy.deepcopy(block)
+    report = kernels.pack(block)
+    assert report.packed == 4 and report.shared == 1
+    assert block.q_proj.product is block.k_proj.product is block.v_proj.product is not block.o_proj.product
+    x, y = torch.randn(2, 3, 48), torch.randn(2, 3, 48)
+    calls = [("q_proj", x), ("k_proj", x), ("v_proj", x),  # a decoder's order: one product
+             ("k_proj", y), ("k_proj", y), ("q_proj", x), ("v_proj", y), ("q_proj", y), ("o_proj", y), ("v_proj", x)]
+    with torch.inference_mode():
+        for name, inp in calls:
+            assert torch.allclose(getattr(block, name)(inp), getattr(stock, name)(inp), atol=1e-5), name
+        z = torch.randn(1, 48)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(block, name)(z)
+    assert block.q_proj.product.input is None and block.q_proj.product.outputs == ()  # nothing held once all took theirs
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert torch.equal(getattr(block, name).weight, getattr(stock, name).weight)
+
+
+@needs_onednn
+def test_siblings_that_differ_are_packed_alone():
+    block = nn.Module()
+    block.gate_proj, block.up_proj = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=True)  # one biased, one not
+    block.q_proj, block.k_proj = nn.Linear(32, 32), nn.Linear(32, 8)  # no v_proj
+    report = kernels.pack(block)
+    assert report.packed == 4 and report.shared == 0
+    assert len({id(m.product) for m in block.children()}) == 4
