@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 from functools import cache as memoize
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
@@ -188,20 +189,25 @@ class BatchCache:
             out[kind] = mask[:, None].to(device)
         return out
 
-    def compact(self, step: int, keep: list[torch.Tensor], positions: list[torch.Tensor]) -> None:
-        """Of the ``step`` columns the last forward appended, sequence b keeps the rows ``keep[b]`` (sorted, long),
-        which sit at ``positions[b]``; they move to the front of the step's block, the rest is cropped or a hole."""
-        kept = max(k.numel() for k in keep)
-        index = torch.stack([F.pad(k, (0, kept - k.numel()), value=int(k[-1])) for k in keep])  # (B, kept)
-        new = torch.stack([F.pad(p, (0, kept - p.numel()), value=-1) for p, k in zip(positions, keep)])
-        if not torch.equal(index, torch.arange(kept).expand_as(index)):  # rows 0..kept-1 are already in place
+    def compact(self, step: int, keep: list, positions: list) -> None:
+        """Of the ``step`` columns the last forward appended, sequence b keeps the rows ``keep[b]`` (sorted ints),
+        which sit at ``positions[b]``; they move to the front of the step's block, the rest is cropped or a hole.
+        The bookkeeping is numpy, not a few small torch ops per sequence (0.75 ms a step at 8 sequences)."""
+        keep = [np.asarray(k, dtype=np.int64) for k in keep]
+        kept = max(k.size for k in keep)
+        index = np.empty((len(keep), kept), np.int64)  # (B, kept): a short row repeats its last column
+        new = np.full((len(keep), kept), -1, np.int64)
+        for b, (k, p) in enumerate(zip(keep, positions)):
+            index[b, : k.size], index[b, k.size :], new[b, : k.size] = k, k[-1], p
+        if (index != np.arange(kept)).any():  # else rows 0..kept-1 are already in place
+            rows = torch.from_numpy(index)
             for layer in self._layers():
                 for states in (layer.keys, layer.values):  # (batch, heads, seq, head_dim)
                     block = states.narrow(-2, states.shape[-2] - step, step)
-                    block.narrow(-2, 0, kept).copy_(_gather_columns(block, index))
+                    block.narrow(-2, 0, kept).copy_(_gather_columns(block, rows))
         if kept < step:
             self.cache.crop(kept - step)
-        self.positions = torch.cat([self.positions, new], dim=1)
+        self.positions = torch.cat([self.positions, torch.from_numpy(new)], dim=1)
 
     def append(self, positions: torch.Tensor) -> None:
         """Record the positions (B, T) of the columns a forward just appended (a prefill's)."""
@@ -210,4 +216,6 @@ class BatchCache:
 
 def _gather_columns(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """states (B, heads, S, head_dim) -> (B, heads, C, head_dim): row b's sequence columns ``index[b]`` (C,)."""
+    if index.shape[0] == 1:  # one sequence: index_select, ~25% cheaper than gather's expanded index
+        return states.index_select(2, index[0].to(states.device))
     return states.gather(2, index.to(states.device)[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3]))

@@ -82,6 +82,8 @@ def window_block(window: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_layout(window: int, levels: int, tree: TokenTree) -> StepLayout:
     """The layout drawn in the module docstring, for any W, number of levels and tree."""
+    if not levels and not len(tree):
+        return plain_layout(window)
     head_offsets, head_allowed = window_block(window, levels)
     head, k = head_offsets.numel(), len(tree)
     allowed = torch.zeros(head + k, head + k, dtype=torch.bool)
@@ -92,6 +94,12 @@ def build_layout(window: int, levels: int, tree: TokenTree) -> StepLayout:
     last_level = torch.arange(head - window, head) if levels else torch.arange(0)
     logit_rows = torch.cat([torch.tensor([0]), last_level, torch.arange(head, head + k)])
     return StepLayout(window, levels, offsets, allowed, logit_rows)
+
+
+@functools.lru_cache(maxsize=16)
+def plain_layout(window: int) -> StepLayout:
+    """The current token alone (a plain step: most steps of a batch's lanes), built once."""
+    return StepLayout(window, 0, torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,6 +136,8 @@ class BatchLayout:
 def stack(layouts: list[StepLayout]) -> BatchLayout:
     """The layouts of a batch's sequences as one (B, T) step, drawn in ``BatchLayout``."""
     size = max(layout.size for layout in layouts)
+    if size == 1:  # every sequence plain: the current tokens alone
+        return BatchLayout(tuple(layouts), torch.zeros(len(layouts), 1, dtype=torch.long), torch.ones(len(layouts), 1, 1, dtype=torch.bool), layouts[0].logit_rows)
     offsets = torch.zeros(len(layouts), size, dtype=torch.long)
     allowed = torch.eye(size, dtype=torch.bool).repeat(len(layouts), 1, 1)
     for b, layout in enumerate(layouts):

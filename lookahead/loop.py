@@ -220,12 +220,14 @@ class Batch:
         # 2. layout and one forward: logits only for each lane's current token, last window level and tree
         layouts = [build_layout(cfg.window, level, tree) for level, tree in zip(levels, trees)]
         step = stack(layouts)
-        ids = torch.zeros(len(lanes), step.size, dtype=torch.long)
+        ids = np.zeros((len(lanes), step.size), np.int64)
         for b, (lane, level, tree, layout) in enumerate(zip(lanes, levels, trees, layouts)):
-            window = lane.window.active[:level].ravel() if level else np.empty(0, np.int64)
-            ids[b, : layout.size] = torch.from_numpy(np.concatenate([[lane.out[-1]], window, tree.tokens]))
+            ids[b, 0] = lane.out[-1]
+            if layout.size > 1:
+                window = lane.window.active[:level].ravel() if level else np.empty(0, np.int64)
+                ids[b, 1 : layout.size] = np.concatenate([window, tree.tokens])
         positions = torch.tensor([lane.position for lane in lanes])
-        logits = forward(self.model, self.windows, step, self.cache, ids, positions)
+        logits = forward(self.model, self.windows, step, self.cache, torch.from_numpy(ids), positions)
         forward_s = clock.lap()
         if self.curve is not None:
             self.curve.observe(len(lanes) * step.size, forward_s, len(lanes))
@@ -241,8 +243,8 @@ class Batch:
             news.append(new)
         verify_s = clock.lap()
         # 4. keep the KV of each lane's current token and accepted branch only
-        keep = [torch.tensor([0] + [layout.first_tree_row + n for n in v.path]) for layout, v in zip(layouts, verdicts)]
-        self.cache.compact(step.size, keep, [lane.position + layout.offsets[k] for lane, layout, k in zip(lanes, layouts, keep)])
+        keep = [np.array([0] + [layout.first_tree_row + n for n in v.path]) for layout, v in zip(layouts, verdicts)]
+        self.cache.compact(step.size, keep, [lane.position + layout.offsets.numpy()[k] for lane, layout, k in zip(lanes, layouts, keep)])
         # 5. learn (not in plain decoding): the window advances; the sources take the trajectories, the new
         #    tokens and every row's top-k (one top-k over the whole step)
         k = min(cfg.recycle_k, logits.shape[-1]) if any(lane.lookahead for lane in lanes) else 0
@@ -251,7 +253,7 @@ class Batch:
             if lane.lookahead:
                 _, last_level, _ = layout.split_logits(own)
                 trajectories = lane.window.advance(last_level.argmax(-1).numpy()) if level else np.empty((0, cfg.ngram), np.int64)
-                row_tokens, row_topk = ranked_rows(layout, ids[b, : layout.size].numpy(), step.logits_of(topk, b), verdict.path)
+                row_tokens, row_topk = ranked_rows(layout, ids[b, : layout.size], step.logits_of(topk, b), verdict.path)
                 history = lane.prompt + lane.out
                 lane.state.learn(cfg, tree, verdict.path, new, trajectories, row_tokens, row_topk, history[-(cfg.ngram - 1):], lane.suffix)
             if lane.worth is not None:

@@ -136,7 +136,8 @@ class TokenTree:
 
     @classmethod
     def empty(cls) -> "TokenTree":
-        return cls.merge(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0), np.empty(0, np.int64), 0)
+        """The tree of no nodes (a plain step's), built once: its arrays have nothing to change."""
+        return _EMPTY
 
     def __len__(self) -> int:
         return self.tokens.size
@@ -157,6 +158,8 @@ class TokenTree:
         """The ``nodes`` highest-scoring nodes (a tree, since no node outscores its parent)."""
         if nodes >= len(self):
             return self
+        if nodes <= 0:
+            return _EMPTY
         return TokenTree.merge(self.tokens, self.parents, self.scores, self.sources, nodes)
 
     def pruned(self, max_depth: int) -> "TokenTree":
@@ -165,3 +168,6 @@ class TokenTree:
         if keep.all():
             return self
         return TokenTree(self.tokens[keep], self.parents[keep], self.depths[keep], self.scores[keep], self.sources[keep])
+
+
+_EMPTY = TokenTree(*(np.empty(0, dtype) for dtype in (np.int64, np.int64, np.int64, np.float64, np.int64)))
