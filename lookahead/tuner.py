@@ -24,11 +24,14 @@ from transformers import PreTrainedModel
 
 from lookahead import kv, models, support
 from lookahead.kernels import available, kernels_of
+from lookahead.layout import build_layout, stack
+from lookahead.loop import forward, prefill
 from lookahead.planner import chain_tree, choose
 
 PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROBE_CONTEXT = 256
-CURVE_FORMAT = 3  # 2: fastest of interleaved rounds, monotone envelope; 3: packed models attend with grouped_sdpa (older curves are re-probed)
+CURVE_FORMAT = 4  # 2: fastest of interleaved rounds, monotone envelope; 3: packed models attend with grouped_sdpa;
+# 4: the loop's own forward (4D mask, logits to the host; without a mask c(1) read ~20% high on Zen 5) (older curves are re-probed)
 AUTO_DTYPES = ("float32", "bfloat16")  # what --dtype auto chooses from (float16 on CPU is slow and lossy)
 # what --dtype auto expects of drafting before anything is measured: a chain of 16 drafts, each accepted with
 # probability 0.5 given its parent (~2 tokens per forward at full width, what the default shape measured)
@@ -88,19 +91,18 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
     context = max(1, min(context, limit - max(sizes)))
     vocab = models.vocab_size(model)
     progress(f"measuring forward cost for {len(sizes)} step sizes (once for this machine, model and dtype)")
-    device = model.device
     times = dict.fromkeys(sizes, float("inf"))
-    with torch.inference_mode():
-        cache = kv.BatchCache().cache  # every layer full, as the loop's
-        model(input_ids=torch.randint(0, vocab, (1, context), device=device), **kv.cache_kwarg(model, cache), logits_to_keep=1)
+    rng = torch.Generator().manual_seed(0)  # private: the global RNG (unseeded sampling) is the user's
+    windows = {kind: window for kind, (_, window) in support.mask_layers(model.config.get_text_config(decoder=True)).items()}
+    with torch.inference_mode():  # the loop's own forward: its cache, a 4D mask, logits of every row on the host
+        cache, _ = prefill(model, torch.randint(0, vocab, (context,), generator=rng).tolist())
         for size in (sizes[0],) * 2 + sizes * rounds:  # two warm-up forwards, then the interleaved rounds
-            ids = torch.randint(0, vocab, (1, size), device=device)
+            step = stack([build_layout(0, 0, chain_tree(0.5, size - 1))])
+            ids = torch.randint(0, vocab, (1, size), generator=rng)
             t0 = time.perf_counter()
-            model(input_ids=ids, **kv.cache_kwarg(model, cache), logits_to_keep=size)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            forward(model, windows, step, cache, ids, torch.tensor([context]))  # returns on the host: synchronised
             times[size] = min(times[size], time.perf_counter() - t0)
-            cache.crop(-size)  # back to the context (a negative count in transformers 5.x)
+            cache.cache.crop(-size)  # back to the context (a negative count in transformers 5.x)
     envelope = np.minimum.accumulate([times[s] for s in sizes][::-1])[::-1]  # non-decreasing in T
     base = envelope[0]
     return CostCurve(tuple(sizes), tuple(float(t / base) for t in envelope), base * 1000, time.perf_counter() - start)
