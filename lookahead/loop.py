@@ -26,6 +26,7 @@ from lookahead.drafting import TRAJECTORY, DraftState
 from lookahead.layout import BatchLayout, StepLayout, build_layout, stack
 from lookahead.stats import Clock, GenerationStats
 from lookahead.tree import TokenTree
+from lookahead.verify import argmax
 from lookahead.planner import Calibration, JacobiWorth, LiveCurve, plan
 from lookahead.window import JacobiWindow
 from ngram_pool import SuffixDrafter
@@ -252,7 +253,7 @@ class Batch:
         for b, (lane, tree, level, layout, verdict, new, own) in enumerate(zip(lanes, trees, levels, layouts, verdicts, news, owns)):
             if lane.lookahead:
                 _, last_level, _ = layout.split_logits(own)
-                trajectories = lane.window.advance(last_level.argmax(-1).numpy()) if level else np.empty((0, cfg.ngram), np.int64)
+                trajectories = lane.window.advance(argmax(last_level)) if level else np.empty((0, cfg.ngram), np.int64)
                 row_tokens, row_topk = ranked_rows(layout, ids[b, : layout.size], step.logits_of(topk, b), verdict.path)
                 history = lane.prompt + lane.out
                 lane.state.learn(cfg, tree, verdict.path, new, trajectories, row_tokens, row_topk, history[-(cfg.ngram - 1):], lane.suffix)
