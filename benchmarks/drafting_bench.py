@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from lookahead import LookaheadConfig, kv, models
-from lookahead.drafting import DraftState
+from lookahead.drafting import DraftState, Observed
 from lookahead.tree import TokenTree
 
 
@@ -36,7 +36,7 @@ def drafting_us(cfg: LookaheadConfig, vocab: int, prompt_tokens: int, steps: int
         path = _accepted_path(tree, seq[pos:])
         emitted = seq[pos : pos + len(path) + 1].tolist()
         row_tokens = np.concatenate([[seq[pos - 1]], rng.integers(0, vocab, rows - 1)])
-        state.learn(cfg, tree, path, emitted, trajectories[i], row_tokens, topk[i], seq[pos - cfg.ngram + 1 : pos].tolist(), suffix)
+        state.learn(cfg, [Observed(tree, path, emitted, trajectories[i], row_tokens, topk[i], seq[pos - cfg.ngram + 1 : pos].tolist(), suffix)])
         total += time.perf_counter() - start if i >= 100 else 0.0
         pos += len(emitted)
     return total / max(steps - 100, 1) * 1e6

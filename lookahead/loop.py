@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from lookahead import kv
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
-from lookahead.drafting import TRAJECTORY, DraftState
+from lookahead.drafting import TRAJECTORY, DraftState, Observed
 from lookahead.layout import BatchLayout, StepLayout, build_layout, stack
 from lookahead.stats import Clock, GenerationStats
 from lookahead.tree import TokenTree
@@ -143,6 +143,9 @@ class Batch:
         (unless that token already finished it). With ``prefill_chunk`` and other lanes in the batch, the
         prompt goes in by chunks between steps (``step``), so a long prompt does not stall the others for
         its whole prefill (SmolLM2, 2 cores, bf16: ~3.5 s for 2048 tokens); else at once, here."""
+        others = self.lanes + [joining for joining, _ in self.joining]
+        if others and lane.state is not others[0].state:
+            raise ValueError("the sequences of a batch share one drafting state (its sources learn from the whole step)")
         lane.clock = Clock()
         if lane.streamer is not None:
             lane.streamer.put(torch.tensor(lane.prompt))
@@ -250,13 +253,14 @@ class Batch:
         #    tokens and every row's top-k (one top-k over the whole step)
         k = min(cfg.recycle_k, logits.shape[-1]) if any(lane.lookahead for lane in lanes) else 0
         topk = torch.topk(logits, k).indices.numpy() if k else np.empty((*logits.shape[:2], 0), np.int64)  # (B, U, k)
+        observed = []
         for b, (lane, tree, level, layout, verdict, new, own) in enumerate(zip(lanes, trees, levels, layouts, verdicts, news, owns)):
             if lane.lookahead:
                 _, last_level, _ = layout.split_logits(own)
                 trajectories = lane.window.advance(argmax(last_level)) if level else np.empty((0, cfg.ngram), np.int64)
                 row_tokens, row_topk = ranked_rows(layout, ids[b, : layout.size], step.logits_of(topk, b), verdict.path)
-                history = lane.prompt + lane.out
-                lane.state.learn(cfg, tree, verdict.path, new, trajectories, row_tokens, row_topk, history[-(cfg.ngram - 1):], lane.suffix)
+                history_tail = (lane.prompt[-(cfg.ngram - 1):] + lane.out)[-(cfg.ngram - 1):]
+                observed.append(Observed(tree, verdict.path, new, trajectories, row_tokens, row_topk, history_tail, lane.suffix))
             if lane.worth is not None:
                 lane.worth.update(int((tree.sources[verdict.path] == 1 << TRAJECTORY).sum()), level > 0)
             if lane.calibration is not None and len(tree):
@@ -264,6 +268,8 @@ class Batch:
                     calibration.update(float(tree.scores.sum()), len(verdict.path))
             lane.out += new
             lane.stats.record(tree, level, verdict.path, len(new))
+        if observed:
+            lanes[0].state.learn(cfg, observed)  # one state for the batch (``join`` checks)
         learn_s = clock.lap()
         # 6. stream what was accepted; finished lanes leave the batch
         for lane, new in zip(lanes, news):

@@ -640,3 +640,14 @@ def test_gemma3_and_qwen2_coder_batch_equals_generate(name):
     model, tok = models.load(name, dtype="float32")
     packed, _ = models.load(name, dtype="float32", kernels="packed")
     check_real_batch(model, tok, packed, 20, LookaheadConfig(auto=False, window=2, ngram=3, guess=3, tree_budget=8))
+
+
+def test_the_sequences_of_a_batch_share_one_drafting_state():
+    """The shared sources learn from the whole step in one call: a lane with a state of its own is refused."""
+    gen = generator(tiny_llama())
+    first, short, _ = mixed_prompts()
+    batch = gen.new_batch()
+    with torch.inference_mode():
+        batch.join(gen.new_lane(first, 8, state=gen.new_state()))
+        with pytest.raises(ValueError, match="share one drafting state"):
+            batch.join(gen.new_lane(short, 8, state=gen.new_state()))
