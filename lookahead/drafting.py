@@ -21,13 +21,16 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from numba import njit
 
 from lookahead.config import LookaheadConfig
-from lookahead.tree import TokenTree
+from lookahead.tree import TokenTree, merge_drafts
 from ngram_pool import NGramPool, RecycleTable, Source, SuffixDrafter, template
+from ngram_pool.recycle import expand_template
 
 SOURCES = ("trajectory", "prompt", "output", "other", "suffix", "recycle")  # bit i of a node's ``sources``
-POOL_SOURCES = {int(s): SOURCES.index(s.name.lower()) for s in Source}  # pool source code -> index; others: "other"
+POOL_ROWS = np.full(256, SOURCES.index("other"), np.int64)  # pool source code -> statistics row
+POOL_ROWS[[int(s) for s in Source]] = [SOURCES.index(s.name.lower()) for s in Source]
 TRAJECTORY, SUFFIX, RECYCLE = SOURCES.index("trajectory"), SOURCES.index("suffix"), SOURCES.index("recycle")
 # an extra statistics row (and source bit) for suffix drafts from long matches, which are far likelier right
 SUFFIX_LONG, LONG_MATCH = len(SOURCES), 3
@@ -48,6 +51,8 @@ def _prior() -> np.ndarray:
     prior[RECYCLE] = 0.4 / (1.0 + np.arange(MAX_DEPTH)) ** 2
     return prior
 PRIOR = _prior()
+NONE = np.empty(0, np.int64)
+NO_TEMPLATE = (NONE, NONE, np.empty(0))  # parents, ranks, scores of no recycling expansion
 TEMPLATE_REFRESH = 16  # steps between re-derivations of the recycling template from the measured rank rates
 STATE_FORMAT = 2
 
@@ -86,6 +91,8 @@ class DraftState:
         loop passes, once per process: a fresh install's first request would otherwise spend seconds compiling."""
         for source in (NGramPool, RecycleTable, SuffixDrafter):
             source._warm_up()
+        draft_rows(np.zeros((1, 1), np.int64), np.zeros(1, np.int64), np.ones(1, np.int64), np.zeros((1, 1), np.int32), 0,
+                   *NO_TEMPLATE, 1, np.ones((STAT_ROWS, MAX_DEPTH)), 1, 1)
 
     # -- per request ----------------------------------------------------------------------------
 
@@ -119,26 +126,26 @@ class DraftState:
         if budget <= 0 or max_depth <= 0:
             return TokenTree.empty()
         rates = self.rates()
-        parts = []
+        chains, rows, bits = [], [], []
         if cfg.guess:
             grams, codes = self.pool.lookup_with_sources(current, cfg.guess)
-            rows = np.array([POOL_SOURCES.get(int(c), 3) for c in codes], np.int64)
-            parts.append(_chains(grams, rows, 1 << rows, rates))
+            chains.append(grams)
+            rows.append(POOL_ROWS[codes])
+            bits.append(1 << rows[-1])
         if cfg.suffix_drafts:
             drafts, matched = suffix.drafts(cfg.suffix_drafts, cfg.suffix_length)
-            long = matched >= LONG_MATCH
-            parts.append(_chains(drafts, np.where(long, SUFFIX_LONG, SUFFIX), (1 << SUFFIX) | (long.astype(np.int64) << SUFFIX_LONG), rates))
-        if cfg.recycle_k:
-            parents, ranks, scores = self._recycle_template(rates[RECYCLE, : cfg.recycle_k], budget, max_depth)
-            parts.append((self.recycle.expand(current, parents, ranks), parents, scores, np.full(parents.size, 1 << RECYCLE)))
-        if not parts:
-            return TokenTree.empty()
-        offsets = np.cumsum([0] + [p[0].size for p in parts[:-1]])
-        tokens = np.concatenate([p[0] for p in parts]).astype(np.int64)
-        parents = np.concatenate([np.where(p[1] >= 0, p[1] + o, -1) for p, o in zip(parts, offsets)]).astype(np.int64)
-        scores = np.concatenate([p[2] for p in parts]).astype(np.float64)
-        sources = np.concatenate([p[3] for p in parts]).astype(np.int64)
-        return TokenTree.merge(tokens, parents, scores, sources, budget).pruned(max_depth)
+            long = (matched >= LONG_MATCH).astype(np.int64)
+            chains.append(drafts)
+            rows.append(np.where(long, SUFFIX_LONG, SUFFIX))
+            bits.append((1 << SUFFIX) | (long << SUFFIX_LONG))
+        stacked = np.full((sum(c.shape[0] for c in chains), max((c.shape[1] for c in chains), default=0)), -1, np.int64)
+        start = 0
+        for c in chains:
+            stacked[start : start + c.shape[0], : c.shape[1]] = c
+            start += c.shape[0]
+        parents, ranks, scores = self._recycle_template(rates[RECYCLE, : cfg.recycle_k], budget, max_depth) if cfg.recycle_k else NO_TEMPLATE
+        return TokenTree.from_rows(draft_rows(stacked, np.concatenate(rows or [NONE]), np.concatenate(bits or [NONE]), self.recycle.table,
+                                              current, parents, ranks, scores, 1 << RECYCLE, rates, budget, max_depth))
 
     def _recycle_template(self, rank_rates: np.ndarray, budget: int, max_depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The recycling expansion's template for the measured rank rates (re-derived every few steps)."""
@@ -230,12 +237,28 @@ class DraftState:
         return state
 
 
-def _chains(drafts: np.ndarray, rows: np.ndarray, bits: np.ndarray, rates: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(D, L) drafts (-1 padded), their statistics rows (D,) and source bits (D,) -> flat tokens, parents, scores,
-    source bits of D chains (a node's score: the product of its row's conditional rates down to its depth)."""
-    d, length = drafts.shape
-    index = np.arange(d * length).reshape(d, length)
-    parents = np.where(np.arange(length) > 0, index - 1, -1)
-    depth = np.minimum(np.arange(length), MAX_DEPTH - 1)
-    scores = np.cumprod(rates[rows][:, depth], axis=1)
-    return drafts.ravel(), parents.ravel(), scores.ravel(), np.broadcast_to(bits[:, None], (d, length)).ravel()
+@njit(cache=True)
+def draft_rows(chains: np.ndarray, chain_rows: np.ndarray, chain_bits: np.ndarray, table: np.ndarray, root: int,
+               template_parents: np.ndarray, template_ranks: np.ndarray, template_scores: np.ndarray, template_bit: int,
+               rates: np.ndarray, budget: int, max_depth: int) -> np.ndarray:
+    """Every source's drafts as one tree, in one call (``merge_drafts``' rows): ``chains`` (C, L) of token ids, -1
+    after a chain's end (pool n-grams, suffix matches), each node scored with the product of its chain's
+    statistics row's rates (``chain_rows``) down to its depth and cut at ``max_depth``; and the recycling
+    table's expansion of a template (parents, ranks, scores) from ``root``. One kernel, not a dozen numpy calls
+    per sequence: they were most of a batch's drafting time."""
+    c, length = chains.shape[0], min(chains.shape[1], max_depth)
+    expanded = expand_template(table, root, template_parents, template_ranks)
+    m = c * length + expanded.size
+    tokens, parents = np.empty(m, np.int64), np.empty(m, np.int64)
+    scores, sources = np.empty(m, np.float64), np.empty(m, np.int64)
+    i = 0
+    for a in range(c):
+        score = 1.0
+        for j in range(length):
+            score *= rates[chain_rows[a], min(j, rates.shape[1] - 1)]
+            tokens[i], parents[i], scores[i], sources[i] = chains[a, j], -1 if j == 0 else i - 1, score, chain_bits[a]
+            i += 1
+    for t in range(expanded.size):
+        tokens[i + t], scores[i + t], sources[i + t] = expanded[t], template_scores[t], template_bit
+        parents[i + t] = -1 if template_parents[t] < 0 else template_parents[t] + i
+    return merge_drafts(tokens, parents, scores, sources, budget)

@@ -37,8 +37,8 @@ def merge_drafts(
     """Merge drafts into a trie and keep its ``budget`` best nodes.
 
     Inputs are (M,) arrays (tokens int, parents int with parent < own index, scores float64, sources int).
-    Returns a (K, 4) float64 array of the kept nodes, parents first: columns token, parent (index into
-    the result, -1 = the current token), score, source bits. Raises ValueError on a bad parent index.
+    Returns a (K, 5) float64 array of the kept nodes, parents first: columns token, parent (index into
+    the result, -1 = the current token), score, source bits, depth. Raises ValueError on a bad parent index.
     """
     m = tokens.size
     trie_token = np.empty(m, np.int64)
@@ -82,7 +82,7 @@ def merge_drafts(
     # 3. lay them out by depth, then by score (a stable sort of the score order), parents before children
     keep = keep[np.argsort(trie_depth[keep], kind="mergesort")]
     index = np.full(size, NO_PARENT, np.int64)
-    out = np.empty((keep.size, 4), np.float64)
+    out = np.empty((keep.size, 5), np.float64)
     for k in range(keep.size):
         j = keep[k]
         index[j] = k
@@ -90,6 +90,7 @@ def merge_drafts(
         out[k, 1] = NO_PARENT if trie_parent[j] == NO_PARENT else index[trie_parent[j]]
         out[k, 2] = trie_score[j]
         out[k, 3] = trie_source[j]
+        out[k, 4] = trie_depth[j]
     return out
 
 
@@ -118,13 +119,13 @@ class TokenTree:
 
     @classmethod
     def merge(cls, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, budget: int) -> "TokenTree":
-        rows = merge_drafts(tokens, parents, scores, sources, budget)
-        parents_out = rows[:, 1].astype(np.int64)
-        depths = np.ones(parents_out.size, np.int64)
-        for i, p in enumerate(parents_out):
-            if p >= 0:
-                depths[i] = depths[p] + 1
-        return cls(rows[:, 0].astype(np.int64), parents_out, depths, rows[:, 2].copy(), rows[:, 3].astype(np.int64))
+        return cls.from_rows(merge_drafts(tokens, parents, scores, sources, budget))
+
+    @classmethod
+    def from_rows(cls, rows: np.ndarray) -> "TokenTree":
+        """The tree of ``merge_drafts``' rows (K, 5): token, parent, score, source bits, depth."""
+        ints = rows[:, [0, 1, 4, 3]].astype(np.int64)
+        return cls(ints[:, 0], ints[:, 1], ints[:, 2], rows[:, 2].copy(), ints[:, 3])
 
     @classmethod
     def warm_up(cls) -> None:
