@@ -206,10 +206,11 @@ class Batch:
         self._squeeze_if_costly()
         # 1. draft: every lane's sources propose continuations of its current token, merged into one tree
         trees, levels, spaces = [], [], []
+        drafting = self.curve is None or not self.curve.dormant
         for lane in lanes:
             room, space = self._limits(lane)
-            tree = lane.state.propose(lane.out[-1], cfg, min(cfg.tree_budget if lane.lookahead else 0, space), room, lane.suffix)
-            level = lane.window.levels_within(room) if lane.window else 0
+            tree = lane.state.propose(lane.out[-1], cfg, min(cfg.tree_budget if lane.lookahead and drafting else 0, space), room, lane.suffix)
+            level = lane.window.levels_within(room) if lane.window and drafting else 0
             trees.append(tree)
             levels.append(level if level * cfg.window <= space else 0)
             spaces.append(space)

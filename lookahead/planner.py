@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 JACOBI_PRIOR = 0.05  # draft tokens per step credited to the Jacobi branch before any is measured (SmolLM2: ~0)
 JACOBI_DECAY = 0.05  # weight of each step in its running estimate
 RETRY = 64  # steps after which what the planner left off (drafting, the Jacobi branch) runs once more, to re-measure it
+DORMANT = 8  # plain forwards in a row after which the loop proposes drafts only every DORMANT_STRIDE-th step
+DORMANT_STRIDE = 4
 LIVE_WEIGHT = 0.1  # weight of each of the loop's own forward timings in the curve's online correction
 LIVE_CLIP = 0.5  # most one timing moves a correction, in log units (a one-off stall must not price a width out)
 CALIBRATION_DECAY = 0.95  # a sequence's calibration remembers its last ~20 drafting steps
@@ -68,6 +70,14 @@ class LiveCurve:
     def stale(self) -> bool:
         """No drafting width has been timed for ``RETRY`` forwards: the next step should draft, to re-measure."""
         return self.plain_run >= RETRY
+
+    @property
+    def dormant(self) -> bool:
+        """Nothing drafted has been worth its rows for ``DORMANT`` forwards in a row: this step skips proposing
+        (host time, ~0.05-0.1 ms a sequence, spent on drafts the cost model keeps declining: chat text on a
+        small model, or a batch whose rows are dear). Every ``DORMANT_STRIDE``-th step still proposes, so a
+        draft worth its rows (a long suffix match) waits at most that many steps."""
+        return self.plain_run >= DORMANT and self.plain_run % DORMANT_STRIDE != 0
 
     def observe(self, tokens: int, seconds: float, batch: int = 1) -> None:
         """One forward of ``tokens`` rows over ``batch`` sequences took ``seconds``."""

@@ -8,7 +8,8 @@ import pytest
 from conftest import hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator, tuner
 from lookahead.tree import TokenTree
-from lookahead.planner import Calibration, JacobiWorth, LiveCurve, choose, plan
+from lookahead.drafting import DraftState
+from lookahead.planner import DORMANT, DORMANT_STRIDE, Calibration, JacobiWorth, LiveCurve, choose, plan
 from lookahead.tuner import CostCurve, cached_curve, curve_file, lookahead_speed, probe
 
 FLAT = CostCurve((1, 64), (1.0, 1.05), 10.0)
@@ -81,6 +82,26 @@ def test_auto_off_on_a_steep_curve_is_plain_and_exact():
     assert out.stats.plain_steps == out.stats.steps - out.stats.window_steps and out.stats.tree_nodes == 0
     wide = LookaheadGenerator(model, config=LookaheadConfig(), cost=FLAT).generate(prompt, max_new_tokens=30)
     assert wide.tokens == out.tokens and wide.stats.tree_nodes > 0 and wide.stats.plain_steps <= 2 < out.stats.plain_steps
+
+
+def test_drafts_the_cost_model_keeps_declining_are_proposed_only_every_few_steps(monkeypatch):
+    """After DORMANT plain forwards in a row the loop proposes every DORMANT_STRIDE-th step (host time saved),
+    and the output stays exact."""
+    model = tiny_llama(seed=2)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    proposed = []
+    original = DraftState.propose
+    monkeypatch.setattr(DraftState, "propose", lambda self, current, cfg, budget, *rest: proposed.append(budget > 0) or original(self, current, cfg, budget, *rest))
+    out = LookaheadGenerator(model, config=LookaheadConfig(), cost=STEEP).generate(prompt, max_new_tokens=41)
+    assert out.tokens == hf_greedy(model, prompt, 41) and out.stats.tree_nodes == 0 and len(proposed) == 40
+    assert proposed[: DORMANT + 1] == [True] * (DORMANT + 1)  # the forward of step i is the i-th plain one in a row
+    assert proposed[DORMANT + 1 :] == [(i % DORMANT_STRIDE == 0) for i in range(DORMANT + 1, 40)]
+    live = LiveCurve(STEEP)
+    for _ in range(DORMANT + 1):
+        live.observe(1, 0.01)
+    assert live.dormant
+    live.observe(5, 0.02)  # a step that drafted
+    assert not live.dormant
 
 
 def test_probe_on_a_short_context_model_stays_inside_it():
