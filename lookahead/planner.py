@@ -9,8 +9,9 @@ the tree size k and whether to feed the window:
 where S(k) is the sum of the k best node scores (each the estimated probability that the node is
 accepted, so the sum is the expected number of accepted draft tokens) and J the Jacobi branch's measured
 worth (draft tokens accepted per step that only its trajectories proposed). Plain decoding is value 1: when
-nothing beats it, the step is plain (T = 1), and the tree keeps being drafted (cheap), so an input-grounded
-stretch (a long suffix match) turns drafting back on by itself. ``plan`` is the same rule for a batch.
+nothing beats it, the step is plain (T = 1), and the tree keeps being drafted (every step, then every
+``DORMANT_STRIDE``-th once plain steps run long: ``LiveCurve.dormant``), so an input-grounded stretch (a long
+suffix match) turns drafting back on by itself. ``plan`` is the same rule for a batch.
 """
 
 from __future__ import annotations
