@@ -13,7 +13,8 @@ from lookahead import models, support
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
 from lookahead.drafting import DraftState
-from lookahead.loop import Batch, Lane, forward, prefill
+from lookahead.loop import Batch, Lane
+from lookahead.passes import forward, prefill
 from lookahead.prompt import prompt_ids
 from lookahead.stats import GenerationStats
 from lookahead.tree import TokenTree

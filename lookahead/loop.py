@@ -23,7 +23,8 @@ from lookahead import kv
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
 from lookahead.drafting import TRAJECTORY, DraftState, Observed
-from lookahead.layout import BatchLayout, StepLayout, build_layout, stack
+from lookahead.layout import StepLayout, build_layout, stack
+from lookahead.passes import forward, prefill
 from lookahead.stats import Clock, GenerationStats
 from lookahead.tree import TokenTree
 from lookahead.verify import argmax
@@ -72,37 +73,6 @@ class Lane:
     def emit(self, tokens: list[int]) -> None:
         if self.streamer is not None and tokens:
             self.streamer.put(torch.tensor(tokens))
-
-
-def prefill(model: PreTrainedModel, prompt: list[int], cache: kv.BatchCache | None = None) -> tuple[kv.BatchCache, torch.Tensor]:
-    """A one-sequence cache holding the prompt, and the logits (V,) after its last token. ``cache``: one that
-    already holds the prompt's first tokens (a prefill in chunks); the rest is appended to it."""
-    cache = kv.BatchCache() if cache is None else cache
-    start = cache.length
-    ids = torch.tensor([prompt[start:]], device=model.device)
-    logits = model(input_ids=ids, **kv.cache_kwarg(model, cache.cache), use_cache=True, logits_to_keep=1).logits
-    cache.append(torch.arange(start, len(prompt))[None])
-    return cache, logits[0, -1].float().cpu()
-
-
-def forward(model: PreTrainedModel, windows: dict[str, int | None], step: BatchLayout, cache: kv.BatchCache,
-            ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Logits (B, U, V) for ``step.logit_rows`` of the step's tokens ``ids`` (B, T), row b's first at ``positions[b]``."""
-    device = model.device
-    query = positions[:, None] + step.offsets  # (B, T)
-    masks = cache.masks(step.allowed, query, windows, model.dtype, device)
-    out = model(
-        input_ids=ids.to(device),
-        position_ids=query.to(device),
-        attention_mask=masks if len(masks) > 1 else next(iter(masks.values())),  # (B, 1, T, S + T) each
-        **kv.cache_kwarg(model, cache.cache),
-        use_cache=True,
-        logits_to_keep=step.logit_rows.to(device),
-    )
-    logits = out.logits
-    if logits.shape[1] != step.logit_rows.numel():  # the model ignored logits_to_keep (WhisperForCausalLM)
-        logits = logits[:, step.logit_rows.to(device)]
-    return logits.float().cpu()
 
 
 def until_stop(decoding: Decoding, history: list[int], new: list[int]) -> tuple[list[int], bool]:

@@ -91,8 +91,8 @@ def rows_before_switch(position: int, switches: tuple[int, ...]) -> int:
     return min((s - 1 - position for s in switches if s > position), default=1 << 30)
 
 
-Prefill = Callable[[list[int]], tuple[kv.BatchCache, torch.Tensor]]  # loop.prefill
-Forward = Callable[[BatchLayout, kv.BatchCache, torch.Tensor, torch.Tensor], torch.Tensor]  # loop.forward
+Prefill = Callable[[list[int]], tuple[kv.BatchCache, torch.Tensor]]  # passes.prefill
+Forward = Callable[[BatchLayout, kv.BatchCache, torch.Tensor, torch.Tensor], torch.Tensor]  # passes.forward
 
 
 def check_step(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> None:

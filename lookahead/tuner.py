@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from lookahead import kv, models, support
 from lookahead.kernels import available, kernels_of
 from lookahead.layout import build_layout, stack
-from lookahead.loop import forward, prefill
+from lookahead.passes import forward, prefill
 from lookahead.planner import chain_tree, choose
 
 PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)

@@ -10,7 +10,7 @@ import torch
 from conftest import assert_greedy_equal, hf_greedy, tiny_gemma3, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator
 from lookahead.layout import build_layout, stack
-from lookahead.loop import forward, prefill
+from lookahead.passes import forward, prefill
 from lookahead.tree import TokenTree
 from lookahead.window import JacobiWindow
 

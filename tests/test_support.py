@@ -14,7 +14,7 @@ from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconFor
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator, support
 from lookahead.cli import main
-from lookahead.loop import forward, prefill
+from lookahead.passes import forward, prefill
 from lookahead.tuner import probe
 
 NO_SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
