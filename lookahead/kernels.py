@@ -32,6 +32,7 @@ and the packed copy of it is the one extra (SmolLM2-135M fp32: 113 MB for its 49
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -61,19 +62,20 @@ class Product:
         self.packed = _pack(torch.cat(weights) if len(weights) > 1 else weights[0])  # opaque oneDNN layout
         self.bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
         self.splits = [linear.out_features for linear in linears]
-        self.input: torch.Tensor | None = None  # held (so no other tensor can be it) until every part took its output
-        self.outputs: tuple[torch.Tensor, ...] = ()
-        self.taken = [False] * len(linears)
+        self.held = threading.local()  # per thread (two threads may run one model): input, outputs, taken
 
     def __call__(self, x: torch.Tensor, part: int) -> torch.Tensor:  # (..., in) -> (..., splits[part])
         if len(self.splits) == 1:
             return self._matmul(x)
-        if x is not self.input or self.taken[part]:
-            self.input, self.outputs, self.taken = x, self._matmul(x).split(self.splits, -1), [False] * len(self.splits)
-        self.taken[part] = True
-        out = self.outputs[part]
-        if all(self.taken):
-            self.input, self.outputs = None, ()
+        held = self.held
+        if getattr(held, "input", None) is not x or held.taken[part]:
+            # the input is held (so no other tensor can be it) until every part took its output; a sibling
+            # never called (a layer that reuses another's K/V) leaves it held until the next call
+            held.input, held.outputs, held.taken = x, self._matmul(x).split(self.splits, -1), [False] * len(self.splits)
+        held.taken[part] = True
+        out = held.outputs[part]
+        if all(held.taken):
+            held.input, held.outputs = None, ()
         return out
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +91,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.product, self.part = product or Product([linear]), part
         self.register_buffer("packed_weight", self.product.packed, persistent=False)
-        self.bias = linear.bias
+        self.bias = linear.bias  # for code that reads it (the product holds its own copy, stacked with the siblings')
 
     @property
     def weight(self) -> torch.Tensor:

@@ -182,7 +182,7 @@ def test_sibling_linears_share_one_product_exact_in_any_call_order():
         z = torch.randn(1, 48)
         for name in ("q_proj", "k_proj", "v_proj"):
             getattr(block, name)(z)
-    assert block.q_proj.product.input is None and block.q_proj.product.outputs == ()  # nothing held once all took theirs
+    assert block.q_proj.product.held.input is None and block.q_proj.product.held.outputs == ()  # nothing held once all took theirs
     for name in ("q_proj", "k_proj", "v_proj"):
         assert torch.equal(getattr(block, name).weight, getattr(stock, name).weight)
 
