@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
 
 from lookahead.config import LookaheadConfig
-from lookahead.tree import TokenTree, merge_drafts
+from lookahead.tree import TokenTree, draft_rows
 from ngram_pool import NGramPool, RecycleTable, Source, SuffixDrafter, template
 from ngram_pool.recycle import expand_template
 
@@ -91,8 +90,8 @@ class DraftState:
         loop passes, once per process: a fresh install's first request would otherwise spend seconds compiling."""
         for source in (NGramPool, RecycleTable, SuffixDrafter):
             source._warm_up()
-        draft_rows(np.zeros((1, 1), np.int64), np.zeros(1, np.int64), np.ones(1, np.int64), np.zeros((1, 1), np.int32), 0,
-                   *NO_TEMPLATE, 1, np.ones((STAT_ROWS, MAX_DEPTH)), 1, 1)
+        draft_rows(np.zeros((1, 1), np.int64), np.zeros(1, np.int64), np.ones(1, np.int64), np.ones((STAT_ROWS, MAX_DEPTH)),
+                   NONE, NONE, np.empty(0), 1, 1, 1)
 
     # -- per request ----------------------------------------------------------------------------
 
@@ -125,6 +124,8 @@ class DraftState:
         token of ``suffix``'s sequence)."""
         if budget <= 0 or max_depth <= 0:
             return TokenTree.empty()
+        if not 0 <= current < self.vocab_size:
+            raise ValueError(f"current token {current} is outside the vocabulary [0, {self.vocab_size})")
         rates = self.rates()
         chains, rows, bits = [], [], []
         if cfg.guess:
@@ -144,8 +145,9 @@ class DraftState:
             stacked[start : start + c.shape[0], : c.shape[1]] = c
             start += c.shape[0]
         parents, ranks, scores = self._recycle_template(rates[RECYCLE, : cfg.recycle_k], budget, max_depth) if cfg.recycle_k else NO_TEMPLATE
-        return TokenTree.from_rows(draft_rows(stacked, np.concatenate(rows or [NONE]), np.concatenate(bits or [NONE]), self.recycle.table,
-                                              current, parents, ranks, scores, 1 << RECYCLE, rates, budget, max_depth))
+        expanded = expand_template(self.recycle.table, current, parents, ranks)  # the template is ours: only ``current`` is checked
+        return TokenTree.from_rows(draft_rows(stacked, np.concatenate(rows or [NONE]), np.concatenate(bits or [NONE]), rates,
+                                              expanded, parents, scores, 1 << RECYCLE, budget, max_depth))
 
     def _recycle_template(self, rank_rates: np.ndarray, budget: int, max_depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The recycling expansion's template for the measured rank rates (re-derived every few steps)."""
@@ -235,30 +237,3 @@ class DraftState:
             raise ValueError(f"{directory / 'acceptance.npz'}: corrupt or from another version")
         state.tried, state.hits = tried.astype(np.float64), hits.astype(np.float64)
         return state
-
-
-@njit(cache=True)
-def draft_rows(chains: np.ndarray, chain_rows: np.ndarray, chain_bits: np.ndarray, table: np.ndarray, root: int,
-               template_parents: np.ndarray, template_ranks: np.ndarray, template_scores: np.ndarray, template_bit: int,
-               rates: np.ndarray, budget: int, max_depth: int) -> np.ndarray:
-    """Every source's drafts as one tree, in one call (``merge_drafts``' rows): ``chains`` (C, L) of token ids, -1
-    after a chain's end (pool n-grams, suffix matches), each node scored with the product of its chain's
-    statistics row's rates (``chain_rows``) down to its depth and cut at ``max_depth``; and the recycling
-    table's expansion of a template (parents, ranks, scores) from ``root``. One kernel, not a dozen numpy calls
-    per sequence: they were most of a batch's drafting time."""
-    c, length = chains.shape[0], min(chains.shape[1], max_depth)
-    expanded = expand_template(table, root, template_parents, template_ranks)
-    m = c * length + expanded.size
-    tokens, parents = np.empty(m, np.int64), np.empty(m, np.int64)
-    scores, sources = np.empty(m, np.float64), np.empty(m, np.int64)
-    i = 0
-    for a in range(c):
-        score = 1.0
-        for j in range(length):
-            score *= rates[chain_rows[a], min(j, rates.shape[1] - 1)]
-            tokens[i], parents[i], scores[i], sources[i] = chains[a, j], -1 if j == 0 else i - 1, score, chain_bits[a]
-            i += 1
-    for t in range(expanded.size):
-        tokens[i + t], scores[i + t], sources[i + t] = expanded[t], template_scores[t], template_bit
-        parents[i + t] = -1 if template_parents[t] < 0 else template_parents[t] + i
-    return merge_drafts(tokens, parents, scores, sources, budget)

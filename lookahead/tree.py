@@ -95,6 +95,32 @@ def merge_drafts(
 
 
 @njit(cache=True)
+def draft_rows(chains: np.ndarray, chain_rows: np.ndarray, chain_bits: np.ndarray, rates: np.ndarray, tree_tokens: np.ndarray,
+               tree_parents: np.ndarray, tree_scores: np.ndarray, tree_bit: int, budget: int, max_depth: int) -> np.ndarray:
+    """Every source's drafts merged in one call (``merge_drafts``' rows): ``chains`` (C, L) of token ids, -1 after
+    a chain's end (pool n-grams, suffix matches), each node scored with the product of its chain's conditional
+    acceptance rates ``rates[chain_rows[c], depth]`` down to its depth and cut at ``max_depth``; and one tree
+    already scored (a recycling expansion: tokens, parents, scores, all proposed by ``tree_bit``). One kernel,
+    not a dozen numpy calls a sequence: they were most of a batch's drafting time. (Numba's cache tracks this
+    file only: a kernel here calls no kernel of another file.)"""
+    c, length = chains.shape[0], min(chains.shape[1], max_depth)
+    m = c * length + tree_tokens.size
+    tokens, parents = np.empty(m, np.int64), np.empty(m, np.int64)
+    scores, sources = np.empty(m, np.float64), np.empty(m, np.int64)
+    i = 0
+    for a in range(c):
+        score = 1.0
+        for j in range(length):
+            score *= rates[chain_rows[a], min(j, rates.shape[1] - 1)]
+            tokens[i], parents[i], scores[i], sources[i] = chains[a, j], -1 if j == 0 else i - 1, score, chain_bits[a]
+            i += 1
+    for t in range(tree_tokens.size):
+        tokens[i + t], scores[i + t], sources[i + t] = tree_tokens[t], tree_scores[t], tree_bit
+        parents[i + t] = -1 if tree_parents[t] < 0 else tree_parents[t] + i
+    return merge_drafts(tokens, parents, scores, sources, budget)
+
+
+@njit(cache=True)
 def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
     """(K, K) bool: node i may attend to node j iff j is i or one of its ancestors (parents before children)."""
     k = parents.size
@@ -162,13 +188,6 @@ class TokenTree:
         if nodes <= 0:
             return _EMPTY
         return TokenTree.merge(self.tokens, self.parents, self.scores, self.sources, nodes)
-
-    def pruned(self, max_depth: int) -> "TokenTree":
-        """The nodes no deeper than ``max_depth`` (ancestors have smaller depths, so indices stay valid)."""
-        keep = self.depths <= max_depth
-        if keep.all():
-            return self
-        return TokenTree(self.tokens[keep], self.parents[keep], self.depths[keep], self.scores[keep], self.sources[keep])
 
 
 _EMPTY = TokenTree(*(np.empty(0, dtype) for dtype in (np.int64, np.int64, np.int64, np.float64, np.int64)))

@@ -7,7 +7,7 @@ import torch
 import lookahead.layout as layout_module
 from lookahead import kv
 from lookahead.layout import BatchLayout, build_layout, stack
-from lookahead.tree import TokenTree
+from lookahead.tree import TokenTree, draft_rows
 
 
 def diagram_from_docstring():
@@ -53,7 +53,15 @@ def test_tree_budget_keeps_the_best_nodes_and_stays_a_tree():
         assert len(tree) == budget
         assert sorted(tree.scores.tolist(), reverse=True) == sorted(full.scores.tolist(), reverse=True)[:budget]
         assert all(p < i for i, p in enumerate(tree.parents))
-    assert len(full.pruned(2)) == 4 and full.pruned(2).depths.max() == 2
+
+
+def test_drafts_are_cut_at_the_depth_limit_before_the_budget_is_spent():
+    chains = np.array([[7, 9, 4, 1], [3, 5, -1, -1]])  # a pool-like chain and a shorter one, -1 padded
+    rates = np.stack([np.full(32, 0.9), np.full(32, 0.5)])  # per statistics row and depth
+    rows = draft_rows(chains, np.array([0, 1]), np.array([1, 2]), rates, np.array([8]), np.array([-1]), np.array([0.3]), 4, 5, 2)
+    tree = TokenTree.from_rows(rows)  # uncut, the best five would be 7 9 4 1 3, three of them too deep
+    assert sorted(tree.tokens.tolist()) == [3, 5, 7, 8, 9] and tree.depths.max() == 2
+    assert np.allclose(sorted(tree.scores), [0.25, 0.3, 0.5, 0.81, 0.9]) and sorted(tree.sources.tolist()) == [1, 1, 2, 2, 4]
 
 
 def test_tree_drops_missing_tokens_with_their_descendants_and_rejects_bad_parents():
