@@ -164,7 +164,9 @@ class DraftState:
     def learn(self, cfg: LookaheadConfig, steps: list[Observed]) -> None:
         """After a step of one or more sequences (a batch's, in order): acceptance statistics, then every source
         learns what the step showed. The shared sources take the whole batch in one call each (per-sequence
-        calls were most of a batch's host work: ~0.45 ms a step at 8 sequences)."""
+        calls were most of a batch's host work: ~0.45 ms a step at 8 sequences), so in a batch each sequence's
+        recycling ranks are counted against the table as it was before the step (not after its batch mates'
+        rows), and the pool takes every trajectory, then every output n-gram: statistics and recency only."""
         # 1. chains: every node whose parent was accepted was tried; the path's nodes were accepted
         for step in steps:
             if len(step.tree):
@@ -183,10 +185,7 @@ class DraftState:
         if grams:
             self.pool.insert_many(np.concatenate(grams), Source.TRAJECTORY)
         if cfg.pool_from_output:
-            tails = [s.history_tail + s.emitted for s in steps]
-            grams = [np.lib.stride_tricks.sliding_window_view(np.asarray(t), self.pool.n) for t in tails if len(t) >= self.pool.n]
-            if grams:
-                self.pool.insert_many(np.concatenate(grams), Source.OUTPUT)
+            self.pool.insert_sequences([s.history_tail + s.emitted for s in steps], Source.OUTPUT)
         for step in steps:
             step.suffix.extend(np.asarray(step.emitted))
 

@@ -13,7 +13,7 @@ from lookahead import models, support
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
 from lookahead.drafting import DraftState
-from lookahead.loop import Batch, Lane
+from lookahead.loop import Batch, Lane, shared_state
 from lookahead.passes import forward, prefill
 from lookahead.prompt import prompt_ids
 from lookahead.stats import GenerationStats
@@ -48,7 +48,7 @@ class LookaheadGenerator:
         support.check_config(model)
         self.vocab_size = models.vocab_size(model)
         self.max_context = support.context_length(mc)
-        self.windows = {kind: window for kind, (_, window) in support.mask_layers(mc).items()}
+        self.windows = support.mask_windows(mc)
         self.rotary_switches = support.rotary_switches(mc)
         TokenTree.warm_up()
         DraftState.warm_up()
@@ -161,7 +161,10 @@ class LookaheadGenerator:
     def decode(self, lanes: list[Lane]) -> list[GenerationResult]:
         """Decode ``new_lane``s together (each joins in turn) until every one has finished; one after another
         where sequences cannot share a step exactly (``batchable``)."""
-        for group in ([lanes] if self.batchable else [[lane] for lane in lanes]):
+        groups = [lanes] if self.batchable else [[lane] for lane in lanes]
+        for group in groups:  # before anything joins
+            shared_state(group)
+        for group in groups:
             batch = self.new_batch(any(lane.lookahead for lane in group))
             with torch.inference_mode():
                 for lane in group:

@@ -28,7 +28,7 @@ from lookahead.passes import forward, prefill
 from lookahead.stats import Clock, GenerationStats
 from lookahead.tree import TokenTree
 from lookahead.verify import argmax
-from lookahead.planner import Calibration, JacobiWorth, LiveCurve, plan
+from lookahead.planner import DORMANT, Calibration, JacobiWorth, LiveCurve, plan
 from lookahead.window import JacobiWindow
 from ngram_pool import SuffixDrafter
 
@@ -75,6 +75,15 @@ class Lane:
             self.streamer.put(torch.tensor(tokens))
 
 
+def shared_state(lanes: list[Lane]) -> DraftState | None:
+    """The one drafting state of the lanes that draft (None: none does); a ValueError if they have several (the
+    shared sources learn from a whole step in one call)."""
+    states = {id(lane.state): lane.state for lane in lanes if lane.lookahead}
+    if len(states) > 1:
+        raise ValueError("the drafting sequences of a batch share one drafting state (its sources learn from the whole step)")
+    return next(iter(states.values()), None)
+
+
 def until_stop(decoding: Decoding, history: list[int], new: list[int]) -> tuple[list[int], bool]:
     """``new`` up to and including the first token that ends generation, and whether one did."""
     for i in range(len(new)):
@@ -113,9 +122,7 @@ class Batch:
         (unless that token already finished it). With ``prefill_chunk`` and other lanes in the batch, the
         prompt goes in by chunks between steps (``step``), so a long prompt does not stall the others for
         its whole prefill (SmolLM2, 2 cores, bf16: ~3.5 s for 2048 tokens); else at once, here."""
-        others = self.lanes + [joining for joining, _ in self.joining]
-        if others and lane.state is not others[0].state:
-            raise ValueError("the sequences of a batch share one drafting state (its sources learn from the whole step)")
+        shared_state(self.lanes + [joining for joining, _ in self.joining] + [lane])
         lane.clock = Clock()
         if lane.streamer is not None:
             lane.streamer.put(torch.tensor(lane.prompt))
@@ -176,10 +183,11 @@ class Batch:
         self._squeeze_if_costly()
         # 1. draft: every lane's sources propose continuations of its current token, merged into one tree
         trees, levels, spaces = [], [], []
-        drafting = self.curve is None or not self.curve.dormant
+        dormant = self.curve is not None and self.curve.dormant
         for lane in lanes:
             room, space = self._limits(lane)
-            tree = lane.state.propose(lane.out[-1], cfg, min(cfg.tree_budget if lane.lookahead and drafting else 0, space), room, lane.suffix)
+            drafting = lane.lookahead and not (dormant and lane.stats.steps >= DORMANT)  # a new lane drafts its first steps
+            tree = lane.state.propose(lane.out[-1], cfg, min(cfg.tree_budget if drafting else 0, space), room, lane.suffix)
             level = lane.window.levels_within(room) if lane.window and drafting else 0
             trees.append(tree)
             levels.append(level if level * cfg.window <= space else 0)
@@ -240,7 +248,7 @@ class Batch:
             lane.out += new
             lane.stats.record(tree, level, verdict.path, len(new))
         if observed:
-            lanes[0].state.learn(cfg, observed)  # one state for the batch (``join`` checks)
+            shared_state(lanes).learn(cfg, observed)
         learn_s = clock.lap()
         # 6. stream what was accepted; finished lanes leave the batch
         for lane, new in zip(lanes, news):

@@ -52,6 +52,11 @@ def _field(config: PreTrainedConfig, name: str):
         return None
 
 
+def mask_windows(config: PreTrainedConfig) -> dict[str, int | None]:
+    """Layer type -> its sliding window or None: what the step's masks are built for (``kv.BatchCache.masks``)."""
+    return {kind: window for kind, (_, window) in mask_layers(config).items()}
+
+
 def mask_layers(config: PreTrainedConfig) -> dict[str, tuple[int, int | None]]:
     """Layer type -> (its first layer, its sliding window or None): one 4D mask per type.
 

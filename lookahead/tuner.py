@@ -93,7 +93,7 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
     progress(f"measuring forward cost for {len(sizes)} step sizes (once for this machine, model and dtype)")
     times = dict.fromkeys(sizes, float("inf"))
     rng = torch.Generator().manual_seed(0)  # private: the global RNG (unseeded sampling) is the user's
-    windows = {kind: window for kind, (_, window) in support.mask_layers(model.config.get_text_config(decoder=True)).items()}
+    windows = support.mask_windows(model.config.get_text_config(decoder=True))
     with torch.inference_mode():  # the loop's own forward: its cache, a 4D mask, logits of every row on the host
         cache, _ = prefill(model, torch.randint(0, vocab, (context,), generator=rng).tolist())
         for size in (sizes[0],) * 2 + sizes * rounds:  # two warm-up forwards, then the interleaved rounds

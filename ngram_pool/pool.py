@@ -119,11 +119,18 @@ class NGramPool:
 
     def insert_sequence(self, tokens: np.ndarray | list[int], source: int = Source.PROMPT) -> int:
         """Insert every n-gram of a token sequence (shorter than n: nothing); returns how many were new."""
-        seq = _as_ids("tokens", tokens, 1)
-        if seq.size < self.n:
-            kernels.check_ids(seq, self.vocab_size)
-            return 0
-        return self.insert_many(np.lib.stride_tricks.sliding_window_view(seq, self.n), source)
+        return self.insert_sequences([tokens], source)
+
+    def insert_sequences(self, sequences: list[np.ndarray | list[int]], source: int = Source.PROMPT) -> int:
+        """Insert every n-gram of each sequence, in order, in one kernel call; returns how many were new."""
+        grams = []
+        for tokens in sequences:
+            seq = _as_ids("tokens", tokens, 1)
+            if seq.size < self.n:
+                kernels.check_ids(seq, self.vocab_size)
+            else:
+                grams.append(np.lib.stride_tricks.sliding_window_view(seq, self.n))
+        return self.insert_many(np.concatenate(grams), source) if grams else 0
 
     def _add_rows(self, keys: np.ndarray) -> None:
         """Give each key a row of its own, doubling the table when it is full (sparse pools only)."""

@@ -92,10 +92,14 @@ def test_drafts_the_cost_model_keeps_declining_are_proposed_only_every_few_steps
     proposed = []
     original = DraftState.propose
     monkeypatch.setattr(DraftState, "propose", lambda self, current, cfg, budget, *rest: proposed.append(budget > 0) or original(self, current, cfg, budget, *rest))
-    out = LookaheadGenerator(model, config=LookaheadConfig(), cost=STEEP).generate(prompt, max_new_tokens=41)
+    gen = LookaheadGenerator(model, config=LookaheadConfig(), cost=STEEP)
+    out = gen.generate(prompt, max_new_tokens=41)
     assert out.tokens == hf_greedy(model, prompt, 41) and out.stats.tree_nodes == 0 and len(proposed) == 40
     assert proposed[: DORMANT + 1] == [True] * (DORMANT + 1)  # the forward of step i is the i-th plain one in a row
     assert proposed[DORMANT + 1 :] == [(i % DORMANT_STRIDE == 0) for i in range(DORMANT + 1, 40)]
+    proposed.clear()
+    gen.generate(prompt[::-1], max_new_tokens=12)  # the cost model is still dormant: a new request drafts its first steps
+    assert gen.live_cost.dormant and proposed[:DORMANT] == [True] * DORMANT
     live = LiveCurve(STEEP)
     for _ in range(DORMANT + 1):
         live.observe(1, 0.01)
