@@ -85,7 +85,7 @@ class LookaheadGenerator:
     def cost(self) -> CostCurve:
         """This machine's forward-cost curve for the model (probed once and cached on disk)."""
         if self._cost is None:
-            self._cost = cached_curve(self.model, self._cache_dir or models.default_cache_dir(), self._progress)
+            self._cost = cached_curve(self.model, self._cache_dir or models.default_cache_dir(), self._progress, self.batchable)
         return self._cost
 
     @property

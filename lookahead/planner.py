@@ -44,9 +44,9 @@ class LiveCurve:
     wrong c(1) skews every ratio. Each timed forward of T rows over B sequences updates a running
     log-correction of c in its cell (B, the probed size nearest T); a step whose cell was never observed
     borrows the nearest observed cell's (in log B and log T), so the curve keeps its probed shape where the
-    loop has not been. Batch sizes are kept apart because the probe fed one sequence, and B sequences of T/B
-    rows cost more than one of T (each reads its own cache; measured, SmolLM2 fp32 over ~400 keys: 8 x 1 rows
-    50 ms, 1 x 8 rows 37 ms). A new cell starts from the correction it borrowed, and its first samples weigh
+    loop has not been, on both axes (the probe also timed 8 sequences x 1, 2, 4 rows: ``CostCurve.ratio``).
+    Batch sizes are kept apart because B sequences of T/B rows cost more than one of T (each reads its own
+    cache; measured, SmolLM2 fp32 over ~400 keys: 8 x 1 rows 50 ms, 1 x 8 rows 37 ms). A new cell starts from the correction it borrowed, and its first samples weigh
     more (1/2, 1/3, ... down to ``LIVE_WEIGHT``): a batch size that comes and goes in a server must learn its
     cost in a few steps (started from the probe instead, 8 sequences x 4 rows were still priced 7% low after
     13 samples).
@@ -83,7 +83,7 @@ class LiveCurve:
     def observe(self, tokens: int, seconds: float, batch: int = 1) -> None:
         """One forward of ``tokens`` rows over ``batch`` sequences took ``seconds``."""
         cell = (batch, int(np.abs(np.asarray(self.curve.sizes) - tokens).argmin()))
-        probed = self.curve.ms_at_1 * self.curve.ratio(tokens) / 1000
+        probed = self.curve.ms_at_1 * self.curve.ratio(tokens, batch) / 1000
         error = float(np.log(max(seconds, 1e-9) / probed))
         self.observed += 1
         self.plain_run = self.plain_run + 1 if tokens <= batch else 0
@@ -95,7 +95,7 @@ class LiveCurve:
 
     def ratio(self, tokens: int | np.ndarray, batch: int = 1) -> float | np.ndarray:
         """c(T rows over ``batch`` sequences) / c(1 row, one sequence), both corrected, never below 1."""
-        r = np.maximum(1.0, self.curve.ratio(tokens) * np.exp(self._near(batch, tokens) - self._near(1, 1)))
+        r = np.maximum(1.0, self.curve.ratio(tokens, batch) * np.exp(self._near(batch, tokens) - self._near(1, 1)))
         return r if np.ndim(r) else float(r)
 
     def _near(self, batch: int, tokens: int | np.ndarray) -> float | np.ndarray:

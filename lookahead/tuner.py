@@ -30,8 +30,10 @@ from lookahead.planner import chain_tree, choose
 
 PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROBE_CONTEXT = 256
-CURVE_FORMAT = 4  # 2: fastest of interleaved rounds, monotone envelope; 3: packed models attend with grouped_sdpa;
-# 4: the loop's own forward (4D mask, logits to the host; without a mask c(1) read ~20% high on Zen 5) (older curves are re-probed)
+BATCH, BATCH_WIDTHS = 8, (1, 2, 4)  # the batch the probe also times: 8 sequences x 1, 2 and 4 rows
+CURVE_FORMAT = 5  # 2: fastest of interleaved rounds, monotone envelope; 3: packed models attend with grouped_sdpa;
+# 4: the loop's own forward (4D mask, logits to the host; without a mask c(1) read ~20% high on Zen 5); 5: the
+# batch axis (older curves are re-probed)
 AUTO_DTYPES = ("float32", "bfloat16")  # what --dtype auto chooses from (float16 on CPU is slow and lossy)
 # what --dtype auto expects of drafting before anything is measured: a chain of 16 drafts, each accepted with
 # probability 0.5 given its parent (~2 tokens per forward at full width, what the default shape measured)
@@ -40,20 +42,31 @@ REFERENCE_CHAIN = (0.5, 16)
 
 @dataclass(frozen=True)
 class CostCurve:
-    """r(T) = c(T)/c(1) at the measured sizes, and c(1) itself."""
+    """r(T) = c(T)/c(1) at the measured sizes for one sequence, c(1) itself, and what ``BATCH`` sequences of
+    ``BATCH_WIDTHS`` rows each cost (over c(1); empty: not measured)."""
 
     sizes: tuple[int, ...]
     ratios: tuple[float, ...]
     ms_at_1: float
     probe_s: float = 0.0  # what measuring it cost
+    batch_ratios: tuple[float, ...] = ()  # c(BATCH sequences x w rows) / c(1), for w in BATCH_WIDTHS
 
     def ratio(self, tokens: int | np.ndarray, batch: int = 1) -> float | np.ndarray:
-        """r(T), interpolated between measured sizes and extrapolated linearly beyond the largest (the probe fed
-        one sequence: ``batch`` is for ``LiveCurve``'s signature); an array of T gives an array."""
+        """c(``tokens`` rows over ``batch`` sequences) / c(1); an array of T gives an array.
+
+        One sequence: r(T), interpolated between measured sizes and extrapolated linearly beyond the largest.
+        A batch's rows cost more than one sequence's (each sequence reads its own cache; SmolLM2 bf16 on Zen 5:
+        8 x 2 rows cost 1.37x 8 x 1, one sequence's 16 rows 1.16x its 8): r(T) times the measured factor
+        f(w) = c(BATCH x w) / (c(1) r(BATCH w)) at the width w = T / batch, taken to the power
+        log(batch) / log(BATCH) for other batch sizes."""
         sizes, ratios = np.asarray(self.sizes, float), np.asarray(self.ratios, float)
         slope = (ratios[-1] - ratios[-2]) / (sizes[-1] - sizes[-2])
         t = np.asarray(tokens, float)
         r = np.where(t <= sizes[-1], np.interp(t, sizes, ratios), ratios[-1] + slope * (t - sizes[-1]))
+        if batch > 1 and self.batch_ratios:
+            widths = np.asarray(BATCH_WIDTHS, float)
+            factor = np.asarray(self.batch_ratios) / self.ratio(BATCH * widths)  # f(w) at the measured widths
+            r = r * np.interp(t / batch, widths, factor) ** (np.log(batch) / np.log(BATCH))
         return r if r.ndim else float(r)
 
     @classmethod
@@ -64,11 +77,12 @@ class CostCurve:
             if data.pop("format") != CURVE_FORMAT:
                 raise ValueError("another format")
             curve = cls(tuple(int(s) for s in data["sizes"]), tuple(float(r) for r in data["ratios"]),
-                        float(data["ms_at_1"]), float(data.get("probe_s", 0.0)))
+                        float(data["ms_at_1"]), float(data.get("probe_s", 0.0)), tuple(float(r) for r in data.get("batch_ratios", ())))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a cost curve ({e})") from None
         if len(curve.sizes) < 2 or len(curve.sizes) != len(curve.ratios) or curve.sizes[0] != 1 \
-                or list(curve.sizes) != sorted(set(curve.sizes)) or not all(r > 0 for r in curve.ratios) or not curve.ms_at_1 > 0:
+                or list(curve.sizes) != sorted(set(curve.sizes)) or not all(r > 0 for r in curve.ratios + curve.batch_ratios) \
+                or len(curve.batch_ratios) not in (0, len(BATCH_WIDTHS)) or not curve.ms_at_1 > 0:
             raise ValueError("not a cost curve (bad values)")
         return curve
 
@@ -77,8 +91,9 @@ class CostCurve:
 
 
 def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT, rounds: int = 4,
-          progress: Callable[[str], None] = lambda _: None) -> CostCurve:
-    """Time one forward adding T tokens to a ``context``-token cache for each T.
+          progress: Callable[[str], None] = lambda _: None, batch: bool = True) -> CostCurve:
+    """Time one forward adding T tokens to a ``context``-token cache for each T; with ``batch``, also ``BATCH``
+    such caches taking ``BATCH_WIDTHS`` rows each (a model whose sequences cannot share a step: ``batch=False``).
 
     Timing noise on a shared CPU only ever adds time, and drifts: so the sizes are measured in ``rounds``
     interleaved passes, each size keeps its fastest time, and the curve is the lower envelope that never
@@ -91,21 +106,30 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
     context = max(1, min(context, limit - max(sizes)))
     vocab = models.vocab_size(model)
     progress(f"measuring forward cost for {len(sizes)} step sizes (once for this machine, model and dtype)")
-    times = dict.fromkeys(sizes, float("inf"))
     rng = torch.Generator().manual_seed(0)  # private: the global RNG (unseeded sampling) is the user's
     windows = support.mask_windows(model.config.get_text_config(decoder=True))
     with torch.inference_mode():  # the loop's own forward: its cache, a 4D mask, logits of every row on the host
-        cache, _ = prefill(model, torch.randint(0, vocab, (context,), generator=rng).tolist())
-        for size in (sizes[0],) * 2 + sizes * rounds:  # two warm-up forwards, then the interleaved rounds
-            step = stack([build_layout(0, 0, chain_tree(0.5, size - 1))])
-            ids = torch.randint(0, vocab, (1, size), generator=rng)
+        prompt = torch.randint(0, vocab, (context,), generator=rng).tolist()
+        cache, _ = prefill(model, prompt)
+        widths = BATCH_WIDTHS if batch else ()
+        batched = prefill(model, prompt)[0] if widths else None
+        for _ in range(BATCH - 1 if widths else 0):
+            batched.join(prefill(model, prompt)[0])
+        runs = [(1, size) for size in sizes] + [(BATCH, width) for width in widths]
+        times = dict.fromkeys(runs, float("inf"))
+        for sequences, size in runs[:1] * 2 + runs * rounds:  # two warm-up forwards, then the interleaved rounds
+            step = stack([build_layout(0, 0, chain_tree(0.5, size - 1))] * sequences)
+            ids = torch.randint(0, vocab, (sequences, size), generator=rng)
+            on = cache if sequences == 1 else batched
             t0 = time.perf_counter()
-            forward(model, windows, step, cache, ids, torch.tensor([context]))  # returns on the host: synchronised
-            times[size] = min(times[size], time.perf_counter() - t0)
-            cache.cache.crop(-size)  # back to the context (a negative count in transformers 5.x)
-    envelope = np.minimum.accumulate([times[s] for s in sizes][::-1])[::-1]  # non-decreasing in T
+            forward(model, windows, step, on, ids, torch.full((sequences,), context))  # returns on the host: synchronised
+            times[sequences, size] = min(times[sequences, size], time.perf_counter() - t0)
+            on.cache.crop(-size)  # back to the context (a negative count in transformers 5.x)
+    envelope = np.minimum.accumulate([times[1, s] for s in sizes][::-1])[::-1]  # non-decreasing in T
     base = envelope[0]
-    return CostCurve(tuple(sizes), tuple(float(t / base) for t in envelope), base * 1000, time.perf_counter() - start)
+    wide = np.minimum.accumulate([times[BATCH, w] for w in widths][::-1])[::-1] / base if widths else ()  # likewise
+    return CostCurve(tuple(sizes), tuple(float(t / base) for t in envelope), base * 1000, time.perf_counter() - start,
+                     tuple(float(r) for r in wide))
 
 
 def curve_file(model: PreTrainedModel, cache_dir: Path) -> Path:
@@ -154,13 +178,15 @@ def _kernels_for(kernels: str, dtype: str, device: str) -> str:
     return "packed" if packs else "stock"
 
 
-def cached_curve(model: PreTrainedModel, cache_dir: Path, progress: Callable[[str], None] = lambda _: None) -> CostCurve:
-    """The cached curve, or a new probe (also when the file is missing, unreadable or corrupt), saved."""
+def cached_curve(model: PreTrainedModel, cache_dir: Path, progress: Callable[[str], None] = lambda _: None,
+                 batch: bool = True) -> CostCurve:
+    """The cached curve, or a new probe (also when the file is missing, unreadable or corrupt), saved; ``batch``:
+    as ``probe``'s."""
     path = curve_file(model, cache_dir)
     try:
         return CostCurve.from_json(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
-        curve = probe(model, progress=progress)
+        curve = probe(model, progress=progress, batch=batch)
         progress(f"forward cost measured in {curve.probe_s:.1f} s: r(16) = {curve.ratio(16):.2f}, r(32) = {curve.ratio(32):.2f}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from lookahead import LookaheadConfig, LookaheadGenerator, tuner
 from lookahead.tree import TokenTree
 from lookahead.drafting import DraftState
 from lookahead.planner import DORMANT, DORMANT_STRIDE, Calibration, JacobiWorth, LiveCurve, choose, plan
-from lookahead.tuner import CostCurve, cached_curve, curve_file, lookahead_speed, probe
+from lookahead.tuner import BATCH_WIDTHS, CostCurve, cached_curve, curve_file, lookahead_speed, probe
 
 FLAT = CostCurve((1, 64), (1.0, 1.05), 10.0)
 STEEP = CostCurve((1, 2, 64), (1.0, 1.9, 60.0), 10.0)
@@ -120,6 +120,23 @@ def test_probe_curve_starts_at_one_and_never_decreases():
     # a tiny model's forwards take ~1 ms, so scheduling noise alone makes raw timings non-monotone
     curve = probe(tiny_llama(), rounds=2)
     assert curve.ratios[0] == 1.0 and list(curve.ratios) == sorted(curve.ratios)
+    assert len(curve.batch_ratios) == len(BATCH_WIDTHS) and list(curve.batch_ratios) == sorted(curve.batch_ratios)
+    assert CostCurve.from_json(curve.to_json()) == curve and probe(tiny_llama(), rounds=1, batch=False).batch_ratios == ()
+
+
+def test_the_probed_batch_axis_prices_a_cold_batch_s_wide_steps():
+    """One sequence's 16 rows cost 1.15x its 8; eight sequences' 2 rows each cost 1.4x their 1 (as measured on a
+    Zen 5): a tree worth a row to each of eight sequences at the single-sequence shape is not worth it there."""
+    single = CostCurve((1, 8, 16, 32), (1.0, 1.2, 1.38, 1.9), 10.0)
+    both = CostCurve(single.sizes, single.ratios, 10.0, batch_ratios=(1.44, 2.0, 2.6))
+    assert single.ratio(16, 8) == single.ratio(16) and both.ratio(8) == single.ratio(8)  # one sequence: as probed
+    assert both.ratio(8, 8) == pytest.approx(1.44) and both.ratio(16, 8) == pytest.approx(2.0) and both.ratio(32, 8) == pytest.approx(2.6)
+    assert single.ratio(4, 4) < both.ratio(4, 4) < both.ratio(8, 8)  # between one sequence and eight, geometrically
+    tree = chain([0.3])
+    assert plan(LiveCurve(single), [tree] * 8, [0] * 8, [0.0] * 8)[0].nodes == 1  # 1.3 / 1.15 > 1: priced as one sequence
+    assert plan(LiveCurve(both), [tree] * 8, [0] * 8, [0.0] * 8)[0].nodes == 0  # 1.3 / 1.39 < 1
+    with pytest.raises(ValueError):
+        CostCurve.from_json(both.to_json().replace("[1.44, 2.0, 2.6]", "[1.44, 2.0]"))
 
 
 def test_live_curve_corrects_a_probe_that_overstates_the_one_token_step():
