@@ -114,7 +114,7 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
         widths = BATCH_WIDTHS if batch else ()
         batched = prefill(model, prompt)[0] if widths else None
         for _ in range(BATCH - 1 if widths else 0):
-            batched.join(prefill(model, prompt)[0])
+            batched.join(cache)  # a copy of the same prompt's keys: no prefill of its own
         runs = [(1, size) for size in sizes] + [(BATCH, width) for width in widths]
         times = dict.fromkeys(runs, float("inf"))
         for sequences, size in runs[:1] * 2 + runs * rounds:  # two warm-up forwards, then the interleaved rounds
