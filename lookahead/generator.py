@@ -3,6 +3,9 @@ and the pool's candidates; accept what the model agrees with; keep only the acce
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +47,8 @@ class LookaheadGenerator:
         self._cost, self._cache_dir, self._progress = cost, cache_dir, progress
         self._live: LiveCurve | None = None
         self._calibration = Calibration()  # the drafts' promise against what came, over every sequence (kept across requests)
+        self._state: DraftState | None = None  # the drafting state requests without one of their own share (``own_state``)
+        self._state_lock = threading.Lock()
         mc = model.config.get_text_config(decoder=True)
         support.check_config(model)
         self.vocab_size = models.vocab_size(model)
@@ -120,8 +125,9 @@ class LookaheadGenerator:
         the options' or generation config's ``max_new_tokens``, then its ``max_length`` minus the prompt, then the
         model's generation config (20 new tokens by default). ``lookahead=False`` decodes one token per forward
         through the same loop. ``streamer`` gets ``put(ids)`` with the prompt, then every accepted token in order, then ``end()``.
-        ``state`` (from ``new_state()`` or ``DraftState.load``) keeps the drafting sources and their
-        acceptance statistics across requests, so later requests draft better. Sampling draws from torch's
+        ``state`` (from ``new_state()`` or ``DraftState.load``): the drafting sources and their acceptance
+        statistics to draft from and teach; by default this generator's own, which keeps learning across
+        requests, so later requests draft better (``own_state``; ``state=gen.new_state()`` starts cold). Sampling draws from torch's
         global RNG like ``generate()`` (``torch.manual_seed`` reproduces it), or, with ``seed=<int>``, from a
         private generator: the same seed gives the same sample whatever the global state.
         """
@@ -152,11 +158,11 @@ class LookaheadGenerator:
         for name, values in (("streamers", streamers), ("seeds", seeds)):
             if values is not None and len(values) != len(prompts):
                 raise ValueError(f"{name} has {len(values)} entries for {len(prompts)} prompts")
-        state = state or self.new_state()
-        lanes = [self.new_lane(prompt, max_new_tokens, state=state, chat=chat, system=system, streamer=streamers[i] if streamers else None,
-                               lookahead=lookahead, generation_config=generation_config, seed=seeds[i] if seeds else None, **options)
-                 for i, prompt in enumerate(prompts)]
-        return self.decode(lanes)
+        with nullcontext(state) if state is not None else self.own_state() as state:
+            lanes = [self.new_lane(prompt, max_new_tokens, state=state, chat=chat, system=system, streamer=streamers[i] if streamers else None,
+                                   lookahead=lookahead, generation_config=generation_config, seed=seeds[i] if seeds else None, **options)
+                     for i, prompt in enumerate(prompts)]
+            return self.decode(lanes)
 
     def decode(self, lanes: list[Lane]) -> list[GenerationResult]:
         """Decode ``new_lane``s together (each joins in turn) until every one has finished; one after another
@@ -212,6 +218,21 @@ class LookaheadGenerator:
         cfg = self.config
         sparse = cfg.pool_sparse if cfg.pool_sparse is not None else self.vocab_size > SPARSE_POOL_VOCAB
         return DraftState.for_config(self.vocab_size, cfg, sparse)
+
+    @contextmanager
+    def own_state(self) -> Iterator[DraftState]:
+        """This generator's own drafting state, for a call that brings none: it keeps learning across requests
+        (SmolLM2, bf16, Zen 5, 16 unseen prompts one after another: 1.57 -> 1.82 tokens a forward, 1.30x -> 1.41x
+        our plain loop). While another thread decodes with it, a fresh one (the sources are not thread-safe)."""
+        if not self._state_lock.acquire(blocking=False):
+            yield self.new_state()
+            return
+        try:
+            if self._state is None:
+                self._state = self.new_state()
+            yield self._state
+        finally:
+            self._state_lock.release()
 
     def _limits(self, position: int, last_position: int) -> tuple[int, int]:
         """How far past the current token (at ``position``) a step's rows may sit, and how many rows it may add.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -70,9 +71,9 @@ def custom_generate(
 
     The rows are decoded together (``LookaheadGenerator.decode``), each without its padding, then padded back
     as generate() pads: rows ending before the longest get ``pad_token_id``. generate() keywords of our own:
-    ``lookahead_config`` picks the step shape; ``lookahead_state`` (``generator_for(model).new_state()``)
-    keeps the drafting sources learning across calls, as ``LookaheadGenerator.generate(state=...)`` does
-    (default: a fresh state per call, as there). Options the loop cannot honour are refused by name with ValueError.
+    ``lookahead_config`` picks the step shape; ``lookahead_state`` (``generator_for(model).new_state()``) is
+    the drafting state to draft from and teach, as ``LookaheadGenerator.generate(state=...)`` takes it
+    (default, as there: the generator's own, learning across calls). Options the loop cannot honour are refused by name with ValueError.
     """
     config = copy.deepcopy(generation_config)
     _refuse_unhonoured(model, input_ids, logits_processor, stopping_criteria, config, model_kwargs)
@@ -87,14 +88,15 @@ def custom_generate(
     width = input_ids.shape[1]
     max_new_tokens = config.max_length - width
     mask = model_kwargs.get("attention_mask")
-    state, lanes = lookahead_state or gen.new_state(), []
-    for i, row in enumerate(input_ids):
-        keep = mask[i].bool() if mask is not None else torch.ones_like(row, dtype=torch.bool)
-        pads = int((~keep).sum())
-        row_config = copy.copy(config)  # generate()'s lengths count the padding; the row's own do not
-        row_config.max_length, row_config.min_length = config.max_length - pads, max(config.min_length - pads, 0)
-        lanes.append(gen.new_lane(row[keep].cpu(), max_new_tokens, state=state, streamer=streamer, generation_config=row_config))
-    rows = [out.tokens for out in gen.decode(lanes)]
+    lanes = []
+    with nullcontext(lookahead_state) if lookahead_state is not None else gen.own_state() as state:
+        for i, row in enumerate(input_ids):
+            keep = mask[i].bool() if mask is not None else torch.ones_like(row, dtype=torch.bool)
+            pads = int((~keep).sum())
+            row_config = copy.copy(config)  # generate()'s lengths count the padding; the row's own do not
+            row_config.max_length, row_config.min_length = config.max_length - pads, max(config.min_length - pads, 0)
+            lanes.append(gen.new_lane(row[keep].cpu(), max_new_tokens, state=state, streamer=streamer, generation_config=row_config))
+        rows = [out.tokens for out in gen.decode(lanes)]
     sequences = torch.cat([input_ids, _padded(rows, config, input_ids)], dim=1)
     return GenerateDecoderOnlyOutput(sequences=sequences) if return_dict else sequences
 

@@ -104,8 +104,8 @@ def test_a_batch_of_one_is_generate():
     model = tiny_gemma3()
     gen = generator(model)  # a fixed shape: the auto config's live cost correction would differ between the two calls
     prompt = repetitive_prompt(30)
-    [batched] = gen.generate_batch([prompt], 32)
-    alone = gen.generate(prompt, max_new_tokens=32)
+    [batched] = gen.generate_batch([prompt], 32, state=gen.new_state())  # cold states: the generator's own would learn
+    alone = gen.generate(prompt, max_new_tokens=32, state=gen.new_state())
     assert batched.tokens == alone.tokens and batched.finish_reason == alone.finish_reason
     assert batched.stats.accepted_hist == alone.stats.accepted_hist
 
