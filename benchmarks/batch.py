@@ -58,16 +58,17 @@ def run(args) -> dict:
     prompts = [sets[i % len(sets)][i // len(sets)] for i in range(max(args.batch))]  # round-robin over the sets
     ids = [prompt_ids(tokenizer, p.text, p.chat) for p in prompts]
     refs = [hf_generate(stock, p, args.max_new_tokens)[0] for p in ids]  # stock generate() alone: the reference
-    gen.generate_batch(ids[:2], max_new_tokens=4)  # warm up: curve, kernels, numba
+    gen.generate_batch(ids[:2], max_new_tokens=4, state=gen.new_state())  # warm up: curve, kernels, numba
     hf_batch(stock, tokenizer, ids[:2], 4)
     rows = []
     for b in args.batch:
         batch = ids[:b]
         tokens, secs = hf_batch(stock, tokenizer, batch, args.max_new_tokens)
         row = {"batch": b, "hf_batched_tok_s": tokens / secs}
-        for name, call in (("plain_batched", lambda: gen.generate_batch(batch, args.max_new_tokens, lookahead=False)),
-                           ("lookahead_batched", lambda: gen.generate_batch(batch, args.max_new_tokens)),
-                           ("lookahead_one_at_a_time", lambda: [gen.generate(p, args.max_new_tokens) for p in batch])):
+        # every call drafts from a cold state (the generator's own would have learnt these prompts' answers at the smaller B)
+        for name, call in (("plain_batched", lambda: gen.generate_batch(batch, args.max_new_tokens, lookahead=False, state=gen.new_state())),
+                           ("lookahead_batched", lambda: gen.generate_batch(batch, args.max_new_tokens, state=gen.new_state())),
+                           ("lookahead_one_at_a_time", lambda: [gen.generate(p, args.max_new_tokens, state=gen.new_state()) for p in batch])):
             start = time.perf_counter()
             results = call()
             secs = time.perf_counter() - start
@@ -103,7 +104,7 @@ def join_stall(gen: LookaheadGenerator, running: list[list[int]], long: list[int
         while batch:
             batch.step()
     return {"chunk": chunk, "max_gap_s": max(gaps), "joiner_first_token_s": joiner.stats.prefill_s,
-            "running_tok_s": sum(len(lane.out) for lane in lanes) / elapsed, "exact": joiner.out == gen.generate(long, max_new_tokens).tokens}
+            "running_tok_s": sum(len(lane.out) for lane in lanes) / elapsed, "exact": joiner.out == gen.generate(long, max_new_tokens, state=gen.new_state()).tokens}
 
 
 def run_join(args) -> dict:
@@ -114,7 +115,7 @@ def run_join(args) -> dict:
     passages = datasets.load(["summarisation"], None, cache_dir)
     long = sum((prompt_ids(tokenizer, p.text, False) for p in passages), [])[: args.join]
     running = [prompt_ids(tokenizer, p.text, p.chat) for p in datasets.load(["mt_bench"], max(args.batch) - 1, cache_dir)]
-    gen.generate_batch(running[:2], max_new_tokens=4)  # warm up: curve, kernels, numba
+    gen.generate_batch(running[:2], max_new_tokens=4, state=gen.new_state())  # warm up: curve, kernels, numba
     rows = [join_stall(gen, running, long, chunk, args.max_new_tokens) for chunk in args.chunks]
     for row in rows:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
