@@ -31,7 +31,6 @@ from lookahead.verify import argmax
 from lookahead.planner import DORMANT, Calibration, JacobiWorth, LiveCurve, plan
 from lookahead.window import JacobiWindow
 from ngram_pool import SuffixDrafter
-from ngram_pool.recycle import top_k
 
 
 @dataclass(eq=False)
@@ -232,7 +231,7 @@ class Batch:
         # 5. learn (not in plain decoding): the window advances; the sources take the trajectories, the new
         #    tokens and every row's top-k (one top-k over the whole step)
         k = min(cfg.recycle_k, logits.shape[-1]) if any(lane.lookahead for lane in lanes) else 0
-        topk = top_k(logits.numpy().reshape(-1, logits.shape[-1]), k).reshape(*logits.shape[:2], k)  # (B, U, k)
+        topk = torch.topk(logits, k).indices.numpy() if k else np.empty((*logits.shape[:2], 0), np.int64)  # (B, U, k)
         observed = []
         for b, (lane, tree, level, layout, verdict, new, own) in enumerate(zip(lanes, trees, levels, layouts, verdicts, news, owns)):
             if lane.lookahead:

@@ -47,29 +47,6 @@ def update_table(table: np.ndarray, tokens: np.ndarray, successors: np.ndarray) 
 
 
 @njit(cache=True)
-def top_k(scores: np.ndarray, k: int) -> np.ndarray:
-    """(R, min(k, V)) indices of the largest of each row of ``scores`` (R, V), largest first, the first of
-    equal ones first, NaN last: one pass a row keeping k in order (a row of 49152 logits: ~19 us against
-    torch.topk's ~47, warm, on Zen 5; right after a forward, with cold caches, more)."""
-    rows, n = scores.shape
-    k = min(k, n)
-    out = np.empty((rows, k), np.int64)
-    best = np.empty(k, scores.dtype)
-    for r in range(rows if k else 0):
-        for i in range(n):
-            v = scores[r, i]
-            # "v ranks above b": v > b, or b is NaN and v is not (NaN ranks below every number)
-            if i >= k and not (v > best[k - 1] or (best[k - 1] != best[k - 1] and v == v)):
-                continue
-            j = min(i, k - 1)  # v's slot, moved up past every kept value it ranks above
-            while j > 0 and (v > best[j - 1] or (best[j - 1] != best[j - 1] and v == v)):
-                best[j], out[r, j] = best[j - 1], out[r, j - 1]
-                j -= 1
-            best[j], out[r, j] = v, i
-    return out
-
-
-@njit(cache=True)
 def expand_template(table: np.ndarray, root: int, parents: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     """Tokens (M,) of a template's nodes grown from ``root``: node i = table[its parent's token, ranks[i]]; -1
     where the table has no such successor (and below it)."""
@@ -157,7 +134,6 @@ class RecycleTable:
         for dtype in (np.int32, np.int64):
             update_table(np.zeros((1, 1), np.int32), np.zeros(1, dtype), np.zeros((1, 1), dtype))
         expand_template(np.zeros((1, 1), np.int32), 0, np.full(1, -1, np.int64), np.zeros(1, np.int64))
-        top_k(np.zeros((1, 2), np.float32), 1)
         best_template(np.ones(1), 1, 1)
         cls._warm = True
 

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from lookahead.config import LookaheadConfig
 from lookahead.drafting import SOURCES, DraftState
 from ngram_pool import RecycleTable, SuffixDrafter, template
-from ngram_pool.recycle import top_k
 from ngram_pool.reference import PyRecycleTable, py_suffix_drafts
 
 
@@ -95,19 +94,6 @@ def test_template_is_the_best_tree_of_its_size(rates, size, max_depth):
 
     grow([], nodes)
     assert expected_acceptance(parents, ranks, rates) >= best - 1e-9
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 30), st.integers(0, 10), st.booleans(), st.integers(0, 2**31))
-def test_top_k_ranks_largest_first_ties_in_order_nan_last(rows, width, k, nans, seed):
-    rng = np.random.default_rng(seed)
-    scores = rng.integers(-3, 4, (rows, width)).astype(np.float32)  # few values: many ties
-    if nans:
-        scores[rng.random((rows, width)) < 0.3] = np.nan
-    got = top_k(scores, k)
-    for r in range(rows):
-        ranked = sorted(range(width), key=lambda i: (np.isnan(scores[r, i]), -np.nan_to_num(scores[r, i]), i))
-        assert got[r].tolist() == ranked[:k]
 
 
 def test_recycle_table_save_load_and_corrupt_files(tmp_path):
