@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import weakref
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -71,7 +70,7 @@ def custom_generate(
 
     The rows are decoded together (``LookaheadGenerator.decode``), each without its padding, then padded back
     as generate() pads: rows ending before the longest get ``pad_token_id``. generate() keywords of our own:
-    ``lookahead_config`` picks the step shape; ``lookahead_state`` (``generator_for(model).new_state()``) is
+    ``lookahead_config`` picks the step shape; ``lookahead_state`` (``generator_for(model, config).new_state()``) is
     the drafting state to draft from and teach, as ``LookaheadGenerator.generate(state=...)`` takes it
     (default, as there: the generator's own, learning across calls). Options the loop cannot honour are refused by name with ValueError.
     """
@@ -89,7 +88,7 @@ def custom_generate(
     max_new_tokens = config.max_length - width
     mask = model_kwargs.get("attention_mask")
     lanes = []
-    with nullcontext(lookahead_state) if lookahead_state is not None else gen.own_state() as state:
+    with gen.drafting_state(lookahead_state) as state:
         for i, row in enumerate(input_ids):
             keep = mask[i].bool() if mask is not None else torch.ones_like(row, dtype=torch.bool)
             pads = int((~keep).sum())

@@ -71,7 +71,7 @@ class LiveCurve:
         # observed cells as arrays (``_near``). Per-step numpy over the curve ran right after each forward, with
         # cold caches: ~0.25 ms a step (SmolLM2, Zen 5), ~1.5% of a bf16 step
         self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._cells: tuple[list[tuple[int, int]], np.ndarray, np.ndarray] = ([], np.empty(0), np.empty(0))
+        self._cells: tuple[list[tuple[int, int]], np.ndarray, np.ndarray] = ([], np.empty(0), np.empty(0))  # keys, rows, batches
 
     @property
     def stale(self) -> bool:
@@ -88,6 +88,8 @@ class LiveCurve:
 
     def observe(self, tokens: int, seconds: float, batch: int = 1) -> None:
         """One forward of ``tokens`` rows over ``batch`` sequences took ``seconds``."""
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 1:
+            raise ValueError(f"a forward has a whole number of rows >= 1, got {tokens!r}")
         ratios, nearest = self._table(batch, tokens)
         cell = (batch, int(nearest[tokens - 1]))
         probed = self.curve.ms_at_1 * float(ratios[tokens - 1]) / 1000
@@ -101,9 +103,11 @@ class LiveCurve:
         self.log_scale[cell] = old + max(LIVE_WEIGHT, 1 / (n + 1)) * min(max(error - old, -LIVE_CLIP), LIVE_CLIP)
 
     def ratio(self, tokens: int | np.ndarray, batch: int = 1) -> float | np.ndarray:
-        """c(T rows over ``batch`` sequences) / c(1 row, one sequence), both corrected, never below 1 (T >= 1)."""
+        """c(T rows over ``batch`` sequences) / c(1 row, one sequence), both corrected, never below 1."""
         t = np.asarray(tokens)
-        r = np.maximum(1.0, self._table(batch, int(t.max()))[0][t - 1] * np.exp(self._near(batch, t) - self._near(1, 1)))
+        whole = t.dtype.kind in "iu" and t.size and t.min() >= 1  # what the loop asks: the table has it
+        probed = self._table(batch, int(t.max()))[0][t - 1] if whole else self.curve.ratio(tokens, batch)
+        r = np.maximum(1.0, probed * np.exp(self._near(batch, t) - self._near(1, 1)))
         return r if np.ndim(r) else float(r)
 
     def _table(self, batch: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -122,9 +126,9 @@ class LiveCurve:
             return 0.0
         if len(self._cells[0]) != len(self.log_scale):  # cells are only ever added: keys and values keep one order
             keys = list(self.log_scale)
-            self._cells = (keys, np.log(np.asarray(self.curve.sizes, float)[[k[1] for k in keys]]), np.log([float(k[0]) for k in keys]))
-        keys, log_rows, log_batches = self._cells
-        distance = np.abs(log_rows - np.log(np.asarray(tokens, float))[..., None]) + np.abs(log_batches - math.log(batch))
+            self._cells = (keys, np.asarray(self.curve.sizes, float)[[k[1] for k in keys]], np.array([float(k[0]) for k in keys]))
+        keys, rows, batches = self._cells
+        distance = np.abs(np.log(rows / np.asarray(tokens, float)[..., None])) + np.abs(np.log(batches / batch))
         return np.fromiter(self.log_scale.values(), float, len(keys))[distance.argmin(-1)]
 
 

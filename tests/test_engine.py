@@ -84,21 +84,25 @@ def test_a_kept_state_seeds_the_prompt_and_tolerates_foreign_pool_sources():
         LookaheadGenerator(model, config=LookaheadConfig(ngram=3)).generate(prompt, max_new_tokens=4, state=state)
 
 
-
 def test_calls_without_a_state_share_the_generators_own_and_a_busy_one_is_not_shared():
     model = tiny_llama(seed=3)
     gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False, window=4, ngram=4, guess=8))
     first, second = repetitive_prompt(30, seed=1), repetitive_prompt(30, seed=2)
     cold = gen.generate(second, max_new_tokens=32, state=gen.new_state())
     gen.generate(first, max_new_tokens=32)
-    with gen.own_state() as own:
+    with gen.drafting_state() as own:
         assert first[1:4] in own.pool.lookup(first[0]).tolist()  # the first request taught the generator's own state
-        with gen.own_state() as busy:  # another call while one decodes with it: a fresh state, not a shared one
+        with gen.drafting_state() as busy:  # another call while one decodes with it: a fresh state, not a shared one
             assert busy is not own and not busy.pool.lookup(first[0]).size
     warm = gen.generate(second, max_new_tokens=32)
     assert warm.tokens == cold.tokens == hf_greedy(model, second, 32)  # a warm state changes the drafts, never the output
-    with gen.own_state() as again:
+    with pytest.raises(RuntimeError), gen.drafting_state():
+        raise RuntimeError("a call that failed midway")
+    with gen.drafting_state() as again:  # ... gave it back
         assert again is own
+    assert warm.stats.steps <= cold.stats.steps  # and it drafts at least as well as a cold one here
+
+
 def test_plain_greedy_path_matches_generate():
     model = tiny_gemma3()
     prompt = repetitive_prompt(30)

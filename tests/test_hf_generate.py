@@ -109,6 +109,9 @@ def test_generator_is_built_once_per_model_and_config_and_a_state_can_be_kept():
         assert torch.equal(out, generate(model, ids, max_new_tokens=12))
     assert generator_for(model, DRAFTING) is gen and generator_for(model) is not gen
     assert state.tried.sum() > 0  # the drafting statistics learned from both calls
+    generate(model, ids, max_new_tokens=12, custom_generate=custom_generate, lookahead_config=DRAFTING)
+    with gen.drafting_state() as own:  # without a state of its own, the call taught the generator's
+        assert own is not state and own.tried.sum() > 0
 
 
 @pytest.mark.parametrize(

@@ -152,6 +152,21 @@ def test_live_curve_corrects_a_probe_that_overstates_the_one_token_step():
     assert live.ratio(64) >= 1.0
 
 
+def test_live_curve_tables_price_as_the_probed_curve():
+    curve = CostCurve((1, 2, 8, 32), (1.0, 1.1, 1.4, 2.5), 10.0, batch_ratios=(1.4, 2.0, 2.6))
+    live = LiveCurve(curve)
+    for batch in (1, 3, 8):  # a table per batch size, grown past its first 64 rows on demand
+        rows = np.arange(1, 300)
+        assert np.allclose(live.ratio(rows, batch), np.maximum(1.0, curve.ratio(rows, batch)))
+    assert live.ratio(2.5) == pytest.approx(curve.ratio(2.5))  # not a whole number of rows: the curve itself
+    live.observe(2, 0.011)  # as probed: no correction
+    live.observe(8, 0.028)  # twice the probe: corrected up
+    # 4 rows sit as far from 2 as from 8 (in log rows): the first cell observed wins, as before the tables
+    assert live.ratio(4) == pytest.approx(curve.ratio(4)) and live.ratio(8) > curve.ratio(8)
+    with pytest.raises(ValueError, match="whole number of rows"):
+        live.observe(0, 0.01)
+
+
 def test_live_curve_keeps_each_batch_size_apart():
     # one sequence of 8 rows costs 11 ms; eight sequences of one row each (also 8 rows) cost 16 ms, of 4 rows 48
     live = LiveCurve(CostCurve((1, 8, 32), (1.0, 1.1, 2.0), 10.0))
