@@ -71,7 +71,7 @@ class LiveCurve:
         # observed cells as arrays (``_near``). Per-step numpy over the curve ran right after each forward, with
         # cold caches: ~0.25 ms a step (SmolLM2, Zen 5), ~1.5% of a bf16 step
         self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._cells: tuple[list[tuple[int, int]], np.ndarray, np.ndarray] = ([], np.empty(0), np.empty(0))  # keys, rows, batches
+        self._cells: tuple[np.ndarray, np.ndarray] = (np.empty(0), np.empty(0))  # each observed cell's rows and batch size
 
     @property
     def stale(self) -> bool:
@@ -124,12 +124,12 @@ class LiveCurve:
         """The correction of the observed cell nearest (``batch``, ``tokens``) (0: none observed)."""
         if not self.log_scale:
             return 0.0
-        if len(self._cells[0]) != len(self.log_scale):  # cells are only ever added: keys and values keep one order
-            keys = list(self.log_scale)
-            self._cells = (keys, np.asarray(self.curve.sizes, float)[[k[1] for k in keys]], np.array([float(k[0]) for k in keys]))
-        keys, rows, batches = self._cells
+        if self._cells[0].size != len(self.log_scale):  # cells are only ever added: keys and values keep one order
+            self._cells = (np.asarray(self.curve.sizes, float)[[index for _, index in self.log_scale]],
+                           np.array([float(b) for b, _ in self.log_scale]))
+        rows, batches = self._cells
         distance = np.abs(np.log(rows / np.asarray(tokens, float)[..., None])) + np.abs(np.log(batches / batch))
-        return np.fromiter(self.log_scale.values(), float, len(keys))[distance.argmin(-1)]
+        return np.fromiter(self.log_scale.values(), float, rows.size)[distance.argmin(-1)]
 
 
 @dataclass(frozen=True)
