@@ -28,7 +28,7 @@ from lookahead.passes import forward, prefill
 from lookahead.stats import Clock, GenerationStats
 from lookahead.tree import TokenTree
 from lookahead.verify import argmax
-from lookahead.planner import DORMANT, Calibration, JacobiWorth, LiveCurve, plan
+from lookahead.planner import DORMANT, PLAIN, Calibration, JacobiWorth, LiveCurve, plan
 from lookahead.window import JacobiWindow
 from ngram_pool import SuffixDrafter
 
@@ -193,8 +193,9 @@ class Batch:
             levels.append(level if level * cfg.window <= space else 0)
             spaces.append(space)
         if self.curve is not None:  # the cost model keeps only what is expected to pay (possibly nothing: plain steps)
+            drafted = any(len(tree) or level for tree, level in zip(trees, levels))  # else plain, without pricing it (dormant steps)
             choices = plan(self.curve, trees, [lv * cfg.window for lv in levels], [ln.worth.value if ln.worth else 0.0 for ln in lanes],
-                           [ln.calibration.factor if ln.calibration else 1.0 for ln in lanes], explore=self.curve.stale)
+                           [ln.calibration.factor if ln.calibration else 1.0 for ln in lanes], explore=self.curve.stale) if drafted else [PLAIN] * len(lanes)
             for b, (lane, choice) in enumerate(zip(lanes, choices)):
                 trees[b] = trees[b].best(choice.nodes)
                 levels[b] = levels[b] if lane.worth is not None and lane.worth.runs(choice.window) else 0

@@ -139,6 +139,9 @@ class Choice:
     value: float  # expected tokens per unit of plain-step cost (plain decoding: 1.0)
 
 
+PLAIN = Choice(0, False, 1.0)  # a step of the current token alone
+
+
 def choose(curve: CostCurve | LiveCurve, tree: TokenTree, window_rows: int, window_value: float) -> Choice:
     """The step that maximises expected emitted tokens per cost for one sequence (see the module docstring)."""
     return plan(curve, [tree], [window_rows], [window_value])[0]
@@ -160,7 +163,7 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
     widest = max(1 + g.size - 1 + w for g, w in zip(gains, window_rows))
     costs = curve.ratio(len(trees) * np.arange(1, widest + 1), len(trees))  # (widest,): r(B x T) for T = 1..widest
     first = 2 if explore and widest > 1 else 1  # exploring: plain (width 1) is not a candidate
-    best, best_value = [Choice(0, False, 1.0)] * len(trees), len(trees) / float(costs[0]) if first == 1 else -np.inf
+    best, best_value = [PLAIN] * len(trees), len(trees) / float(costs[0]) if first == 1 else -np.inf
     for width in range(first, widest + 1):
         choices = []
         for g, rows, worth in zip(gains, window_rows, window_values):

@@ -128,9 +128,9 @@ class NGramPool:
             seq = _as_ids("tokens", tokens, 1)
             if seq.size < self.n:
                 kernels.check_ids(seq, self.vocab_size)
-            else:
-                grams.append(np.lib.stride_tricks.sliding_window_view(seq, self.n))
-        return self.insert_many(np.concatenate(grams), source) if grams else 0
+            else:  # (size - n + 1, n) windows, contiguous: a decode step's call, ~2x cheaper than sliding_window_view's
+                grams.append(seq[np.arange(seq.size - self.n + 1)[:, None] + np.arange(self.n)])
+        return self.insert_many(grams[0] if len(grams) == 1 else np.concatenate(grams), source) if grams else 0
 
     def _add_rows(self, keys: np.ndarray) -> None:
         """Give each key a row of its own, doubling the table when it is full (sparse pools only)."""
