@@ -9,7 +9,8 @@ Sources (all torch-free structures of ``ngram_pool``):
 Each draft node is scored with the probability that it is accepted, measured online as the product of
 conditional acceptance rates along its path: per source and depth for chains (tried = its parent was
 accepted), per successor rank for the recycling table (how often the rank-r successor of an accepted token
-was the next token); suffix drafts from matches of 3+ tokens have statistics of their own. ``DraftState``
+was the next token), over the last ~``STATS_MEMORY`` steps; suffix drafts from matches of 3+ tokens have
+statistics of their own. ``DraftState``
 owns the sources and the statistics; it lives across requests (pass
 it to ``generate(state=...)``), and saves and loads as a directory of ``.npz`` files.
 """
@@ -36,6 +37,8 @@ SUFFIX_LONG, LONG_MATCH = len(SOURCES), 3
 STAT_ROWS = len(SOURCES) + 1
 MAX_DEPTH = 32  # statistics buckets: depth for chains, rank for the recycling table
 PRIOR_WEIGHT = 4.0  # the prior below is worth this many observations
+STATS_MEMORY = 1000  # steps: every step's counts weigh 1 - 1/STATS_MEMORY less, so a state kept across requests
+                     # follows what it drafts for now (code after chat) instead of averaging everything it has seen
 
 
 def _prior() -> np.ndarray:
@@ -167,7 +170,10 @@ class DraftState:
         calls were most of a batch's host work: ~0.45 ms a step at 8 sequences), so in a batch each sequence's
         recycling ranks are counted against the table as it was before the step (not after its batch mates'
         rows), and the pool takes every trajectory, then every output n-gram: statistics and recency only."""
-        # 1. chains: every node whose parent was accepted was tried; the path's nodes were accepted
+        # 1. chains: every node whose parent was accepted was tried; the path's nodes were accepted (older steps
+        #    fade: ``STATS_MEMORY``)
+        self.tried *= 1 - 1 / STATS_MEMORY
+        self.hits *= 1 - 1 / STATS_MEMORY
         for step in steps:
             if len(step.tree):
                 self._count_tried(step.tree, step.path)

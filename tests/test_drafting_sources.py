@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookahead.config import LookaheadConfig
-from lookahead.drafting import SOURCES, DraftState
+from lookahead.drafting import SOURCES, STATS_MEMORY, SUFFIX, DraftState, Observed
+from lookahead.tree import TokenTree
 from ngram_pool import RecycleTable, SuffixDrafter, template
 from ngram_pool.reference import PyRecycleTable, py_suffix_drafts
 
@@ -143,3 +144,23 @@ def test_drafting_modules_leave_torch_out():
     import sys
     code = "import sys, ngram_pool.suffix, ngram_pool.recycle; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_acceptance_statistics_follow_recent_steps():
+    """A state kept across requests forgets: a source accepted for a long stretch, then rejected for as long,
+    ends up rated as rejected (counting every step alike would leave it at one half)."""
+    cfg = LookaheadConfig(window=0, ngram=3, guess=0, tree_budget=1, suffix_drafts=1, suffix_length=1, recycle_k=0, pool_from_output=False)
+    state = DraftState.for_config(50, cfg)
+    suffix = state.start([1, 2, 1], cfg)
+    tree = TokenTree.merge(np.array([2]), np.array([-1]), np.array([0.5]), np.array([1 << SUFFIX]), 1)
+    none = np.empty(0, np.int64)
+
+    def steps(accepted: bool) -> None:
+        for _ in range(3 * STATS_MEMORY):
+            state.learn(cfg, [Observed(tree, [0] if accepted else [], [2, 5] if accepted else [5], np.empty((0, 3), np.int64),
+                                       none, np.empty((0, 0), np.int64), [1, 1], suffix)])
+
+    steps(True)
+    assert state.rates()[SUFFIX, 0] > 0.9
+    steps(False)
+    assert state.rates()[SUFFIX, 0] < 0.1
