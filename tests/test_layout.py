@@ -174,14 +174,16 @@ def test_growing_layer_appends_in_place_and_matches_the_stock_layer():
     ours, stock = kv.GrowingLayer(), DynamicLayer()
     new = lambda t: (torch.randn(2, 3, t, 4), torch.randn(2, 3, t, 4))  # noqa: E731 (batch, heads, seq, head_dim)
     buffers = set()
-    for step, (t, crop) in enumerate([(5, 0), (3, -1), (4, -2), (1, 0), (2, 0), (80, -3)]):
+    for step, (t, crop) in enumerate([(5, 0), (3, -1), (4, -2), (1, 0), (2, 0), (80, -3), (2, -2), (3, -1), (1, 0)]):
         k, v = new(t)
+        outs = [layer.update(k, v) for layer in (ours, stock)]
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
         for layer in (ours, stock):
-            out = layer.update(k, v)
-            assert torch.equal(out[0], layer.keys) and torch.equal(out[1], layer.values)
             layer.crop(crop)
-        assert torch.equal(ours.keys, stock.keys) and torch.equal(ours.values, stock.values)
-        buffers.add(ours.keys.untyped_storage().data_ptr())
+        assert ours.get_seq_length() == stock.get_seq_length()
+        if step % 2 == 0:  # read after the crop; else the next update follows it unread (as in the decode loop)
+            assert torch.equal(ours.keys, stock.keys) and torch.equal(ours.values, stock.values)
+        buffers.add(outs[0][0].untyped_storage().data_ptr())
         if step == 3:  # a replacement (as BatchCache.keep or squeeze makes) moves into a new buffer at the next update
             ours.keys, ours.values = ours.keys[[1, 0]], ours.values[[1, 0]]
             stock.keys, stock.values = stock.keys[[1, 0]], stock.values[[1, 0]]
