@@ -69,8 +69,8 @@ class GrowingLayer(DynamicLayer):
         return self._key_view
 
     @keys.setter
-    def keys(self, keys: torch.Tensor | None) -> None:
-        self._key_view = keys
+    def keys(self, keys: torch.Tensor | None) -> None:  # put from outside (a reset, a join): nothing left to cut
+        self._key_view, self._dropped = keys, 0
 
     @property
     def values(self) -> torch.Tensor | None:
@@ -80,12 +80,12 @@ class GrowingLayer(DynamicLayer):
 
     @values.setter
     def values(self, values: torch.Tensor | None) -> None:
-        self._value_view = values
+        self._value_view, self._dropped = values, 0
 
     def _cut(self) -> None:
         length = self._key_view.shape[-2] - self._dropped
+        self._key_view, self._value_view = self._view = self._keys[:, :, :length], self._values[:, :, :length]
         self._dropped = 0
-        self.keys, self.values = self._view = self._keys[:, :, :length], self._values[:, :, :length]
 
     def get_seq_length(self) -> int:
         if not self.is_initialized or self._key_view.numel() == 0:

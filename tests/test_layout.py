@@ -188,6 +188,12 @@ def test_growing_layer_appends_in_place_and_matches_the_stock_layer():
             ours.keys, ours.values = ours.keys[[1, 0]], ours.values[[1, 0]]
             stock.keys, stock.values = stock.keys[[1, 0]], stock.values[[1, 0]]
     assert len(buffers) == 3  # the first buffer, the replacement's and one growth: the other steps wrote in place
+    k, v = new(2)
+    for layer in (ours, stock):  # a reset right after a crop, then a new start
+        layer.crop(-1)
+        layer.reset()
+        layer.update(k, v)
+    assert torch.equal(ours.keys, stock.keys) and ours.get_seq_length() == stock.get_seq_length() == 2
 
 
 def test_a_joining_cache_is_stacked_once_into_a_buffer_the_next_step_appends_to():
