@@ -236,3 +236,35 @@ def test_cpu_name_tells_apart_amd_generations_that_share_a_name():
     assert [tuner._zen(f, m) for f, m in ((0x17, 0x31), (0x19, 0x01), (0x19, 0x11), (0x19, 0x61), (0x1A, 0x02), (6, 0x6A))] \
         == ["Zen 2", "Zen 3", "Zen 4", "Zen 4", "Zen 5", None]
     assert "family" in tuner.cpu_name() or not tuner.Path("/proc/cpuinfo").exists()
+
+
+def reference_plan(curve, trees, window_rows, window_values, factors, explore):
+    """``plan`` by brute force: every width, each sequence's best use of it, the narrowest best width."""
+    gains = [np.concatenate([[0.0], np.cumsum(np.minimum(np.sort(t.scores)[::-1] * f, 1.0))]) for t, f in zip(trees, factors)]
+    widest = max(g.size + w for g, w in zip(gains, window_rows))
+    candidates = []
+    for width in range(2 if explore and widest > 1 else 1, widest + 1):
+        uses = []
+        for g, rows, worth in zip(gains, window_rows, window_values):
+            options = [(g[min(width - 1, g.size - 1)], min(width - 1, g.size - 1), False)]
+            if rows and width - 1 >= rows:
+                options.append((g[min(width - 1 - rows, g.size - 1)] + worth, min(width - 1 - rows, g.size - 1), True))
+            uses.append(max(options, key=lambda o: o[0] - (1e-12 if o[2] else 0)))  # the window only where it gains
+        value = sum(1 + u[0] for u in uses) / float(curve.ratio(len(trees) * width, len(trees)))
+        candidates.append((value, [(n, w) for _, n, w in uses]))
+    top = max(v for v, _ in candidates)
+    return next(uses for v, uses in candidates if v >= top - 1e-9)
+
+
+def test_plan_matches_a_brute_force_reference():
+    rng = np.random.default_rng(0)
+    sizes = (1, 2, 4, 8, 12, 16, 24, 32)
+    for _ in range(500):
+        ratios = np.concatenate([[1.0], 1 + np.cumsum(rng.random(len(sizes) - 1) * 0.3)])
+        curve = CostCurve(sizes, tuple(float(r) for r in ratios), 10.0, 0.0, tuple(float(r) for r in 1 + rng.random(3)))
+        b = int(rng.integers(1, 4))
+        trees = [chain(list(np.sort(rng.random(int(rng.integers(0, 12))))[::-1] * rng.random())) for _ in range(b)]
+        rows, worths = [int(rng.choice([0, 3, 6])) for _ in range(b)], [float(rng.random() / 2) for _ in range(b)]
+        factors, explore = [float(0.5 + rng.random()) for _ in range(b)], bool(rng.random() < 0.2)
+        got = plan(curve, trees, rows, worths, factors, explore)
+        assert [(c.nodes, c.window) for c in got] == reference_plan(curve, trees, rows, worths, factors, explore)
