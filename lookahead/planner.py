@@ -162,22 +162,23 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
     gains = [np.concatenate([[0.0], np.cumsum(np.minimum(np.sort(tree.scores)[::-1] * f, 1.0))]) for tree, f in zip(trees, factors)]  # S_b(k)
     widest = max(1 + g.size - 1 + w for g, w in zip(gains, window_rows))
     costs = curve.ratio(len(trees) * np.arange(1, widest + 1), len(trees))  # (widest,): r(B x T) for T = 1..widest
-    extra = np.arange(widest)  # rows beside the current token, at widths 1..widest
-    total, picks = np.zeros(widest), []
-    for g, rows, worth in zip(gains, window_rows, window_values):
-        nodes = np.minimum(extra, g.size - 1)
-        gain, window = g[nodes], np.zeros(widest, bool)
-        if rows:  # the window's rows first, the best nodes beside them, where that gains more
-            beside = np.clip(extra - rows, 0, g.size - 1)
-            window = (extra >= rows) & (g[beside] + worth > gain + 1e-12)
-            nodes, gain = np.where(window, beside, nodes), np.where(window, g[beside] + worth, gain)
-        total += 1.0 + gain
-        picks.append((nodes, window))
-    value = total / costs
-    if explore and widest > 1:
-        value[0] = -np.inf  # exploring: plain (width 1) is not a candidate
-    best = int(np.flatnonzero(value >= value.max() - 1e-9)[0])  # the narrowest of the best widths (index: width - 1)
-    return [Choice(int(nodes[best]), bool(window[best]), float(value[best]) / len(trees)) for nodes, window in picks]
+    first = 2 if explore and widest > 1 else 1  # exploring: plain (width 1) is not a candidate
+    best, best_value = [PLAIN] * len(trees), len(trees) / float(costs[0]) if first == 1 else -np.inf
+    for width in range(first, widest + 1):
+        choices = []
+        for g, rows, worth in zip(gains, window_rows, window_values):
+            nodes = min(width - 1, g.size - 1)
+            choice = (g[nodes], Choice(nodes, False, 0.0))
+            if rows and width - 1 >= rows:
+                with_window = min(width - 1 - rows, g.size - 1)
+                if g[with_window] + worth > choice[0] + 1e-12:
+                    choice = (g[with_window] + worth, Choice(with_window, True, 0.0))
+            choices.append(choice)
+        value = sum(1.0 + gain for gain, _ in choices) / float(costs[width - 1])
+        if value > best_value + 1e-9:
+            best_value, best = value, [c for _, c in choices]
+    per_sequence = best_value / len(trees)
+    return [Choice(c.nodes, c.window, per_sequence) for c in best]
 
 
 class Calibration:
