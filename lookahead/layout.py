@@ -2,8 +2,8 @@
 
 One forward pass carries the current token ``c``, the lookahead branch (the Jacobi window: ``levels``
 rows of W guesses) and the verification branch (the token tree of ``tree.py``). Example for W=3, two
-levels ``a`` ``b`` and the six-node tree drawn in ``tree.py`` (t0=7, t1=3, t2=9 and t3=2 under t0,
-t4=4 and t5=5 under t2); x: may attend; every row also sees the KV cache, i.e. the accepted prefix:
+levels ``a`` ``b`` and the six-node tree drawn in ``tree.py`` (t0=7, t1=9 under t0, t2=4 and t3=5 under
+t1, t4=2 under t0, t5=3); x: may attend; every row also sees the KV cache, i.e. the accepted prefix:
 
             c  a0 a1 a2 b0 b1 b2 t0 t1 t2 t3 t4 t5
         c   x
@@ -14,12 +14,12 @@ t4=4 and t5=5 under t2); x: may attend; every row also sees the KV cache, i.e. t
         b1  x  x  x        x
         b2  x  x  x  x        x
         t0  x                    x
-        t1  x                       x
-        t2  x                    x     x
-        t3  x                    x        x
-        t4  x                    x     x     x
-        t5  x                    x     x        x
-       pos  0  1  2  3  2  3  4  1  1  2  2  3  3
+        t1  x                    x  x
+        t2  x                    x  x  x
+        t3  x                    x  x     x
+        t4  x                    x           x
+        t5  x                                   x
+       pos  0  1  2  3  2  3  4  1  2  3  3  2  1
 
 Level j, column i sits at position c+1+i+j and sees c, level 0 up to column i, and the levels
 1..j of its own column: a causal sequence c, a0..ai, bi, ... of consecutive positions. So the

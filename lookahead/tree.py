@@ -6,15 +6,17 @@ the same arrays, -1 = child of the current token), ``scores`` (estimated probabi
 accepted; never above its parent's) and ``sources`` (a bit per source that proposed it). Merging keeps one
 node per distinct path (shared prefixes become one row, its score the best, its sources the union); the
 budget keeps the ``budget`` best nodes. Because a node never outscores its parent, the best nodes always
-form a tree. The result lists parents before children, and each node's children in score order:
+form a tree. The result lists it depth first, each node's children in score order, so a parent comes before
+its children and the chain of best children right after the current token (an accepted path along it keeps
+its KV where the step wrote it: no move in ``kv.BatchCache.compact``):
 
     drafts:  suffix  c -> 7 9 4        merged:        c              node  token parent depth
              pool    c -> 7 9 5                       |                0     7     -1     1
-             recycle c -> 7 2, c -> 3               7   3              1     3     -1     1
-                                                   / \                 2     9      0     2
-                                                  9   2                3     2      0     2
-                                                 / \                   4     4      2     3
-                                                4   5                  5     5      2     3
+             recycle c -> 7 2, c -> 3               7   3              1     9      0     2
+                                                   / \                 2     4      1     3
+                                                  9   2                3     5      1     3
+                                                 / \                   4     2      0     2
+                                                4   5                  5     3     -1     1
 
 The expected number of accepted tokens of a tree is the sum of its nodes' scores, which is what lets a
 cost model size the tree (``expected_accepted``).
@@ -37,7 +39,7 @@ def merge_drafts(
     """Merge drafts into a trie and keep its ``budget`` best nodes.
 
     Inputs are (M,) arrays (tokens int, parents int with parent < own index, scores float64, sources int).
-    Returns a (K, 5) float64 array of the kept nodes, parents first: columns token, parent (index into
+    Returns a (K, 5) float64 array of the kept nodes, depth first: columns token, parent (index into
     the result, -1 = the current token), score, source bits, depth. Raises ValueError on a bad parent index.
     """
     m = tokens.size
@@ -79,8 +81,27 @@ def merge_drafts(
     # 2. keep the best nodes: score descending, then shallower first, so a parent always precedes its children
     order = np.argsort(-trie_score[:size] + 1e-9 * trie_depth[:size], kind="mergesort")
     keep = order[: min(budget, size)]
-    # 3. lay them out by depth, then by score (a stable sort of the score order), parents before children
-    keep = keep[np.argsort(trie_depth[keep], kind="mergesort")]
+    # 3. lay them out depth first, each node's children in score order: a parent before its children, and the
+    #    chain of best children right after the current token (an accepted path along it keeps its KV in place)
+    first_child = np.full(size + 1, -1, np.int64)  # per trie node, and at ``size`` the current token
+    next_sibling = np.full(size, -1, np.int64)
+    for k in range(keep.size - 1, -1, -1):  # in reverse score order, each node goes in front of its siblings
+        j = keep[k]
+        p = size if trie_parent[j] == NO_PARENT else trie_parent[j]
+        next_sibling[j], first_child[p] = first_child[p], j
+    laid = np.empty(keep.size, np.int64)
+    node, k = first_child[size], 0
+    while node >= 0:
+        laid[k] = node
+        k += 1
+        if first_child[node] >= 0:
+            node = first_child[node]
+            continue
+        while node >= 0 and next_sibling[node] < 0:
+            node = trie_parent[node]
+        if node >= 0:
+            node = next_sibling[node]
+    keep = laid
     index = np.full(size, NO_PARENT, np.int64)
     out = np.empty((keep.size, 5), np.float64)
     for k in range(keep.size):

@@ -150,10 +150,11 @@ def test_kv_compaction_equals_recomputing_the_accepted_prefix(make_model):
         # two chains 8 9 and 10 11 after the current token 7, beside two levels of a window of 2
         tree = TokenTree.merge(np.array([8, 9, 10, 11]), np.array([-1, 0, -1, 2]), np.array([0.9, 0.8, 0.7, 0.6]), np.ones(4, np.int64), 4)
         layout = build_layout(2, levels=2, tree=tree)
-        ids = torch.tensor([[7, 1, 2, 3, 4] + tree.tokens.tolist()])  # tree order: 8, 10, 9, 11
+        ids = torch.tensor([[7, 1, 2, 3, 4] + tree.tokens.tolist()])
         forward(model, gen.windows, stack([layout]), cache, ids, torch.tensor([len(prefix)]))
-        # keep the current token and the second chain's two tokens (tree nodes 1 and 3: rows 6 and 8)
-        keep = torch.tensor([0, 6, 8])
+        # keep the current token and the second chain's two tokens (not where the step wrote them: they move)
+        keep = torch.tensor([0] + [layout.first_tree_row + n for n in tree.path(int(np.flatnonzero(tree.tokens == 11)[0]))])
+        assert keep.tolist() != list(range(3))
         cache.compact(layout.size, [keep], [len(prefix) + layout.offsets[keep]])
         fresh, _ = prefill(model, prefix + [7, 10, 11])
     for got, want in zip(cache.cache.layers, fresh.cache.layers):

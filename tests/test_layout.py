@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import lookahead.layout as layout_module
+import lookahead.tree as tree_module
 from lookahead import kv
 from lookahead.layout import BatchLayout, build_layout, stack
 from lookahead.tree import TokenTree, draft_rows
@@ -35,14 +36,23 @@ def drawn_tree() -> TokenTree:
     return TokenTree.merge(tokens, parents, scores, sources, budget=6)
 
 
+def drawn_table() -> np.ndarray:
+    """The node table of ``tree.py``'s drawing: (K, 4) rows of node, token, parent, depth."""
+    lines = tree_module.__doc__.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[-4:] == ["node", "token", "parent", "depth"])
+    return np.array([line.split()[-4:] for line in lines[start + 1 : start + 7]], dtype=np.int64)
+
+
 def test_tree_merges_shared_prefixes_as_drawn():
-    tree = drawn_tree()
-    assert tree.tokens.tolist() == [7, 3, 9, 2, 4, 5]
-    assert tree.parents.tolist() == [-1, -1, 0, 0, 2, 2]
-    assert tree.depths.tolist() == [1, 1, 2, 2, 3, 3]
-    assert tree.sources.tolist() == [7, 4, 3, 4, 1, 2]  # 7 and 9 were proposed by several sources
-    assert tree.scores.tolist() == [0.9, 0.4, 0.8, 0.3, 0.7, 0.6]
-    assert tree.children(-1).tolist() == [0, 1] and tree.children(2).tolist() == [4, 5] and tree.path(5) == [0, 2, 5]
+    tree, table = drawn_tree(), drawn_table()
+    assert table[:, 0].tolist() == list(range(6))
+    assert tree.tokens.tolist() == table[:, 1].tolist()
+    assert tree.parents.tolist() == table[:, 2].tolist()
+    assert tree.depths.tolist() == table[:, 3].tolist()
+    assert tree.sources.tolist() == [7, 3, 1, 2, 4, 4]  # 7 and 9 were proposed by several sources
+    assert tree.scores.tolist() == [0.9, 0.8, 0.7, 0.6, 0.3, 0.4]
+    assert tree.children(-1).tolist() == [0, 5] and tree.children(1).tolist() == [2, 3] and tree.path(3) == [0, 1, 3]
+    assert tree.path(2) == [0, 1, 2]  # the chain of best children comes first: accepted, its KV stays where it was written
 
 
 def test_tree_budget_keeps_the_best_nodes_and_stays_a_tree():
