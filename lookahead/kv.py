@@ -48,6 +48,22 @@ GROWTH = 1.5  # a full layer's buffer grows to this many times what it must hold
 SLACK = 64
 
 
+def _cut_on_read(attribute: str) -> property:
+    """A layer's ``keys`` or ``values``: the view in ``attribute``, cut first if a crop is pending (``_dropped``);
+    a tensor put there from outside (a reset, a join) leaves nothing to cut."""
+
+    def read(layer: "GrowingLayer") -> torch.Tensor | None:
+        if layer._dropped:
+            layer._cut()
+        return getattr(layer, attribute)
+
+    def write(layer: "GrowingLayer", tensor: torch.Tensor | None) -> None:
+        setattr(layer, attribute, tensor)
+        layer._dropped = 0
+
+    return property(read, write)
+
+
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` that appends in place into spare columns of a buffer.
 
@@ -62,25 +78,8 @@ class GrowingLayer(DynamicLayer):
     _view = None  # the (keys, values) views this layer last handed out
     _dropped = 0  # columns cropped off those views since: they are cut at the next read, overwritten at the next update
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        if self._dropped:
-            self._cut()
-        return self._key_view
-
-    @keys.setter
-    def keys(self, keys: torch.Tensor | None) -> None:  # put from outside (a reset, a join): nothing left to cut
-        self._key_view, self._dropped = keys, 0
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        if self._dropped:
-            self._cut()
-        return self._value_view
-
-    @values.setter
-    def values(self, values: torch.Tensor | None) -> None:
-        self._value_view, self._dropped = values, 0
+    keys = _cut_on_read("_key_view")  # (batch, heads, seq, head_dim)
+    values = _cut_on_read("_value_view")
 
     def _cut(self) -> None:
         length = self._key_view.shape[-2] - self._dropped
