@@ -193,9 +193,10 @@ class Batch:
             levels.append(level if level * cfg.window <= space else 0)
             spaces.append(space)
         if self.curve is not None:  # the cost model keeps only what is expected to pay (possibly nothing: plain steps)
-            drafted = any(len(tree) or level for tree, level in zip(trees, levels))  # else plain, without pricing it (dormant steps)
-            choices = plan(self.curve, trees, [lv * cfg.window for lv in levels], [ln.worth.value if ln.worth else 0.0 for ln in lanes],
-                           [ln.calibration.factor if ln.calibration else 1.0 for ln in lanes], explore=self.curve.stale) if drafted else [PLAIN] * len(lanes)
+            choices = [PLAIN] * len(lanes)  # nothing drafted (dormant steps): plain, without pricing it
+            if any(len(tree) or level for tree, level in zip(trees, levels)):
+                choices = plan(self.curve, trees, [lv * cfg.window for lv in levels], [ln.worth.value if ln.worth else 0.0 for ln in lanes],
+                               [ln.calibration.factor if ln.calibration else 1.0 for ln in lanes], explore=self.curve.stale)
             for b, (lane, choice) in enumerate(zip(lanes, choices)):
                 trees[b] = trees[b].best(choice.nodes)
                 levels[b] = levels[b] if lane.worth is not None and lane.worth.runs(choice.window) else 0

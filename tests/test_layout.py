@@ -188,6 +188,8 @@ def test_growing_layer_appends_in_place_and_matches_the_stock_layer():
         k, v = new(t)
         outs = [layer.update(k, v) for layer in (ours, stock)]
         assert all(torch.equal(a, b) for a, b in zip(*outs))
+        for layer, out in zip((ours, stock), outs):
+            assert torch.equal(out[0], layer.keys) and torch.equal(out[1], layer.values)
         for layer in (ours, stock):
             layer.crop(crop)
         assert ours.get_seq_length() == stock.get_seq_length()
