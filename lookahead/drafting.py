@@ -34,7 +34,9 @@ POOL_ROWS[[int(s) for s in Source]] = [SOURCES.index(s.name.lower()) for s in So
 TRAJECTORY, SUFFIX, RECYCLE = SOURCES.index("trajectory"), SOURCES.index("suffix"), SOURCES.index("recycle")
 # an extra statistics row (and source bit) for suffix drafts from long matches, which are far likelier right
 SUFFIX_LONG, LONG_MATCH = len(SOURCES), 3
-STAT_ROWS = len(SOURCES) + 1
+# ... and one (no source bit) for the recycling table's nodes that a chain source proposed too (``merge_drafts``)
+AGREE = len(SOURCES) + 1
+STAT_ROWS = len(SOURCES) + 2
 MAX_DEPTH = 32  # statistics buckets: depth for chains, rank for the recycling table
 PRIOR_WEIGHT = 4.0  # the prior below is worth this many observations
 STATS_MEMORY = 1000  # steps: every step's counts weigh 1 - 1/STATS_MEMORY less, so a state kept across requests
@@ -51,12 +53,12 @@ def _prior() -> np.ndarray:
     prior[SUFFIX_LONG] = 0.7  # a copy of 3+ matched tokens goes on more often than not
     prior[SUFFIX_LONG, 0] = 0.4
     prior[RECYCLE] = 0.4 / (1.0 + np.arange(MAX_DEPTH)) ** 2
-    return prior
+    return prior  # AGREE: one half (measured 0.45-0.53)
 PRIOR = _prior()
 NONE = np.empty(0, np.int64)
 NO_TEMPLATE = (NONE, NONE, np.empty(0))  # parents, ranks, scores of no recycling expansion
 TEMPLATE_REFRESH = 16  # steps between re-derivations of the recycling template from the measured rank rates
-STATE_FORMAT = 2
+STATE_FORMAT = 3  # 2: no AGREE row (loads, the row unmeasured)
 
 
 class Observed(NamedTuple):
@@ -94,7 +96,7 @@ class DraftState:
         for source in (NGramPool, RecycleTable, SuffixDrafter):
             source._warm_up()
         draft_rows(np.zeros((1, 1), np.int64), np.zeros(1, np.int64), np.ones(1, np.int64), np.ones((STAT_ROWS, MAX_DEPTH)),
-                   NONE, NONE, np.empty(0), 1, 1, 1)
+                   NONE, NONE, np.empty(0), 1, np.ones(MAX_DEPTH), 1, 1)
 
     # -- per request ----------------------------------------------------------------------------
 
@@ -150,7 +152,7 @@ class DraftState:
         parents, ranks, scores = self._recycle_template(rates[RECYCLE, : cfg.recycle_k], budget, max_depth) if cfg.recycle_k else NO_TEMPLATE
         expanded = expand_template(self.recycle.table, current, parents, ranks)  # the template is ours: only ``current`` is checked
         return TokenTree.from_rows(draft_rows(stacked, np.concatenate(rows or [NONE]), np.concatenate(bits or [NONE]), rates,
-                                              expanded, parents, scores, 1 << RECYCLE, budget, max_depth))
+                                              expanded, parents, scores, 1 << RECYCLE, rates[AGREE], budget, max_depth))
 
     def _recycle_template(self, rank_rates: np.ndarray, budget: int, max_depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The recycling expansion's template for the measured rank rates (re-derived every few steps)."""
@@ -202,6 +204,7 @@ class DraftState:
         accepted[-1] = True
         tried = accepted[tree.parents]
         bits = (tree.sources[:, None] >> np.arange(STAT_ROWS)) & 1  # (K, statistics rows)
+        bits[:, AGREE] = bits[:, RECYCLE] & (tree.sources != 1 << RECYCLE)  # the table's nodes a chain proposed too
         depth = np.minimum(tree.depths, MAX_DEPTH) - 1
         for s in np.flatnonzero(bits[tried].any(0)):
             if s == RECYCLE:
@@ -237,6 +240,8 @@ class DraftState:
                 version, tried, hits = int(f["format_version"]), f["tried"], f["hits"]
         except (OSError, EOFError, KeyError, ValueError, TypeError, zipfile.BadZipFile) as e:
             raise ValueError(f"{directory / 'acceptance.npz'}: not a readable acceptance file ({e})") from None
+        if version == 2 and tried.shape == hits.shape == (AGREE, MAX_DEPTH):  # from before the AGREE row: it starts afresh
+            version, tried, hits = STATE_FORMAT, *(np.vstack([a, np.zeros((1, MAX_DEPTH))]) for a in (tried, hits))
         if version != STATE_FORMAT or tried.shape != state.tried.shape or hits.shape != state.hits.shape \
                 or (hits > tried).any() or (hits < 0).any():
             raise ValueError(f"{directory / 'acceptance.npz'}: corrupt or from another version")

@@ -34,11 +34,15 @@ NO_PARENT = -1
 
 @njit(cache=True)
 def merge_drafts(
-    tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, budget: int
+    tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, budget: int,
+    agree_bit: int = 0, agree_rates: np.ndarray = np.empty(0)
 ) -> np.ndarray:
     """Merge drafts into a trie and keep its ``budget`` best nodes.
 
     Inputs are (M,) arrays (tokens int, parents int with parent < own index, scores float64, sources int).
+    A node proposed by source ``agree_bit`` and by another is rescored: its conditional rate (its score over
+    its parent's) rises to ``agree_rates[depth - 1]`` (the last one deeper) where that is higher, and its
+    descendants' scores follow.
     Returns a (K, 5) float64 array of the kept nodes, depth first: columns token, parent (index into
     the result, -1 = the current token), score, source bits, depth. Raises ValueError on a bad parent index.
     """
@@ -78,10 +82,21 @@ def merge_drafts(
             trie_score[found] = scores[i]
         trie_source[found] |= sources[i]
         node_of[i] = found
-    # 2. keep the best nodes: score descending, then shallower first, so a parent always precedes its children
+    # 2. agreement: two sources that draft independently are far likelier right together than either says
+    #    (SmolLM2, fixed shape: the recycling table's nodes 0.07 alone, 0.45-0.53 with a pool or suffix draft)
+    if agree_rates.size:
+        merged = trie_score[:size].copy()  # a node's conditional rate: merged[node] / merged[parent]
+        for j in range(size):  # parents before children
+            p = trie_parent[j]
+            above = 1.0 if p == NO_PARENT else trie_score[p]
+            rate = merged[j] / (1.0 if p == NO_PARENT else merged[p]) if p == NO_PARENT or merged[p] > 0 else 0.0
+            if trie_source[j] & agree_bit and trie_source[j] & ~agree_bit:
+                rate = max(rate, agree_rates[min(trie_depth[j], agree_rates.size) - 1])
+            trie_score[j] = rate * above
+    # 3. keep the best nodes: score descending, then shallower first, so a parent always precedes its children
     order = np.argsort(-trie_score[:size] + 1e-9 * trie_depth[:size], kind="mergesort")
     keep = order[: min(budget, size)]
-    # 3. lay them out depth first, each node's children in score order: a parent before its children, and the
+    # 4. lay them out depth first, each node's children in score order: a parent before its children, and the
     #    chain of best children right after the current token (an accepted path along it keeps its KV in place)
     first_child = np.full(size + 1, -1, np.int64)  # per trie node, and at ``size`` the current token
     next_sibling = np.full(size, -1, np.int64)
@@ -117,11 +132,13 @@ def merge_drafts(
 
 @njit(cache=True)
 def draft_rows(chains: np.ndarray, chain_rows: np.ndarray, chain_bits: np.ndarray, rates: np.ndarray, tree_tokens: np.ndarray,
-               tree_parents: np.ndarray, tree_scores: np.ndarray, tree_bit: int, budget: int, max_depth: int) -> np.ndarray:
+               tree_parents: np.ndarray, tree_scores: np.ndarray, tree_bit: int, agree_rates: np.ndarray, budget: int,
+               max_depth: int) -> np.ndarray:
     """Every source's drafts merged in one call (``merge_drafts``' rows): ``chains`` (C, L) of token ids, -1 after
     a chain's end (pool n-grams, suffix matches), each node scored with the product of its chain's conditional
     acceptance rates ``rates[chain_rows[c], depth]`` down to its depth and cut at ``max_depth``; and one tree
-    already scored (a recycling expansion: tokens, parents, scores, all proposed by ``tree_bit``). One kernel,
+    already scored (a recycling expansion: tokens, parents, scores, all proposed by ``tree_bit``; where a chain
+    proposes one of its nodes too, ``agree_rates`` rescore it: ``merge_drafts``). One kernel,
     not a dozen numpy calls a sequence: they were most of a batch's drafting time. (Numba's cache tracks this
     file only: a kernel here calls no kernel of another file.)"""
     c, length = chains.shape[0], min(chains.shape[1], max_depth)
@@ -138,7 +155,7 @@ def draft_rows(chains: np.ndarray, chain_rows: np.ndarray, chain_bits: np.ndarra
     for t in range(tree_tokens.size):
         tokens[i + t], scores[i + t], sources[i + t] = tree_tokens[t], tree_scores[t], tree_bit
         parents[i + t] = -1 if tree_parents[t] < 0 else tree_parents[t] + i
-    return merge_drafts(tokens, parents, scores, sources, budget)
+    return merge_drafts(tokens, parents, scores, sources, budget, tree_bit, agree_rates)
 
 
 @njit(cache=True)
