@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookahead.config import LookaheadConfig
-from lookahead.drafting import SOURCES, STATS_MEMORY, SUFFIX, DraftState, Observed
+from lookahead.drafting import AGREE, SOURCES, STATS_MEMORY, SUFFIX, DraftState, Observed
 from lookahead.tree import TokenTree
 from ngram_pool import RecycleTable, SuffixDrafter, template
 from ngram_pool.reference import PyRecycleTable, py_suffix_drafts
@@ -128,6 +128,9 @@ def test_draft_state_merges_every_source_into_one_tree_and_round_trips(tmp_path)
     loaded = DraftState.load(tmp_path / "state")
     again = loaded.propose(2, cfg, cfg.tree_budget, max_depth=8, suffix=loaded.start([1, 2, 3, 9, 1, 2, 4, 1, 2], cfg))
     assert np.array_equal(again.tokens, tree.tokens) and np.array_equal(again.parents, tree.parents)
+    np.savez(tmp_path / "state" / "acceptance.npz", format_version=np.int64(2), tried=loaded.tried[:AGREE], hits=loaded.hits[:AGREE])
+    older = DraftState.load(tmp_path / "state")  # saved before the AGREE row: that row starts unmeasured
+    assert np.array_equal(older.tried[:AGREE], loaded.tried[:AGREE]) and not older.tried[AGREE].any() and not older.hits[AGREE].any()
     (tmp_path / "state" / "acceptance.npz").write_bytes(b"junk")
     with pytest.raises(ValueError, match="acceptance"):
         DraftState.load(tmp_path / "state")
