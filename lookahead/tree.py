@@ -4,7 +4,8 @@ A draft is a small tree of its own (a suffix match or a pool n-gram is a chain; 
 a real tree), given as flat arrays over all drafts: ``tokens``, ``parents`` (index of an earlier node of
 the same arrays, -1 = child of the current token), ``scores`` (estimated probability that the node is
 accepted; never above its parent's) and ``sources`` (a bit per source that proposed it). Merging keeps one
-node per distinct path (shared prefixes become one row, its score the best, its sources the union); the
+node per distinct path (shared prefixes become one row, its score the best, raised where the recycling table
+and another source agree, its sources the union); the
 budget keeps the ``budget`` best nodes. Because a node never outscores its parent, the best nodes always
 form a tree. The result lists it depth first, each node's children in score order, so a parent comes before
 its children and the chain of best children right after the current token (an accepted path along it keeps
@@ -88,8 +89,8 @@ def merge_drafts(
         merged = trie_score[:size].copy()  # a node's conditional rate: merged[node] / merged[parent]
         for j in range(size):  # parents before children
             p = trie_parent[j]
-            above = 1.0 if p == NO_PARENT else trie_score[p]
-            rate = merged[j] / (1.0 if p == NO_PARENT else merged[p]) if p == NO_PARENT or merged[p] > 0 else 0.0
+            above, below = (1.0, 1.0) if p == NO_PARENT else (trie_score[p], merged[p])
+            rate = merged[j] / below if below > 0 else 0.0
             if trie_source[j] & agree_bit and trie_source[j] & ~agree_bit:
                 rate = max(rate, agree_rates[min(trie_depth[j], agree_rates.size) - 1])
             trie_score[j] = rate * above
