@@ -155,6 +155,14 @@ class BatchCache:
         self.cache = GrowingCache()
         self.positions = torch.empty(0, 0, dtype=torch.long)  # (B, S), -1: hole or padding
 
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions
+
+    @positions.setter
+    def positions(self, value: torch.Tensor) -> None:
+        self._positions, self._spare = value, None  # ``spare`` is computed again when next read
+
     def __len__(self) -> int:
         return self.positions.shape[0]
 
@@ -189,8 +197,11 @@ class BatchCache:
 
     @property
     def spare(self) -> int:
-        """Columns ``squeeze`` would remove: the cache's length beyond its longest sequence."""
-        return self.length - int((self.positions >= 0).sum(1).max()) if len(self) else 0
+        """Columns ``squeeze`` would remove: the cache's length beyond its longest sequence (read every step:
+        kept until the positions change, and through a compaction that gave every sequence as many keys)."""
+        if self._spare is None:
+            self._spare = self.length - int((self.positions >= 0).sum(1).max()) if len(self) else 0
+        return self._spare
 
     def squeeze(self) -> None:
         """Close every sequence's holes (see the module docstring): a gather over the whole cache, so worth it only
@@ -240,7 +251,10 @@ class BatchCache:
                     block.narrow(-2, 0, kept).copy_(_gather_columns(block, rows))
         if kept < step:
             self.cache.crop(kept - step)
+        spare = self._spare
         self.positions = torch.cat([self.positions, torch.from_numpy(new)], dim=1)
+        if all(k.size == kept for k in keep):  # every sequence gained ``kept`` keys: as many spare columns as before
+            self._spare = spare
 
     def append(self, positions: torch.Tensor) -> None:
         """Record the positions (B, T) of the columns a forward just appended (a prefill's)."""

@@ -135,6 +135,9 @@ class BatchLayout:
 
 def stack(layouts: list[StepLayout]) -> BatchLayout:
     """The layouts of a batch's sequences as one (B, T) step, drawn in ``BatchLayout``."""
+    if len(layouts) == 1:  # one sequence: its own layout as a batch of one, no copies
+        layout = layouts[0]
+        return BatchLayout((layout,), layout.offsets[None], layout.allowed[None], layout.logit_rows)
     size = max(layout.size for layout in layouts)
     if size == 1:  # every sequence plain: the current tokens alone
         return BatchLayout(tuple(layouts), torch.zeros(len(layouts), 1, dtype=torch.long), torch.ones(len(layouts), 1, 1, dtype=torch.bool), layouts[0].logit_rows)
