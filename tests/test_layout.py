@@ -75,7 +75,7 @@ def test_drafts_are_cut_at_the_depth_limit_before_the_budget_is_spent():
 
 
 def test_a_recycled_node_a_chain_proposes_too_takes_the_agreement_rate_and_its_descendants_follow():
-    """Chain 7 9 4 (rates 0.5 each) and the table's 7 -> 9 (0.2, 0.1): node 9 is the chain's and the table's, so
+    """Chain 7 9 4 (rates 0.5 each) and the table's 7 -> 9 -> 4 and 3 (0.2, 0.02, 0.001; 0.1): node 9 is the chain's and the table's, so
     its conditional rate is the agreement rate 0.8 (depth 2), not the chain's 0.5; node 4 below it keeps its own
     conditional 0.5. Node 7 (both too, depth 1) takes 0.9; a node of one source keeps its score; an agreement
     rate below the chain's own (depth 3: 0.3) lowers nothing."""
@@ -190,6 +190,22 @@ def test_squeeze_drawing_matches_the_cache():
     keys = cache.cache.layers[0].keys  # (B, heads, S, head_dim), each key holding its own position
     valid = cache.positions >= 0
     assert torch.equal(keys[:, 0, :, 0][valid], cache.positions[valid].float())
+
+
+def test_spare_kept_across_compactions_is_what_the_positions_say():
+    """``BatchCache.spare`` is kept through a compaction that gives every sequence as many keys, recomputed after one
+    that leaves a sequence short: after every step it equals the count from the positions."""
+    rng = np.random.default_rng(0)
+    cache = kv.BatchCache()
+    cache.cache.update(torch.zeros(2, 1, 4, 3), torch.zeros(2, 1, 4, 3), 0)
+    cache.append(torch.arange(4).repeat(2, 1))
+    for _ in range(20):
+        step = int(rng.integers(1, 5))
+        cache.cache.update(torch.zeros(2, 1, step, 3), torch.zeros(2, 1, step, 3), 0)
+        keep = [np.sort(rng.choice(step, int(rng.integers(1, step + 1)), replace=False)) for _ in range(2)]
+        keep = [np.union1d([0], k) for k in keep]  # the current token's row always stays
+        cache.compact(step, keep, [100 + k for k in keep])
+        assert cache.spare == cache.length - int((cache.positions >= 0).sum(1).max())
 
 
 def test_growing_layer_appends_in_place_and_matches_the_stock_layer():
