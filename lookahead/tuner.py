@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from lookahead import kv, models, support
-from lookahead.kernels import available, kernels_of
+from lookahead.kernels import available, kernels_of, own_kernel
 from lookahead.layout import build_layout, stack
 from lookahead.passes import forward, prefill
 from lookahead.planner import chain_tree, choose
@@ -175,7 +175,7 @@ def fastest_dtype(spec: str, device: str, cache_dir: Path, progress: Callable[[s
 def _kernels_for(kernels: str, dtype: str, device: str) -> str:
     """The kernel set a model loaded with ``kernels`` will run (packing falls back to stock where unavailable)."""
     packs = kernels == "packed" and torch.device(device).type == "cpu" and available(models.DTYPES[dtype]) is None
-    return "packed" if packs else "stock"
+    return "stock" if not packs else "packed" if own_kernel(models.DTYPES[dtype]) else "packed-own"
 
 
 def cached_curve(model: PreTrainedModel, cache_dir: Path, progress: Callable[[str], None] = lambda _: None,

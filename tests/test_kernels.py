@@ -13,7 +13,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator, kernels
+from lookahead import LookaheadConfig, LookaheadGenerator, bf16_linear, kernels
 from lookahead.cli import main
 from lookahead.tuner import curve_file
 
@@ -195,3 +195,80 @@ def test_siblings_that_differ_are_packed_alone():
     report = kernels.pack(block)
     assert report.packed == 4 and report.shared == 0
     assert len({id(m.product) for m in block.children()}) == 4
+
+
+OWN = kernels.own_kernel(torch.bfloat16) is None  # this machine runs our bf16 kernel (AVX-512 BF16, gcc)
+needs_own = pytest.mark.skipif(not OWN, reason="our bf16 kernel cannot run here")
+
+
+@needs_own
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64, 48), (5, 96, 32), (16, 576, 208), (33, 200, 160), (8, 1536, 576)])
+def test_own_bf16_linear_agrees_with_an_fp32_product_to_bf16_rounding(shape, bias):
+    """Row tiles of 8 and a remainder, an odd number of 16-column blocks, biases, 3-D/2-D/strided input."""
+    rows, k, n = shape
+    torch.manual_seed(rows + k)
+    linear = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    packed = kernels.PackedLinear(copy.deepcopy(linear))
+    assert packed.product.own and "own bf16" in repr(packed)
+    x = torch.randn(2, rows, k).to(torch.bfloat16)
+    with torch.inference_mode():
+        for inp in (x, x[0], x.transpose(0, 1).contiguous().transpose(0, 1)):
+            want = inp.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)
+            got = packed(inp)
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            assert torch.allclose(got.float(), want, rtol=2 ** -8, atol=1e-3)  # one bf16 rounding of fp32 sums
+    assert torch.equal(packed.weight, linear.weight)
+
+
+@needs_own
+@pytest.mark.parametrize("k", [576, 1536])
+def test_own_bf16_linear_is_row_invariant(k):
+    """Row i of a 16-row product equals the one-row product bit for bit (oneDNN's is not at K = 1536)."""
+    linear = nn.Linear(k, 64, bias=True).to(torch.bfloat16)
+    assert kernels.row_invariant(kernels.PackedLinear(linear), torch.bfloat16)
+
+
+@needs_own
+def test_own_kernel_packs_what_fits_and_onednn_the_rest():
+    block = nn.Module()
+    block.q_proj, block.k_proj, block.v_proj = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)  # one 128-wide product
+    block.o_proj = nn.Linear(64, 24)  # 24 columns: not a multiple of 16
+    block = block.to(torch.bfloat16)
+    stock = copy.deepcopy(block)
+    report = kernels.pack(block)
+    assert report.kernels == kernels.kernels_of(block) == "packed-own" and report.notice is None
+    assert block.q_proj.product.own and not block.o_proj.product.own
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            assert torch.allclose(getattr(block, name)(x).float(), getattr(stock, name)(x).float(), rtol=2 ** -7, atol=1e-2)
+    with pytest.raises(ValueError, match="input has 32 features, the weight 64"):
+        bf16_linear.linear(torch.randn(2, 32).to(torch.bfloat16), block.q_proj.product.packed, None)
+
+
+@needs_own
+def test_a_bf16_model_on_the_own_kernel_runs_lookahead_and_its_own_cost_curve(tmp_path):
+    model = tiny_llama().to(torch.bfloat16)
+    kernels.pack(model)
+    assert kernels.kernels_of(model) == "packed-own" and "-packed-own-" in curve_file(model, tmp_path).name
+    gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False, tree_budget=8))
+    plain = gen.generate([3, 1, 4, 1, 5], max_new_tokens=12, lookahead=False).tokens
+    assert len(plain) == 12 and len(gen.generate([3, 1, 4, 1, 5], max_new_tokens=12).tokens) == 12
+
+
+def test_without_gcc_a_bf16_model_packs_on_onednn_with_a_notice(monkeypatch):
+    if kernels.available(torch.bfloat16) is not None:
+        pytest.skip("no oneDNN bf16 product here")
+    monkeypatch.setattr(bf16_linear.shutil, "which", lambda name: None)
+    bf16_linear.library.cache_clear()
+    try:
+        model = tiny_llama().to(torch.bfloat16)
+        report = kernels.pack(model)
+        reason = kernels.own_kernel(torch.bfloat16)
+        assert reason in report.notice and "run on oneDNN" in report.notice
+        assert "no gcc" in reason or not OWN  # where it ran, gcc's absence is what stops it
+        assert report.kernels == kernels.kernels_of(model) == "packed"
+        assert len(LookaheadGenerator(model).generate([4, 5, 6], max_new_tokens=6).tokens) == 6
+    finally:
+        bf16_linear.library.cache_clear()  # the next test builds (or finds) the real one again
