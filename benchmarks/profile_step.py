@@ -6,6 +6,11 @@ class (linears, attention, norms, the rest), plus what the engine adds around th
 Op times are torch.profiler's self CPU times (the profiler's own cost included, so they overstate slightly);
 "outside ops" is the wall time of an unprofiled forward minus the ops' sum: Python, module dispatch and what
 no op accounts for. Each number is the fastest of ``--reps`` forwards.
+
+Then how close each forward is to what the machine allows: the linears' roofline, the larger of streaming
+their weights once from memory (at the rate a sum over a tensor far larger than the caches reads) and their
+arithmetic at the rate the model's widest MLP product reaches hot on 64 rows (the best these kernels do here);
+attention's arithmetic rate; and r(T) as it would be with the linears at their roofline, all else as measured.
 """
 
 from __future__ import annotations
@@ -13,19 +18,20 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.run import hardware
-from lookahead import kv, models
-from lookahead.kernels import kernels_of
+from lookahead import bf16_linear, kv, models
+from lookahead.kernels import PackedLinear, kernels_of, pack
 from lookahead.layout import build_layout, stack
 from lookahead.tree import TokenTree
 from lookahead.planner import chain_tree
 
 CLASSES = {  # op name fragment -> class, first match wins
-    "linear": "linears", "addmm": "linears", "aten::mm": "linears", "matmul": "linears", "bmm": "attention",
+    "linear": "linears",  # bf16_linear too: our kernel, seen through ``annotated`` "addmm": "linears", "aten::mm": "linears", "matmul": "linears", "bmm": "attention",
     "scaled_dot_product": "attention", "softmax": "attention",
     "rms_norm": "norms", "layer_norm": "norms", "aten::pow": "norms", "aten::mean": "norms", "aten::rsqrt": "norms",
     "aten::cos": "rotary", "aten::sin": "rotary", "cat": "copies and views", "copy_": "copies and views",
@@ -47,6 +53,23 @@ def forward_once(model, cache: kv.BatchCache, size: int, context: int, mask: tor
     return seconds
 
 
+@contextmanager
+def annotated():
+    """Our bf16 kernel is a ctypes call, no torch op: while profiling, each call is a ``record_function`` span
+    (~4 us each, so only here)."""
+    plain = bf16_linear.linear
+
+    def linear(*args):
+        with record_function("bf16_linear"):
+            return plain(*args)
+
+    bf16_linear.linear = linear
+    try:
+        yield
+    finally:
+        bf16_linear.linear = plain
+
+
 def profile_size(model, size: int, context: int, reps: int) -> dict:
     cache = kv.BatchCache()
     with torch.inference_mode():
@@ -60,7 +83,7 @@ def profile_size(model, size: int, context: int, reps: int) -> dict:
         wall = min(forward_once(model, cache, size, context, mask) for _ in range(reps + 2))
         best: dict[str, float] | None = None
         for _ in range(reps):
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with annotated(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 forward_once(model, cache, size, context, mask)
             by = defaultdict(float)
             for event in prof.key_averages():
@@ -69,6 +92,53 @@ def profile_size(model, size: int, context: int, reps: int) -> dict:
                 best = dict(by)
     ops = sum(best.values())
     return {"wall_ms": wall * 1000, "ops_ms": ops, "outside_ops_ms": max(wall * 1000 - ops, 0.0), "mask_ms": mask_ms, "by_class_ms": best}
+
+
+def linear_flops(model, size: int) -> float:
+    """Multiply-adds x 2 of every linear projection (``lm_head`` included) for ``size`` rows."""
+    return 2.0 * size * sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear)))
+
+
+def attention_flops(model, size: int, context: int) -> float:
+    """QK^T and PV of every layer for ``size`` query rows over ``context + size`` keys (masked ones included)."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 4.0 * config.num_hidden_layers * config.num_attention_heads * size * (context + size) * head_dim
+
+
+def linear_bytes(model) -> int:
+    """Bytes of every linear projection's weight (what a forward streams from memory at least once)."""
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))) * model.dtype.itemsize
+
+
+def stream_rate(megabytes: int = 512, reps: int = 5) -> float:
+    """GB/s at which this machine reads memory: a sum over a tensor far larger than its caches."""
+    x = torch.ones(megabytes << 18)  # float32: 4 bytes each
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def peak_rate(model, kernels: str, rows: int = 64, reps: int = 50) -> float:
+    """GFLOP/s of the model's widest MLP product (hidden -> intermediate) on ``rows`` rows, weights hot in cache,
+    on the kernels the model runs: what its linears reach here at best."""
+    config = model.config.get_text_config()
+    width = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    mlp = torch.nn.Sequential(torch.nn.Linear(config.hidden_size, width, bias=False, dtype=model.dtype))
+    pack(mlp, kernels)
+    x = torch.randn(1, rows, config.hidden_size, dtype=model.dtype)
+    with torch.inference_mode():
+        for _ in range(5):
+            mlp(x)
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            mlp(x)
+            best = min(best, time.perf_counter() - start)
+    return 2.0 * rows * config.hidden_size * width / best / 1e9
 
 
 def main(argv=None) -> None:
@@ -83,18 +153,30 @@ def main(argv=None) -> None:
     hw = hardware()
     print(f"# Per-op profile: {args.model}, {hw['cpu']}, {hw['cores']} cores, torch {hw['torch']}, commit {hw['commit']}; "
           f"{args.context}-token cache, ms (fastest of {args.reps})\n")
-    rows = []
+    sizes = sorted({1} | {int(s) for s in args.sizes.split(",")})  # T = 1: the denominator of r(T)
+    stream = stream_rate()  # GB/s
+    rows, bounds = [], []
     for dtype in args.dtypes.split(","):
         model = models.load(args.model, dtype=dtype, kernels=args.kernels)[0]
-        for size in (int(s) for s in args.sizes.split(",")):
-            rows.append((f"{dtype} {kernels_of(model)}", size, profile_size(model, size, args.context, args.reps)))
+        name, peak = f"{dtype} {kernels_of(model)}", peak_rate(model, args.kernels)  # GFLOP/s
+        by_size = {size: profile_size(model, size, args.context, args.reps) for size in sizes}
+        for size, r in by_size.items():
+            rows.append((name, size, r))
+            linears = r["by_class_ms"]["linears"]
+            roof = max(linear_bytes(model) / stream, linear_flops(model, size) / peak) / 1e6  # ms
+            bounds.append((name, size, linears, roof, attention_flops(model, size, args.context) / r["by_class_ms"]["attention"] / 1e6,
+                           r["wall_ms"] / by_size[1]["wall_ms"], (r["wall_ms"] - linears + roof) / by_size[1]["wall_ms"]))
+        print(f"{name}: weights stream at {stream:.0f} GB/s, the hot 64-row product runs at {peak:.0f} GFLOP/s")
     classes = sorted({c for *_, r in rows for c in r["by_class_ms"]})
-    print("| dtype, kernels | T | forward (wall) | " + " | ".join(classes) + " | outside ops | step mask (ours) |")
+    print("\n| dtype, kernels | T | forward (wall) | " + " | ".join(classes) + " | outside ops | step mask (ours) |")
     print("|---|---|---|" + "---|" * (len(classes) + 2))
     for name, size, r in rows:
         print(f"| {name} | {size} | {r['wall_ms']:.1f} | " + " | ".join(f"{r['by_class_ms'].get(c, 0.0):.1f}" for c in classes)
               + f" | {r['outside_ops_ms']:.1f} | {r['mask_ms']:.2f} |")
-
+    print("\n| dtype, kernels | T | linears (ms) | their roofline (ms) | attention GFLOP/s | r(T) | r(T), linears at roofline |")
+    print("|---|---|---|---|---|---|---|")
+    for name, size, linears, roof, attention, ratio, at_roof in bounds:
+        print(f"| {name} | {size} | {linears:.1f} | {roof:.1f} | {attention:.0f} | {ratio:.2f} | {at_roof:.2f} |")
 
 if __name__ == "__main__":
     main()
