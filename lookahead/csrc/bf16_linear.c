@@ -11,8 +11,9 @@
        block nb + 1 follows at once                       (lookahead/bf16_linear.py's ``pack`` lays it out)
 
    The threads split the blocks two at a time; a tile of up to 8 rows x 32 columns keeps its 16 fp32 sums in
-   registers over all of K, and while its first row tile runs it prefetches the next two blocks into L2, so the
-   weight streams from memory once for all M rows while the arithmetic runs. Every row is summed in the same
+   registers over all of K, and while its first row tile runs it prefetches the next two blocks (into L1: ~5%
+   faster at 16 rows than into L2 on a Zen 5), so the weight streams from memory once for all M rows while the
+   arithmetic runs. (Tried: 16 rows x 16 columns a tile, prefetching two pairs ahead: slower.) Every row is summed in the same
    order whatever M is: row i of an M-row product equals the one-row product bit for bit (row-invariant). */
 
 #include <immintrin.h>
@@ -37,8 +38,8 @@ static inline void put(uint16_t *y, __m512 sum, const float *bias) {  /* fp32 su
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) s0[r] = s1[r] = _mm512_setzero_ps();               \
         for (int kp = 0; kp < lines; kp++) {                                                                      \
             if (next) {                                                                                           \
-                _mm_prefetch((const char *)(next + (size_t)kp * 64), _MM_HINT_T1);                               \
-                _mm_prefetch((const char *)(next + (size_t)kp * 64 + 32), _MM_HINT_T1);                          \
+                _mm_prefetch((const char *)(next + (size_t)kp * 64), _MM_HINT_T0);                               \
+                _mm_prefetch((const char *)(next + (size_t)kp * 64 + 32), _MM_HINT_T0);                          \
             }                                                                                                     \
             __m512i a = _mm512_loadu_si512(w0 + (size_t)kp * 32);                                                 \
             if (two) {                                                                                            \
