@@ -24,14 +24,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.run import hardware
-from lookahead import bf16_linear, kv, models
+from lookahead import kv, models, native
 from lookahead.kernels import PackedLinear, kernels_of, pack
 from lookahead.layout import build_layout, stack
 from lookahead.tree import TokenTree
 from lookahead.planner import chain_tree
 
 CLASSES = {  # op name fragment -> class, first match wins
-    "linear": "linears",  # bf16_linear too: our kernel, seen through ``annotated`` "addmm": "linears", "aten::mm": "linears", "matmul": "linears", "bmm": "attention",
+    # our own kernels' calls, seen through ``annotated``, are "bf16_linear" and "tree_attention"
+    "linear": "linears", "tree_attention": "attention", "addmm": "linears", "aten::mm": "linears", "matmul": "linears", "bmm": "attention",
     "scaled_dot_product": "attention", "softmax": "attention",
     "rms_norm": "norms", "layer_norm": "norms", "aten::pow": "norms", "aten::mean": "norms", "aten::rsqrt": "norms",
     "aten::cos": "rotary", "aten::sin": "rotary", "cat": "copies and views", "copy_": "copies and views",
@@ -55,19 +56,24 @@ def forward_once(model, cache: kv.BatchCache, size: int, context: int, mask: tor
 
 @contextmanager
 def annotated():
-    """Our bf16 kernel is a ctypes call, no torch op: while profiling, each call is a ``record_function`` span
-    (~4 us each, so only here)."""
-    plain = bf16_linear.linear
+    """Our own kernels are ctypes calls, no torch ops: while profiling, each call is a ``record_function`` span
+    named for its C function (~4 us each, so only here)."""
+    spans = {"linear": "bf16_linear", "attention": "tree_attention"}  # native's functions -> their C functions
+    plain = {name: getattr(native, name) for name in spans}
 
-    def linear(*args):
-        with record_function("bf16_linear"):
-            return plain(*args)
+    def spanned(name: str, function):
+        def call(*args):
+            with record_function(spans[name]):
+                return function(*args)
+        return call
 
-    bf16_linear.linear = linear
+    for name, function in plain.items():
+        setattr(native, name, spanned(name, function))
     try:
         yield
     finally:
-        bf16_linear.linear = plain
+        for name, function in plain.items():
+            setattr(native, name, function)
 
 
 def profile_size(model, size: int, context: int, reps: int) -> dict:

@@ -13,10 +13,11 @@ order), so fp32 output equals stock ``generate()`` up to numerical ties, as the 
 of a T-row product equals the one-row product bit for bit ("row-invariant") is measured by
 ``row_invariant`` and reported, not assumed.
 
-bf16 on a CPU with AVX-512 BF16: our own kernel (``bf16_linear``, built with gcc on first use) instead of
-oneDNN's, for every product whose shape it fits (``kernels_of`` says "packed-own"): oneDNN's small-M product
-streams a weight, then does the arithmetic; ours prefetches the next blocks while it computes (SmolLM2, Zen 5:
-a forward of 1 / 16 rows 15.5 / 21.4 -> 12.9 / 18.3 ms, measured side by side), and it is row-invariant.
+bf16 on a CPU with AVX-512 BF16: our own kernels (``native``, built with gcc on first use) instead of oneDNN's
+product for every product whose shape they fit (``kernels_of`` says "packed-own"), and instead of SDPA for a
+step's attention. oneDNN's small-M product streams a weight, then does the arithmetic; ours prefetches the next
+blocks while it computes (SmolLM2, Zen 5: a forward of 1 / 16 rows 15.5 / 21.4 -> 12.9 / 18.3 ms, measured side
+by side), and it is row-invariant.
 
 Sibling projections (``SIBLINGS``: q/k/v, gate/up) share one product of their stacked weights (``Product``):
 a call costs ~14 us of oneDNN overhead, so three calls for three thin products were ~7% of SmolLM2's
@@ -47,7 +48,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lookahead import bf16_linear
+from lookahead import native
 
 KERNELS = ("packed", "stock")
 GROUPED_SDPA = "lookahead_grouped_sdpa"  # the attention implementation ``pack`` switches sdpa models to
@@ -67,8 +68,8 @@ class Product:
     def __init__(self, linears: list[nn.Linear]) -> None:
         weights = [linear.weight.detach() for linear in linears]
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-        self.own = own_kernel(weight.dtype) is None and bf16_linear.fits(*weight.shape)  # our bf16 kernel, else oneDNN's
-        self.packed = bf16_linear.pack(weight) if self.own else _pack(weight)  # (N/16, K/2, 16, 2), or opaque oneDNN
+        self.own = own_kernel(weight.dtype) is None and native.fits(*weight.shape)  # our bf16 kernel, else oneDNN's
+        self.packed = native.pack(weight) if self.own else _pack(weight)  # (N/16, K/2, 16, 2), or opaque oneDNN
         bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
         self.bias = bias.float() if self.own and bias is not None else bias  # ours adds it to the fp32 sums
         self.splits = [linear.out_features for linear in linears]
@@ -90,7 +91,7 @@ class Product:
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.own:
-            return bf16_linear.linear(x, self.packed, self.bias)
+            return native.linear(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
@@ -110,7 +111,7 @@ class PackedLinear(nn.Module):
         """A dense copy of the weight, for code that reads it (writing to it changes nothing: use a stock model
         for a modelling code that rescales its weights in place)."""
         start = sum(self.product.splits[: self.part])
-        dense = bf16_linear.unpack(self.packed_weight) if self.product.own else self.packed_weight.to_dense()
+        dense = native.unpack(self.packed_weight) if self.product.own else self.packed_weight.to_dense()
         return dense[start : start + self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
@@ -124,11 +125,15 @@ class PackedLinear(nn.Module):
 
 def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                  dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
-    """transformers' SDPA attention, except that several query rows under a 4D mask share the grouped K/V heads
-    (query (B, H, T, D), key and value (B, H / groups, S, D)) instead of copying them; anything else is stock."""
-    stock = (query.shape[1] == key.shape[1] or query.shape[2] == 1 or attention_mask is None or dropout
-             or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux", "sinks")))
-    if stock:
+    """transformers' SDPA attention, except: in bf16 where our own kernels run, our attention for up to
+    ``native.MAX_ROWS`` query rows (``native.attention``: a step's rows, a short prompt's); else, for several rows
+    under a 4D mask, SDPA sharing the grouped K/V heads (query (B, H, T, D), key and value (B, H / groups, S, D))
+    instead of copying them. Anything else is stock."""
+    extras = dropout or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux", "sinks"))
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if not extras and native.attention_fits(query, key, value, attention_mask, causal):
+        return native.attention(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling), None
+    if extras or query.shape[1] == key.shape[1] or query.shape[2] == 1 or attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None  # (B, T, H, D), as transformers' attention functions return
@@ -184,10 +189,10 @@ class KernelReport:
 
 
 def own_kernel(dtype: torch.dtype) -> str | None:
-    """None when our own kernel (``bf16_linear``) runs packed products of ``dtype`` here; else why not."""
+    """None when our own kernels (``native``) run packed products and steps' attention in ``dtype`` here; else why not."""
     if dtype != torch.bfloat16:
         return f"it is for bfloat16, not {str(dtype).split('.')[-1]}"
-    reason = bf16_linear.library()
+    reason = native.library()
     return reason if isinstance(reason, str) else None
 
 

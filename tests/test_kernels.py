@@ -10,10 +10,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from torch import nn
+from torch.nn import functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator, bf16_linear, kernels
+from lookahead import LookaheadConfig, LookaheadGenerator, kernels, native
 from lookahead.cli import main
 from lookahead.tuner import curve_file
 
@@ -244,7 +245,7 @@ def test_own_kernel_packs_what_fits_and_onednn_the_rest():
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             assert torch.allclose(getattr(block, name)(x).float(), getattr(stock, name)(x).float(), rtol=2 ** -7, atol=1e-2)
     with pytest.raises(ValueError, match="input has 32 features, the weight 64"):
-        bf16_linear.linear(torch.randn(2, 32).to(torch.bfloat16), block.q_proj.product.packed, None)
+        native.linear(torch.randn(2, 32).to(torch.bfloat16), block.q_proj.product.packed, None)
 
 
 @needs_own
@@ -260,8 +261,8 @@ def test_a_bf16_model_on_the_own_kernel_runs_lookahead_and_its_own_cost_curve(tm
 def test_without_gcc_a_bf16_model_packs_on_onednn_with_a_notice(monkeypatch):
     if kernels.available(torch.bfloat16) is not None:
         pytest.skip("no oneDNN bf16 product here")
-    monkeypatch.setattr(bf16_linear.shutil, "which", lambda name: None)
-    bf16_linear.library.cache_clear()
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    native.library.cache_clear()
     try:
         model = tiny_llama().to(torch.bfloat16)
         report = kernels.pack(model)
@@ -271,4 +272,56 @@ def test_without_gcc_a_bf16_model_packs_on_onednn_with_a_notice(monkeypatch):
         assert report.kernels == kernels.kernels_of(model) == "packed"
         assert len(LookaheadGenerator(model).generate([4, 5, 6], max_new_tokens=6).tokens) == 6
     finally:
-        bf16_linear.library.cache_clear()  # the next test builds (or finds) the real one again
+        native.library.cache_clear()  # the next test builds (or finds) the real one again
+
+
+def attention_case(b: int, h: int, g: int, t: int, s: int, d: int, seed: int):
+    """query (B, H, T, D) as transformers makes it (a transposed view), key/value views into a roomier cache
+    buffer, and a random additive mask that leaves every row its first key."""
+    torch.manual_seed(seed)
+    q = torch.randn(b, t, h, d).to(torch.bfloat16).transpose(1, 2)
+    kv = torch.randn(2, b, g, s + 5, d).to(torch.bfloat16)[:, :, :, :s]
+    allowed = torch.rand(b, 1, t, s) < 0.7
+    allowed[..., 0] = True
+    mask = torch.zeros(b, 1, t, s, dtype=torch.bfloat16).masked_fill(~allowed, torch.finfo(torch.bfloat16).min)
+    return q, kv[0], kv[1], mask
+
+
+@needs_own
+@pytest.mark.parametrize("shape", [(1, 9, 3, 1, 300, 64), (1, 9, 3, 16, 316, 64), (2, 9, 3, 5, 37, 64), (1, 14, 2, 7, 100, 64),
+                                   (1, 8, 8, 3, 50, 128), (1, 4, 1, 16, 33, 256), (1, 9, 3, 20, 20, 64)])
+def test_own_attention_agrees_with_fp32_sdpa_to_bf16_rounding(shape):
+    """Grouped heads 3:1, 7:1, 1:1 and 4:1, head sizes 64-256, one to 20 rows, a batch of two, no mask (causal)."""
+    q, k, v, mask = attention_case(*shape, seed=sum(shape))
+    t, s = q.shape[2], k.shape[2]
+    causal = torch.ones(t, s, dtype=torch.bool).tril(s - t)  # row t sees keys up to s - t + t
+    for given, reference in ((mask, mask.float()), (None, causal)):
+        got = native.attention(q, k, v, given, 0.125)
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=reference, scale=0.125, enable_gqa=True)
+        assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want.transpose(1, 2), rtol=2 ** -7, atol=2e-3)
+
+
+@needs_own
+def test_own_attention_row_depends_only_on_its_query_and_the_keys_it_sees():
+    """Bit for bit: whatever other rows the call carries and wherever masked keys sit between the seen ones,
+    which is what makes a lookahead step's rows the plain loop's."""
+    q, k, v, _ = attention_case(1, 9, 3, 4, 40, 64, seed=1)
+    keep = torch.tensor(sorted(torch.randperm(40)[:25].tolist()))
+    mask = torch.full((1, 1, 4, 40), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16)
+    mask[..., keep] = 0
+    scattered = native.attention(q, k, v, mask, 0.125)
+    seen = k[:, :, keep].contiguous(), v[:, :, keep].contiguous()
+    assert torch.equal(scattered, native.attention(q, *seen, torch.zeros(1, 1, 4, 25, dtype=torch.bfloat16), 0.125))
+    assert torch.equal(scattered[:, 2:3], native.attention(q[:, :, 2:3], *seen, None, 0.125))
+
+
+@needs_own
+def test_own_attention_declines_what_it_does_not_do():
+    q, k, v, mask = attention_case(1, 9, 3, 4, 40, 64, seed=2)
+    assert native.attention_fits(q, k, v, mask, causal=True) and native.attention_fits(q, k, v, None, causal=True)
+    assert not native.attention_fits(q, k, v, None, causal=False)  # no mask and not causal: an encoder's
+    assert not native.attention_fits(q.float(), k.float(), v.float(), mask.float(), causal=True)  # fp32 stays SDPA's
+    assert not native.attention_fits(q, k, v, mask.bool(), causal=True)
+    assert not native.attention_fits(q[..., :48], k[..., :48], v[..., :48], mask, causal=True)  # head size not a multiple of 32
+    wide = attention_case(1, 9, 3, native.MAX_ROWS + 1, 100, 64, seed=3)
+    assert not native.attention_fits(*wide, causal=True)  # a long prompt's prefill: SDPA's

@@ -9,7 +9,7 @@ import torch
 
 from benchmarks.prompts import PROMPTS, prompt_ids
 from conftest import assert_greedy_equal, hf_greedy
-from lookahead import LookaheadConfig, LookaheadGenerator, models
+from lookahead import LookaheadConfig, LookaheadGenerator, kernels, models
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +56,22 @@ def test_smollm2_bf16_equals_bf16_generate_up_to_bf16_ties():
         out = gen.generate(ids, max_new_tokens=48)
         assert_greedy_equal(model, ids, out.tokens, hf_greedy(model, ids, 48))
         assert out.text and out.stats.new_tokens == len(out.tokens) > 0
+
+
+@pytest.mark.skipif(kernels.own_kernel(torch.bfloat16) is not None, reason="our own bf16 kernels cannot run here")
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_bf16_lookahead_equals_the_bf16_plain_loop_on_our_own_kernels(name):
+    """Our bf16 linear is row-invariant and our attention's row depends only on the keys it sees, in order: a
+    lookahead step's rows are the plain loop's bit for bit, so bf16 lookahead gives the plain loop's tokens
+    (Gemma 3: head size 256, sliding-window layers)."""
+    model, tok = models.load(name, dtype="bfloat16", kernels="packed")
+    assert kernels.kernels_of(model) == "packed-own"
+    for config in (LookaheadConfig(), LookaheadConfig(auto=False, tree_budget=32, suffix_length=16),
+                   LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=8)):
+        gen = LookaheadGenerator(model, tok, config)
+        for _, text, chat in PROMPTS[:4] if name == "smollm2-135m" else PROMPTS[:2]:
+            ids = prompt_ids(tok, text, chat)
+            assert gen.generate(ids, max_new_tokens=48).tokens == gen.generate(ids, max_new_tokens=48, lookahead=False).tokens
 
 
 def test_gguf_conversion_cache_reloads_identical_logits(smollm2, tmp_path):
