@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from lookahead import kv
+from lookahead import kv, native
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
 from lookahead.drafting import TRAJECTORY, DraftState, Observed
@@ -233,7 +233,7 @@ class Batch:
         # 5. learn (not in plain decoding): the window advances; the sources take the trajectories, the new
         #    tokens and every row's top-k (one top-k over the whole step)
         k = min(cfg.recycle_k, logits.shape[-1]) if any(lane.lookahead for lane in lanes) else 0
-        topk = torch.topk(logits, k).indices.numpy() if k else np.empty((*logits.shape[:2], 0), np.int64)  # (B, U, k)
+        topk = native.top_k(logits, k) if k else np.empty((*logits.shape[:2], 0), np.int64)  # (B, U, k)
         observed = []
         for b, (lane, tree, level, layout, verdict, new, own) in enumerate(zip(lanes, trees, levels, layouts, verdicts, news, owns)):
             if lane.lookahead:

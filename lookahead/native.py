@@ -10,7 +10,8 @@ ms. Each row is summed in the same order whatever the number of rows (row-invari
 rounded to bf16 once, as oneDNN does.
 
 The attention (``csrc/tree_attention.c``): a step's query rows of every head that shares a K/V head, under the
-step's additive 4D mask, 1.5-2.3x as fast as CPU SDPA on SmolLM2's shapes (see the source).
+step's additive 4D mask, 1.5-2.3x as fast as CPU SDPA on SmolLM2's shapes (see the source). And the step's
+recycled top-k over the vocabulary (``csrc/top_k.c``), in place of ``torch.topk``.
 
 ``library`` says why not where they cannot run (no gcc, not x86-64, no AVX-512 BF16): the packed kernels then
 use oneDNN's product and SDPA, as for every other dtype."""
@@ -26,9 +27,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("bf16_linear.c", "tree_attention.c"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("bf16_linear.c", "tree_attention.c", "top_k.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared")
 BLOCK = 16  # output columns a packed block holds: N must be a multiple, K even
 MAX_ROWS = 64  # query rows up to which the attention kernel runs (measured faster to 32; longer prefills stay SDPA's)
@@ -68,7 +70,8 @@ def library() -> ctypes.CDLL | str:
     lib.bf16_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.tree_attention.argtypes = ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs,
                                     ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])
-    lib.bf16_linear.restype = lib.tree_attention.restype = None
+    lib.top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    lib.bf16_linear.restype = lib.tree_attention.restype = lib.top_k.restype = None
     return lib
 
 
@@ -130,4 +133,16 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     library().tree_attention(query.data_ptr(), Longs(*query.stride()[:3]), key.data_ptr(), value.data_ptr(), Longs(*key.stride()[:3]),
                              None if mask is None else mask.data_ptr(), strides, out.data_ptr(), b, h, g, t, s, d,
                              scale, torch.get_num_threads())
+    return out
+
+
+def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
+    """Indices (..., k) of the ``k`` largest of each row of host fp32 ``scores`` (..., V), largest first (a tie:
+    the lower index first); ``torch.topk``'s where the kernels do not run, or for k over 64."""
+    lib = library()
+    if isinstance(lib, str) or not 0 < k <= min(64, scores.shape[-1]) or scores.dtype != torch.float32 or scores.device.type != "cpu":
+        return torch.topk(scores, k).indices.numpy()
+    x = scores.contiguous()
+    out = np.empty((*x.shape[:-1], k), np.int64)
+    lib.top_k(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], k, out.ctypes.data)
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -325,3 +326,14 @@ def test_own_attention_declines_what_it_does_not_do():
     assert not native.attention_fits(q[..., :48], k[..., :48], v[..., :48], mask, causal=True)  # head size not a multiple of 32
     wide = attention_case(1, 9, 3, native.MAX_ROWS + 1, 100, 64, seed=3)
     assert not native.attention_fits(*wide, causal=True)  # a long prompt's prefill: SDPA's
+
+
+@needs_own
+def test_own_top_k_is_torch_topk_without_ties_and_takes_the_lower_index_on_one():
+    torch.manual_seed(4)
+    for rows, n, k in [(1, 49152, 8), (5, 49152, 8), (3, 100, 16), (2, 17, 17), (4, 1000, 64), (1, 15, 1)]:
+        x = torch.randn(1, rows, n)
+        assert np.array_equal(native.top_k(x, k), torch.topk(x, k).indices.numpy()), (rows, n, k)
+    assert native.top_k(torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]]), 2).tolist() == [[1, 2]]
+    x = torch.randn(2, 100)
+    assert np.array_equal(native.top_k(x, 65), torch.topk(x, 65).indices.numpy())  # past 64: torch's
