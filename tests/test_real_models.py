@@ -63,7 +63,7 @@ def test_smollm2_bf16_equals_bf16_generate_up_to_bf16_ties():
 def test_bf16_lookahead_equals_the_bf16_plain_loop_on_our_own_kernels(name):
     """Our bf16 linear is row-invariant and our attention's row depends only on the keys it sees, in order: a
     lookahead step's rows are the plain loop's bit for bit, so bf16 lookahead gives the plain loop's tokens
-    (Gemma 3: head size 256, sliding-window layers)."""
+    (Gemma 3: head size 256, sliding-window layers), also in a batch."""
     model, tok = models.load(name, dtype="bfloat16", kernels="packed")
     assert kernels.kernels_of(model) == "packed-own"
     for config in (LookaheadConfig(), LookaheadConfig(auto=False, tree_budget=32, suffix_length=16),
@@ -72,6 +72,10 @@ def test_bf16_lookahead_equals_the_bf16_plain_loop_on_our_own_kernels(name):
         for _, text, chat in PROMPTS[:4] if name == "smollm2-135m" else PROMPTS[:2]:
             ids = prompt_ids(tok, text, chat)
             assert gen.generate(ids, max_new_tokens=48).tokens == gen.generate(ids, max_new_tokens=48, lookahead=False).tokens
+    # a batch too: its padding and holes are masked keys, which add exact zeros
+    prompts = [prompt_ids(tok, text, chat) for _, text, chat in PROMPTS[:4]]
+    alone = [LookaheadGenerator(model, tok).generate(ids, max_new_tokens=32, lookahead=False).tokens for ids in prompts]
+    assert [r.tokens for r in LookaheadGenerator(model, tok).generate_batch(prompts, 32)] == alone
 
 
 def test_gguf_conversion_cache_reloads_identical_logits(smollm2, tmp_path):
