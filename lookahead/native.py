@@ -56,17 +56,20 @@ def library() -> ctypes.CDLL | str:
         return "no gcc to build it"
     from lookahead.models import default_cache_dir
 
-    version = subprocess.run([gcc, "--version"], capture_output=True, text=True).stdout.partition("\n")[0]
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + repr((FLAGS, version)).encode()).hexdigest()[:16]
-    target = default_cache_dir() / "kernels" / f"lookahead-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(f".{os.getpid()}.partial")  # renamed into place whole: a parallel build is harmless
-        built = subprocess.run([gcc, *FLAGS, *map(str, SOURCES), "-o", str(partial)], capture_output=True, text=True)
-        if built.returncode:
-            return f"gcc could not build it ({(built.stderr.strip().splitlines() or ['?'])[0][:120]})"
-        os.replace(partial, target)
-    lib = ctypes.CDLL(str(target))
+    try:
+        version = subprocess.run([gcc, "--version"], capture_output=True, text=True).stdout.partition("\n")[0]
+        digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + repr((FLAGS, version)).encode()).hexdigest()[:16]
+        target = default_cache_dir() / "kernels" / f"lookahead-{digest}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_suffix(f".{os.getpid()}.partial")  # renamed into place whole: a parallel build is harmless
+            built = subprocess.run([gcc, *FLAGS, *map(str, SOURCES), "-o", str(partial)], capture_output=True, text=True)
+            if built.returncode:
+                return f"gcc could not build it ({(built.stderr.strip().splitlines() or ['?'])[0][:120]})"
+            os.replace(partial, target)
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:  # an unwritable cache, a missing source, a library that will not load
+        return f"cannot build or load it ({e})"
     lib.bf16_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.tree_attention.argtypes = ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs,
                                     ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])

@@ -337,3 +337,15 @@ def test_own_top_k_is_torch_topk_without_ties_and_takes_the_lower_index_on_one()
     assert native.top_k(torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]]), 2).tolist() == [[1, 2]]
     x = torch.randn(2, 100)
     assert np.array_equal(native.top_k(x, 65), torch.topk(x, 65).indices.numpy())  # past 64: torch's
+
+
+def test_an_unwritable_cache_leaves_bf16_on_onednn_with_a_notice(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # its "lookahead/kernels" cannot be made under a file
+    native.library.cache_clear()
+    try:
+        reason = kernels.own_kernel(torch.bfloat16)
+        assert reason is not None and ("cannot build or load it" in reason or not OWN)
+    finally:
+        native.library.cache_clear()
