@@ -13,9 +13,9 @@ order), so fp32 output equals stock ``generate()`` up to numerical ties, as the 
 of a T-row product equals the one-row product bit for bit ("row-invariant") is measured by
 ``row_invariant`` and reported, not assumed.
 
-bf16 on a CPU with AVX-512 BF16: our own kernels (``native``, built with gcc on first use) instead of oneDNN's
-product for every product whose shape they fit (``kernels_of`` says "packed-own"), and instead of SDPA for a
-step's attention. oneDNN's small-M product streams a weight, then does the arithmetic; ours prefetches the next
+On a CPU with AVX-512 BF16: our own kernels (``native``, built with gcc on first use) instead of oneDNN's
+product for every bf16 or fp32 product whose shape they fit (``kernels_of`` says "packed-own"), and instead of
+SDPA for a bf16 step's attention. oneDNN's small-M product streams a weight, then does the arithmetic; ours prefetches the next
 blocks while it computes (SmolLM2, Zen 5: a forward of 1 / 16 rows 15.5 / 21.4 -> 12.9 / 18.3 ms, measured side
 by side), and it is row-invariant.
 
@@ -68,8 +68,8 @@ class Product:
     def __init__(self, linears: list[nn.Linear]) -> None:
         weights = [linear.weight.detach() for linear in linears]
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-        self.own = own_kernel(weight.dtype) is None and native.fits(*weight.shape)  # our bf16 kernel, else oneDNN's
-        self.packed = native.pack(weight) if self.own else _pack(weight)  # (N/16, K/2, 16, 2), or opaque oneDNN
+        self.own = own_kernel(weight.dtype) is None and native.fits(*weight.shape, weight.dtype)  # ours, else oneDNN's
+        self.packed = native.pack(weight) if self.own else _pack(weight)  # native's layout, or opaque oneDNN
         bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
         self.bias = bias.float() if self.own and bias is not None else bias  # ours adds it to the fp32 sums
         self.splits = [linear.out_features for linear in linears]
@@ -120,7 +120,7 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         shared = f", one product with {len(self.product.splits) - 1} sibling(s)" if len(self.product.splits) > 1 else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"packed={'own bf16' if self.product.own else 'oneDNN'}{shared}")
+                f"packed={'own' if self.product.own else 'oneDNN'}{shared}")
 
 
 def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -189,16 +189,17 @@ class KernelReport:
 
 
 def own_kernel(dtype: torch.dtype) -> str | None:
-    """None when our own kernels (``native``) run packed products and steps' attention in ``dtype`` here; else why not."""
-    if dtype != torch.bfloat16:
-        return f"it is for bfloat16, not {str(dtype).split('.')[-1]}"
+    """None when our own kernels (``native``) run packed products in ``dtype`` here (and, in bf16, steps'
+    attention); else why not."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"it is for bfloat16 and float32, not {str(dtype).split('.')[-1]}"
     reason = native.library()
     return reason if isinstance(reason, str) else None
 
 
 def kernels_of(model: nn.Module) -> str:
     """What ``model``'s linears run on (the cost curve's cache key says it): "stock", "packed" (oneDNN's packed
-    products) or "packed-own" (our bf16 kernel's, oneDNN's for any shape it does not fit)."""
+    products) or "packed-own" (our kernel's, oneDNN's for any shape it does not fit)."""
     products = [m.product for m in model.modules() if isinstance(m, PackedLinear)]
     return "stock" if not products else "packed-own" if any(p.own for p in products) else "packed"
 
@@ -234,7 +235,7 @@ def pack(model: nn.Module, kernels: str = "packed") -> KernelReport:
             products += len(names) > 1
     if packed and getattr(model, "config", None) is not None and model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(GROUPED_SDPA)
-    why_not_own = own_kernel(dtype) if packed and dtype == torch.bfloat16 else None
+    why_not_own = own_kernel(dtype) if packed and dtype == torch.bfloat16 else None  # fp32 on oneDNN is as before: no notice
     notice = f"own bf16 kernel unavailable ({why_not_own}); packed products run on oneDNN" if why_not_own else None
     return KernelReport(kernels_of(model), packed, kept, extra, products, notice)
 

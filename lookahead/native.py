@@ -1,5 +1,6 @@
-"""Our own bf16 CPU kernels (``csrc/*.c``, AVX-512 BF16): the linear of a step's few rows and its attention,
-built once per machine with gcc into the cache and called through ctypes.
+"""Our own CPU kernels (``csrc/*.c``, AVX-512 BF16 CPUs): the linear of a step's few rows (bf16, and its fp32
+twin ``fp32_linear.c``) and its bf16 attention, built once per machine with gcc into the cache and called through
+ctypes.
 
 The linear (``csrc/bf16_linear.c``): a step's linears must stream every weight from memory, and at 16 rows
 also do 16x the arithmetic. oneDNN's small-M product does one after the other (in the model its 16-row time is
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("bf16_linear.c", "tree_attention.c", "top_k.c"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("bf16_linear.c", "fp32_linear.c", "tree_attention.c", "top_k.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared")
 BLOCK = 16  # output columns a packed block holds: N must be a multiple, K even
 MAX_ROWS = 64  # query rows up to which the attention kernel runs (measured faster to 32; longer prefills stay SDPA's)
@@ -70,44 +71,49 @@ def library() -> ctypes.CDLL | str:
         lib = ctypes.CDLL(str(target))
     except OSError as e:  # an unwritable cache, a missing source, a library that will not load
         return f"cannot build or load it ({e})"
-    lib.bf16_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.bf16_linear.argtypes = lib.fp32_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.tree_attention.argtypes = ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs,
                                     ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])
     lib.top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p]
-    lib.bf16_linear.restype = lib.tree_attention.restype = lib.top_k.restype = None
+    lib.bf16_linear.restype = lib.fp32_linear.restype = lib.tree_attention.restype = lib.top_k.restype = None
     return lib
 
 
-def fits(n: int, k: int) -> bool:
-    """Whether an (n, k) weight can be packed for the linear."""
-    return n % BLOCK == 0 and k % 2 == 0 and n > 0 and k > 0
+def fits(n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether an (n, k) weight of ``dtype`` can be packed for the linear (bf16 or fp32)."""
+    return n % BLOCK == 0 and n > 0 and k > 0 and (dtype == torch.float32 or dtype == torch.bfloat16 and k % 2 == 0)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """(N, K) bf16 -> the linear's layout (N/16, K/2, 16, 2): block, line (pair of k), column, k in the pair."""
+    """(N, K) -> the linear's layout: bf16 (N/16, K/2, 16, 2) (block, line = pair of k, column, k in the pair);
+    fp32 (N/16, K, 16) (block, line = k, column)."""
     n, k = weight.shape
-    return weight.view(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if weight.dtype == torch.bfloat16:
+        return weight.view(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return weight.view(n // BLOCK, BLOCK, k).permute(0, 2, 1).contiguous()
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """``pack``'s inverse: the dense (N, K) weight."""
-    blocks, lines, block, _ = packed.shape
-    return packed.permute(0, 2, 1, 3).reshape(blocks * block, lines * 2)
+    if packed.dtype == torch.bfloat16:
+        return packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * BLOCK, packed.shape[1] * 2)
+    return packed.permute(0, 2, 1).reshape(packed.shape[0] * BLOCK, packed.shape[1])
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(..., K) bf16 -> (..., N) bf16: x W^T (+ bias, fp32), W packed by ``pack``."""
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"the bf16 linear takes bf16 input, got {x.dtype}")
-    blocks, lines, block, _ = packed.shape
-    n, k = blocks * block, lines * 2
+    """(..., K) -> (..., N) in the weight's dtype (bf16 or fp32): x W^T (+ bias, fp32), W packed by ``pack``."""
+    if x.dtype != packed.dtype:
+        raise TypeError(f"the {packed.dtype} linear takes {packed.dtype} input, got {x.dtype}")
+    n, k = packed.shape[0] * BLOCK, packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
     if x.shape[-1] != k:  # the kernel reads K columns a row: never let it read past x
         raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
     x = x.contiguous()
-    y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     if x.numel():
-        library().bf16_linear(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                              x.numel() // k, n, k, torch.get_num_threads())
+        lib = library()
+        run = lib.bf16_linear if x.dtype == torch.bfloat16 else lib.fp32_linear
+        run(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), x.numel() // k, n, k,
+            torch.get_num_threads())
     return y
 
 

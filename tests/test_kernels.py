@@ -20,6 +20,8 @@ from lookahead.cli import main
 from lookahead.tuner import curve_file
 
 needs_onednn = pytest.mark.skipif(kernels.available(torch.float32) is not None, reason="no oneDNN packed linear here")
+OWN = kernels.own_kernel(torch.bfloat16) is None  # this machine runs our own kernels (AVX-512 BF16, gcc): bf16 and fp32
+needs_own = pytest.mark.skipif(not OWN, reason="our own kernels cannot run here")
 
 
 @needs_onednn
@@ -44,10 +46,11 @@ def test_pack_replaces_every_linear_and_keeps_tied_embeddings():
     stock = copy.deepcopy(model)
     report = kernels.pack(model)
     linears = sum(isinstance(m, nn.Linear) for m in stock.modules())
-    assert report.kernels == "packed" and report.packed == linears and report.kept == 0
+    assert report.kernels == kernels.kernels_of(model) == ("packed-own" if OWN else "packed")  # fp32: ours where it runs
+    assert report.packed == linears and report.kept == 0
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert report.extra_bytes == model.model.embed_tokens.weight.numel() * 4  # the tied head's packed copy, nothing else
-    assert kernels.kernels_of(model) == "packed" and kernels.kernels_of(stock) == "stock"
+    assert kernels.kernels_of(stock) == "stock"
     ids = torch.tensor([[3, 9, 27, 81, 5]])
     with torch.inference_mode():
         assert torch.allclose(model(ids).logits, stock(ids).logits, atol=1e-4)
@@ -142,7 +145,7 @@ def test_cli_kernels_option_reaches_the_model(tmp_path):
         assert result.exit_code == 0, result.output
         seen[choice] = json.loads(result.stdout)
     assert seen["stock"]["kernels"] == "stock"
-    assert seen["packed"]["kernels"] == ("packed" if kernels.available(torch.float32) is None else "stock")
+    assert seen["packed"]["kernels"] == ("stock" if kernels.available(torch.float32) else "packed-own" if OWN else "packed")
     assert seen["stock"]["tokens"] == seen["packed"]["tokens"]
     bad = CliRunner().invoke(main, ["generate", "--model", str(path), "--ids", "1", "--kernels", "fast"])
     assert bad.exit_code != 0 and "fast" in bad.output
@@ -199,8 +202,6 @@ def test_siblings_that_differ_are_packed_alone():
     assert len({id(m.product) for m in block.children()}) == 4
 
 
-OWN = kernels.own_kernel(torch.bfloat16) is None  # this machine runs our bf16 kernel (AVX-512 BF16, gcc)
-needs_own = pytest.mark.skipif(not OWN, reason="our bf16 kernel cannot run here")
 
 
 @needs_own
@@ -212,7 +213,7 @@ def test_own_bf16_linear_agrees_with_an_fp32_product_to_bf16_rounding(shape, bia
     torch.manual_seed(rows + k)
     linear = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
     packed = kernels.PackedLinear(copy.deepcopy(linear))
-    assert packed.product.own and "own bf16" in repr(packed)
+    assert packed.product.own and "packed=own" in repr(packed)
     x = torch.randn(2, rows, k).to(torch.bfloat16)
     with torch.inference_mode():
         for inp in (x, x[0], x.transpose(0, 1).contiguous().transpose(0, 1)):
@@ -349,3 +350,19 @@ def test_an_unwritable_cache_leaves_bf16_on_onednn_with_a_notice(monkeypatch, tm
         assert reason is not None and ("cannot build or load it" in reason or not OWN)
     finally:
         native.library.cache_clear()
+
+
+@needs_own
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64, 48), (5, 96, 32), (16, 576, 208), (33, 200, 160), (8, 1536, 576), (3, 7, 32)])
+def test_own_fp32_linear_agrees_with_stock_to_fp32_rounding_and_is_row_invariant(shape, bias):
+    rows, k, n = shape  # K = 7: odd is fine in fp32
+    torch.manual_seed(rows + k)
+    linear = nn.Linear(k, n, bias=bias)
+    packed = kernels.PackedLinear(copy.deepcopy(linear))
+    assert packed.product.own
+    x = torch.randn(2, rows, k)
+    with torch.inference_mode():
+        for inp in (x, x[0], x.transpose(0, 1).contiguous().transpose(0, 1)):
+            assert torch.allclose(packed(inp), linear(inp), atol=1e-4, rtol=1e-5)
+    assert torch.equal(packed.weight, linear.weight) and kernels.row_invariant(packed, torch.float32)
