@@ -1,8 +1,7 @@
-"""Our own CPU kernels (``csrc/*.c``, AVX-512 BF16 CPUs): the linear of a step's few rows (bf16, and its fp32
-twin ``fp32_linear.c``) and its bf16 attention, built once per machine with gcc into the cache and called through
-ctypes.
+"""Our own CPU kernels (``csrc/*.c``, AVX-512 BF16 CPUs): the linear of a step's few rows (bf16 and fp32) and
+its bf16 attention, built once per machine with gcc into the cache and called through ctypes.
 
-The linear (``csrc/bf16_linear.c``): a step's linears must stream every weight from memory, and at 16 rows
+The linear (``csrc/linear.c``): a step's linears must stream every weight from memory, and at 16 rows
 also do 16x the arithmetic. oneDNN's small-M product does one after the other (in the model its 16-row time is
 its hot 16-row time plus its one-row streaming time); ours prefetches the next weight blocks while it computes.
 SmolLM2-135M's products, Zen 5, 2 threads, weights cycled through 30 copies as a forward streams them, us: one
@@ -31,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("bf16_linear.c", "fp32_linear.c", "tree_attention.c", "top_k.c"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("linear.c", "tree_attention.c", "top_k.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared")
 BLOCK = 16  # output columns a packed block holds: N must be a multiple, K even
 MAX_ROWS = 64  # query rows up to which the attention kernel runs (measured faster to 32; longer prefills stay SDPA's)

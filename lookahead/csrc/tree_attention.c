@@ -11,7 +11,7 @@
 
    Every sum over keys runs in key order, and a masked key adds an exact 0 to it, so a row's output depends only
    on its query and the keys it sees, in their order: not on the other rows of the call, nor on where masked keys
-   sit between them. With the row-invariant linear (bf16_linear.c), a lookahead step's rows are then bit for bit
+   sit between them. With the row-invariant linear (linear.c), a lookahead step's rows are then bit for bit
    the plain loop's, and bf16 lookahead gives the bf16 plain loop's tokens.
 
    CPU SDPA's flash kernel takes 1.5-2.3x as long on SmolLM2's shapes (9 query heads on 3 K/V heads, D = 64,
