@@ -15,9 +15,9 @@ of a T-row product equals the one-row product bit for bit ("row-invariant") is m
 
 On a CPU with AVX-512 BF16: our own kernels (``native``, built with gcc on first use) instead of oneDNN's
 product for every bf16 or fp32 product whose shape they fit (``kernels_of`` says "packed-own"), and instead of
-SDPA for a bf16 step's attention. oneDNN's small-M product streams a weight, then does the arithmetic; ours prefetches the next
-blocks while it computes (SmolLM2, Zen 5: a forward of 1 / 16 rows 15.5 / 21.4 -> 12.9 / 18.3 ms, measured side
-by side), and it is row-invariant.
+SDPA for a bf16 step's attention. oneDNN's small-M product streams a weight, then does the arithmetic; ours
+prefetches the next blocks while it computes (SmolLM2 bf16, Zen 5: a forward of 1 / 16 rows 15.5 / 21.4 ->
+12.9 / 18.3 ms, measured side by side), and it is row-invariant.
 
 Sibling projections (``SIBLINGS``: q/k/v, gate/up) share one product of their stacked weights (``Product``):
 a call costs ~14 us of oneDNN overhead, so three calls for three thin products were ~7% of SmolLM2's

@@ -13,8 +13,8 @@ The attention (``csrc/tree_attention.c``): a step's query rows of every head tha
 step's additive 4D mask, 1.5-2.3x as fast as CPU SDPA on SmolLM2's shapes (see the source). And the step's
 recycled top-k over the vocabulary (``csrc/top_k.c``), in place of ``torch.topk``.
 
-``library`` says why not where they cannot run (no gcc, not x86-64, no AVX-512 BF16): the packed kernels then
-use oneDNN's product and SDPA, as for every other dtype."""
+``library`` says why not where they cannot run (no gcc, not x86-64, no AVX-512 BF16, an unwritable cache): the
+packed kernels then use oneDNN's product and SDPA, as they do for fp16."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("linear.c", "tree_attention.c", "top_k.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared")
-BLOCK = 16  # output columns a packed block holds: N must be a multiple, K even
+BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 MAX_ROWS = 64  # query rows up to which the attention kernel runs (measured faster to 32; longer prefills stay SDPA's)
 Longs = ctypes.c_long * 3
 
