@@ -132,7 +132,9 @@ def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     extras = dropout or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux", "sinks"))
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not extras and native.attention_fits(query, key, value, attention_mask, causal):
-        return native.attention(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling), None
+        out = native.attention(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling)
+        if out is not None:
+            return out, None
     if extras or query.shape[1] == key.shape[1] or query.shape[2] == 1 or attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from lookahead import kv, models, support
+from lookahead import kv, models, native, support
 from lookahead.kernels import available, kernels_of, own_kernel
 from lookahead.layout import build_layout, stack
 from lookahead.passes import forward, prefill
@@ -140,7 +140,8 @@ def curve_file(model: PreTrainedModel, cache_dir: Path) -> Path:
 
 def curve_path(name: str, dtype: torch.dtype, device: str, cache_dir: Path, kernels: str = "stock") -> Path:
     """``curve_file`` before loading: ``name`` is the directory the model is loaded from."""
-    key = json.dumps([name, str(dtype), torch.device(device).type, torch.get_num_threads(), cpu_name(), torch.__version__, kernels])
+    build = native.build_id() if kernels == "packed-own" else None  # our kernels, as built from today's sources
+    key = json.dumps([name, str(dtype), torch.device(device).type, torch.get_num_threads(), cpu_name(), torch.__version__, kernels, build])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir / "costs" / f"{Path(name).name or 'model'}-{str(dtype).split('.')[-1]}-{kernels}-{digest}.json"
 

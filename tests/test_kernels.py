@@ -251,10 +251,14 @@ def test_own_kernel_packs_what_fits_and_onednn_the_rest():
 
 
 @needs_own
-def test_a_bf16_model_on_the_own_kernel_runs_lookahead_and_its_own_cost_curve(tmp_path):
+def test_a_bf16_model_on_the_own_kernel_runs_lookahead_and_its_own_cost_curve(tmp_path, monkeypatch):
     model = tiny_llama().to(torch.bfloat16)
     kernels.pack(model)
     assert kernels.kernels_of(model) == "packed-own" and "-packed-own-" in curve_file(model, tmp_path).name
+    today = curve_file(model, tmp_path)
+    monkeypatch.setattr(native, "build_id", lambda: "a-changed-kernel")  # kernels built from other sources: probed anew
+    assert curve_file(model, tmp_path) != today
+    monkeypatch.undo()
     gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False, tree_budget=8))
     plain = gen.generate([3, 1, 4, 1, 5], max_new_tokens=12, lookahead=False).tokens
     assert len(plain) == 12 and len(gen.generate([3, 1, 4, 1, 5], max_new_tokens=12).tokens) == 12
@@ -291,9 +295,10 @@ def attention_case(b: int, h: int, g: int, t: int, s: int, d: int, seed: int):
 
 @needs_own
 @pytest.mark.parametrize("shape", [(1, 9, 3, 1, 300, 64), (1, 9, 3, 16, 316, 64), (2, 9, 3, 5, 37, 64), (1, 14, 2, 7, 100, 64),
-                                   (1, 8, 8, 3, 50, 128), (1, 4, 1, 16, 33, 256), (1, 9, 3, 20, 20, 64)])
+                                   (1, 8, 8, 3, 50, 128), (1, 4, 1, 16, 33, 256), (1, 9, 3, 20, 20, 64), (1, 6, 2, 5, 70, 96)])
 def test_own_attention_agrees_with_fp32_sdpa_to_bf16_rounding(shape):
-    """Grouped heads 3:1, 7:1, 1:1 and 4:1, head sizes 64-256, one to 20 rows, a batch of two, no mask (causal)."""
+    """Grouped heads 3:1, 7:1, 1:1 and 4:1, head sizes 64-256 (96: a 32-wide tail of columns), one to 20 rows
+    (49 of a K/V head in four tasks), a batch of two, no mask (causal)."""
     q, k, v, mask = attention_case(*shape, seed=sum(shape))
     t, s = q.shape[2], k.shape[2]
     causal = torch.ones(t, s, dtype=torch.bool).tril(s - t)  # row t sees keys up to s - t + t
@@ -315,6 +320,16 @@ def test_own_attention_row_depends_only_on_its_query_and_the_keys_it_sees():
     seen = k[:, :, keep].contiguous(), v[:, :, keep].contiguous()
     assert torch.equal(scattered, native.attention(q, *seen, torch.zeros(1, 1, 4, 25, dtype=torch.bfloat16), 0.125))
     assert torch.equal(scattered[:, 2:3], native.attention(q[:, :, 2:3], *seen, None, 0.125))
+
+
+@needs_own
+def test_attention_that_could_not_allocate_runs_sdpa(monkeypatch):
+    q, k, v, mask = attention_case(1, 9, 3, 4, 40, 64, seed=5)
+    ours = kernels.grouped_sdpa(torch.nn.Module(), q, k, v, mask, scaling=0.125)[0]
+    monkeypatch.setattr(native, "attention", lambda *args: None)  # what it returns when its buffers fail
+    stock = kernels.grouped_sdpa(torch.nn.Module(), q, k, v, mask, scaling=0.125)[0]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True).transpose(1, 2)
+    assert torch.equal(stock, want) and not torch.equal(ours, stock)
 
 
 @needs_own
