@@ -208,7 +208,8 @@ def test_siblings_that_differ_are_packed_alone():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 64, 48), (5, 96, 32), (16, 576, 208), (33, 200, 160), (8, 1536, 576)])
 def test_own_bf16_linear_agrees_with_an_fp32_product_to_bf16_rounding(shape, bias):
-    """Row tiles of 8 and a remainder, an odd number of 16-column blocks, biases, 3-D/2-D/strided input."""
+    """One row tile of 1-12 rows or several as even as can be (3-D input doubles the rows: 2-66), an odd number of
+    16-column blocks, biases, 3-D/2-D/strided input."""
     rows, k, n = shape
     torch.manual_seed(rows + k)
     linear = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
@@ -225,11 +226,13 @@ def test_own_bf16_linear_agrees_with_an_fp32_product_to_bf16_rounding(shape, bia
 
 
 @needs_own
+@pytest.mark.parametrize("rows", [11, 16])
 @pytest.mark.parametrize("k", [576, 1536])
-def test_own_bf16_linear_is_row_invariant(k):
-    """Row i of a 16-row product equals the one-row product bit for bit (oneDNN's is not at K = 1536)."""
+def test_own_bf16_linear_is_row_invariant(k, rows):
+    """Row i of a product of one row tile (11 rows) or two (16) equals the one-row product bit for bit (oneDNN's
+    is not at K = 1536)."""
     linear = nn.Linear(k, 64, bias=True).to(torch.bfloat16)
-    assert kernels.row_invariant(kernels.PackedLinear(linear), torch.bfloat16)
+    assert kernels.row_invariant(kernels.PackedLinear(linear), torch.bfloat16, rows)
 
 
 @needs_own
