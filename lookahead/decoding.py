@@ -87,7 +87,8 @@ class Decoding:
         return new
 
     def scores(self, logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
-        """Processed next-token scores (V,) from raw logits (V,) after the token sequence ``prefix``."""
+        """Processed next-token scores (V,), fp32 as generate()'s, from raw logits (V,) after the token sequence ``prefix``."""
+        logits = logits.float()
         if not self.processors:
             return logits
         return self.processors(torch.tensor([prefix], device=logits.device), logits[None].clone())[0]

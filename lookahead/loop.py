@@ -238,7 +238,7 @@ class Batch:
         for b, (lane, tree, level, layout, verdict, new, own) in enumerate(zip(lanes, trees, levels, layouts, verdicts, news, owns)):
             if lane.lookahead:
                 _, last_level, _ = layout.split_logits(own)
-                trajectories = lane.window.advance(argmax(last_level)) if level else np.empty((0, cfg.ngram), np.int64)
+                trajectories = lane.window.advance(argmax(last_level.float())) if level else np.empty((0, cfg.ngram), np.int64)
                 row_tokens, row_topk = ranked_rows(layout, ids[b, : layout.size], step.logits_of(topk, b), verdict.path)
                 history_tail = (lane.prompt[-(cfg.ngram - 1):] + lane.out)[-(cfg.ngram - 1):]
                 observed.append(Observed(tree, verdict.path, new, trajectories, row_tokens, row_topk, history_tail, lane.suffix))

@@ -80,9 +80,9 @@ def library() -> ctypes.CDLL | str:
     lib.bf16_linear.argtypes = lib.fp32_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.tree_attention.argtypes = ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs,
                                     ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])
-    lib.top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p]
-    lib.bf16_linear.restype = lib.fp32_linear.restype = lib.top_k.restype = None
-    lib.tree_attention.restype = ctypes.c_int  # 1: out of memory
+    lib.top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int]
+    lib.bf16_linear.restype = lib.fp32_linear.restype = None
+    lib.tree_attention.restype = lib.top_k.restype = ctypes.c_int  # 1: out of memory
     return lib
 
 
@@ -154,12 +154,15 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
 
 
 def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
-    """Indices (..., k) of the ``k`` largest of each row of host fp32 ``scores`` (..., V), largest first (a tie:
-    the lower index first); ``torch.topk``'s where the kernels do not run, or for k over 64."""
+    """Indices (..., k) of the ``k`` largest of each row of host fp32 or bf16 ``scores`` (..., V), largest first (a
+    tie: the lower index first); ``torch.topk``'s where the kernels do not run, or for k over 64."""
     lib = library()
-    if isinstance(lib, str) or not 0 < k <= min(64, scores.shape[-1]) or scores.dtype != torch.float32 or scores.device.type != "cpu":
-        return torch.topk(scores, k).indices.numpy()
-    x = scores.contiguous()
-    out = np.empty((*x.shape[:-1], k), np.int64)
-    lib.top_k(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], k, out.ctypes.data)
-    return out
+    ours = not isinstance(lib, str) and 0 < k <= min(64, scores.shape[-1]) and scores.dtype in (torch.float32, torch.bfloat16) \
+        and scores.device.type == "cpu"
+    if ours:
+        x = scores.contiguous()
+        out = np.empty((*x.shape[:-1], k), np.int64)
+        if not lib.top_k(x.data_ptr(), x.dtype == torch.bfloat16, x.numel() // x.shape[-1], x.shape[-1], k, out.ctypes.data,
+                         torch.get_num_threads()):
+            return out
+    return torch.topk(scores, k).indices.numpy()  # where ours does not run, or could not allocate its buffers

@@ -23,7 +23,9 @@ def prefill(model: PreTrainedModel, prompt: list[int], cache: kv.BatchCache | No
 
 def forward(model: PreTrainedModel, windows: dict[str, int | None], step: BatchLayout, cache: kv.BatchCache,
             ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Logits (B, U, V) for ``step.logit_rows`` of the step's tokens ``ids`` (B, T), row b's first at ``positions[b]``."""
+    """Logits (B, U, V) on the host, in the model's dtype, for ``step.logit_rows`` of the step's tokens ``ids`` (B, T), row
+    b's first at ``positions[b]``. Not converted to fp32 here: what reads them converts the rows it reads (a verified
+    path's), and the recycled top-k reads bf16 as it is, in the cache of the core that wrote it (``native.top_k``)."""
     device = model.device
     query = positions[:, None] + step.offsets  # (B, T)
     masks = cache.masks(step.allowed, query, windows, model.dtype, device)
@@ -38,4 +40,4 @@ def forward(model: PreTrainedModel, windows: dict[str, int | None], step: BatchL
     logits = out.logits
     if logits.shape[1] != step.logit_rows.numel():  # the model ignored logits_to_keep (WhisperForCausalLM)
         logits = logits[:, step.logit_rows.to(device)]
-    return logits.float().cpu()
+    return logits.cpu()

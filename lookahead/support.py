@@ -128,7 +128,7 @@ def check_step(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> No
     if recurrent:
         raise ValueError(f"{name} does not fill an attention KV cache that lookahead can roll back "
                          "(it keeps a recurrent state, or no cache)")
-    got = torch.stack([step[0], step[1], step[2], after[0]])
+    got = torch.stack([step[0], step[1], step[2], after[0]]).float()
     want = torch.stack([plain[0][0], plain[0][1], plain[1][0], plain[1][1]])
     tolerance = PROBE_TOLERANCE.get(model.dtype, 5e-2) * float(want.abs().max().clamp_min(1.0))
     if not torch.allclose(got, want, rtol=0, atol=tolerance):
@@ -161,7 +161,7 @@ def check_batch(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> b
     except Exception:  # noqa: BLE001 -- a model that cannot take a batched step decodes one sequence at a time
         return False
     got = torch.cat([first.logits_of(one, 0), second.logits_of(two, 0),
-                     first.logits_of(one, 1), second.logits_of(two, 1)])
+                     first.logits_of(one, 1), second.logits_of(two, 1)]).float()
     want = torch.cat([plain[0][2:5], plain[0][5:6], plain[1][4:5], plain[1][5:7]])
     tolerance = PROBE_TOLERANCE.get(model.dtype, 5e-2) * float(want.abs().max().clamp_min(1.0))
     return bool(torch.allclose(got, want, rtol=0, atol=tolerance))

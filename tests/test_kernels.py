@@ -356,6 +356,17 @@ def test_own_top_k_is_torch_topk_without_ties_and_takes_the_lower_index_on_one()
     assert native.top_k(torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]]), 2).tolist() == [[1, 2]]
     x = torch.randn(2, 100)
     assert np.array_equal(native.top_k(x, 65), torch.topk(x, 65).indices.numpy())  # past 64: torch's
+    tie = torch.zeros(1, 49152)
+    tie[0, [40000, 7, 30000]] = 1.0  # in both threads' halves of the columns: the lower index first
+    assert native.top_k(tie, 3).tolist() == [[7, 30000, 40000]] and native.top_k(tie.to(torch.bfloat16), 2).tolist() == [[7, 30000]]
+
+
+@needs_own
+def test_own_top_k_reads_bf16_as_their_fp32_values():
+    torch.manual_seed(6)
+    for rows, n, k in [(1, 49152, 8), (9, 49152, 8), (3, 1000, 16), (2, 40, 33)]:
+        x = torch.randn(2, rows, n).to(torch.bfloat16)
+        assert np.array_equal(native.top_k(x, k), native.top_k(x.float(), k)), (rows, n, k)
 
 
 def test_an_unwritable_cache_leaves_bf16_on_onednn_with_a_notice(monkeypatch, tmp_path):
