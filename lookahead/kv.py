@@ -32,6 +32,8 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from lookahead import native
+
 
 def cache_kwarg(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
     """The forward keyword that takes ``cache``: ``cache`` since transformers 5.24, ``past_key_values`` before
@@ -244,9 +246,10 @@ class BatchCache:
         for b, (k, p) in enumerate(zip(keep, positions)):
             index[b, : k.size], index[b, k.size :], new[b, : k.size] = k, k[-1], p
         if (index != np.arange(kept)).any():  # else rows 0..kept-1 are already in place
-            rows = torch.from_numpy(index)
-            for layer in self._layers():
-                for states in (layer.keys, layer.values):  # (batch, heads, seq, head_dim)
+            tensors = [states for layer in self._layers() for states in (layer.keys, layer.values)]  # (batch, heads, seq, head_dim)
+            if not native.move_columns(tensors, tensors[0].shape[-2] - step, index):  # one call on CPU, else torch's ops
+                rows = torch.from_numpy(index)
+                for states in tensors:
                     block = states.narrow(-2, states.shape[-2] - step, step)
                     block.narrow(-2, 0, kept).copy_(_gather_columns(block, rows))
         if kept < step:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("linear.c", "tree_attention.c", "top_k.c"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("linear.c", "tree_attention.c", "top_k.c", "move_columns.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared")
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 MAX_ROWS = 64  # query rows up to which the attention kernel runs (measured faster to 32; longer prefills stay SDPA's)
@@ -81,7 +81,8 @@ def library() -> ctypes.CDLL | str:
     lib.tree_attention.argtypes = ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs,
                                     ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])
     lib.top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int]
-    lib.bf16_linear.restype = lib.fp32_linear.restype = None
+    lib.move_columns.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+    lib.bf16_linear.restype = lib.fp32_linear.restype = lib.move_columns.restype = None
     lib.tree_attention.restype = lib.top_k.restype = ctypes.c_int  # 1: out of memory
     return lib
 
@@ -166,3 +167,19 @@ def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
                          torch.get_num_threads()):
             return out
     return torch.topk(scores, k).indices.numpy()  # where ours does not run, or could not allocate its buffers
+
+
+def move_columns(tensors: list[torch.Tensor], start: int, index: np.ndarray) -> bool:
+    """In each host tensor (B, H, S, D) of ``tensors`` (a cache's keys and values), sequence b's columns ``start +
+    index[b]`` (``index`` (B, C) int64, each row sorted) move to ``start + 0 .. C - 1``, in place, in one call;
+    False (nothing moved) where the kernels do not run or a tensor is not of that shape with D contiguous."""
+    lib = library()
+    if isinstance(lib, str) or not tensors or any(t.device.type != "cpu" or t.dim() != 4 or t.stride(3) != 1
+                                                  or t.shape != tensors[0].shape or t.dtype != tensors[0].dtype for t in tensors):
+        return False
+    b, h, _, d = tensors[0].shape
+    pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+    strides = (ctypes.c_long * (3 * len(tensors)))(*(s for t in tensors for s in t.stride()[:3]))
+    index = np.ascontiguousarray(index, np.int64)
+    lib.move_columns(pointers, strides, len(tensors), tensors[0].element_size(), b, h, d, start, index.ctypes.data, index.shape[1])
+    return True

@@ -369,6 +369,21 @@ def test_own_top_k_reads_bf16_as_their_fp32_values():
         assert np.array_equal(native.top_k(x, k), native.top_k(x.float(), k)), (rows, n, k)
 
 
+@needs_own
+def test_own_move_columns_is_the_gather_it_replaces():
+    """A batch of two whose second row keeps fewer columns (it repeats its last), K/V views into roomier buffers."""
+    torch.manual_seed(7)
+    tensors = [torch.randn(2, 3, 20, 16).to(torch.bfloat16)[:, :, :15] for _ in range(2)]  # fp32: the compaction tests
+    index = np.array([[0, 2, 3, 6], [0, 4, 4, 4]])
+    want = [t.clone() for t in tensors]
+    for t in want:
+        block = t.narrow(-2, 8, 7)
+        block.narrow(-2, 0, 4).copy_(torch.stack([block[b, :, index[b]] for b in range(2)]))
+    assert native.move_columns(tensors, 8, index)
+    assert all(torch.equal(got, w) for got, w in zip(tensors, want))
+    assert not native.move_columns([tensors[0].transpose(2, 3)], 8, index)  # head_dim not contiguous: torch's ops
+
+
 def test_an_unwritable_cache_leaves_bf16_on_onednn_with_a_notice(monkeypatch, tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("")
