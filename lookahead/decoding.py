@@ -104,8 +104,8 @@ class Decoding:
         def scores_at(node: int) -> torch.Tensor:  # after tree node ``node`` (-1: the current token)
             if node < 0:
                 scores = self.scores(first, history)
-            else:
-                scores = self.scores(tree_logits[node], history + tree.tokens[tree.path(node)].tolist())
+            else:  # the prefix only where a processor reads it
+                scores = self.scores(tree_logits[node], history + tree.tokens[tree.path(node)].tolist() if self.processors else history)
             return scores.double() + gumbel(scores.numel(), self.rng) if self.do_sample else scores
 
         return accept(scores_at, tree)
