@@ -10,8 +10,9 @@ ms. Each row is summed in the same order whatever the number of rows (row-invari
 rounded to bf16 once, as oneDNN does.
 
 The attention (``csrc/tree_attention.c``): a step's query rows of every head that shares a K/V head, under the
-step's additive 4D mask, 2.2-4x as fast as CPU SDPA on SmolLM2's shapes (see the source). And the step's
-recycled top-k over the vocabulary (``csrc/top_k.c``), in place of ``torch.topk``.
+step's additive 4D mask, 2.2-4x as fast as CPU SDPA on SmolLM2's shapes (see the source). And two pieces of a
+step's host work: the recycled top-k over the vocabulary (``csrc/top_k.c``, in place of ``torch.topk``), and
+the KV compaction's moves in one call (``csrc/move_columns.c``, in place of three torch ops a K/V tensor).
 
 ``library`` says why not where they cannot run (no gcc, not x86-64, no AVX-512 BF16, an unwritable cache): the
 packed kernels then use oneDNN's product and SDPA, as they do for fp16."""
