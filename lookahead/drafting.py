@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from numba import njit
 
 from lookahead.config import LookaheadConfig
 from lookahead.tree import TokenTree, draft_rows
@@ -61,6 +62,32 @@ TEMPLATE_REFRESH = 16  # steps between re-derivations of the recycling template 
 STATE_FORMAT = 3  # 2: no AGREE row (loads, the row unmeasured)
 
 
+@njit(cache=True)
+def count_tried(parents: np.ndarray, sources: np.ndarray, depths: np.ndarray, path: np.ndarray, tried: np.ndarray,
+                hits: np.ndarray) -> None:
+    """Into tried/hits (STAT_ROWS, MAX_DEPTH): every node whose parent was accepted (the current token, parent
+    -1, always is) was tried by each statistics row its source bits name (AGREE: a recycled node a chain
+    proposed too; the recycling table's own row is counted by rank, in ``learn``), at its depth; the ``path``'s
+    nodes were accepted. One kernel where a dozen numpy calls took ~0.035 ms a step."""
+    k = parents.size
+    accepted = np.zeros(k + 1, np.bool_)  # index k: the current token
+    accepted[k] = True
+    for node in path:
+        accepted[node] = True
+    for i in range(k):
+        if not accepted[parents[i] if parents[i] >= 0 else k]:
+            continue
+        depth = min(depths[i], MAX_DEPTH) - 1
+        for row in range(STAT_ROWS):
+            if row == AGREE:
+                on = (sources[i] >> RECYCLE) & 1 == 1 and sources[i] != 1 << RECYCLE
+            else:
+                on = row != RECYCLE and (sources[i] >> row) & 1 == 1
+            if on:
+                tried[row, depth] += 1
+                hits[row, depth] += accepted[i]
+
+
 class Observed(NamedTuple):
     """What one sequence's step showed its sources (``DraftState.learn``)."""
 
@@ -97,6 +124,8 @@ class DraftState:
             source._warm_up()
         draft_rows(np.zeros((1, 1), np.int64), np.zeros(1, np.int64), np.ones(1, np.int64), np.ones((STAT_ROWS, MAX_DEPTH)),
                    NONE, NONE, np.empty(0), 1, np.ones(MAX_DEPTH), 1, 1)
+        count_tried(np.full(1, -1, np.int64), np.ones(1, np.int64), np.ones(1, np.int64), NONE, np.zeros((STAT_ROWS, MAX_DEPTH)),
+                    np.zeros((STAT_ROWS, MAX_DEPTH)))
 
     # -- per request ----------------------------------------------------------------------------
 
@@ -199,19 +228,7 @@ class DraftState:
 
     def _count_tried(self, tree: TokenTree, path: list[int]) -> None:
         """Chain statistics of one verified tree: tried (its parent accepted) and accepted, per source and depth."""
-        accepted = np.zeros(len(tree) + 1, bool)  # index -1 (the current token) is always accepted
-        accepted[path] = True
-        accepted[-1] = True
-        tried = accepted[tree.parents]
-        bits = (tree.sources[:, None] >> np.arange(STAT_ROWS)) & 1  # (K, statistics rows)
-        bits[:, AGREE] = bits[:, RECYCLE] & (tree.sources != 1 << RECYCLE)  # the table's nodes a chain proposed too
-        depth = np.minimum(tree.depths, MAX_DEPTH) - 1
-        for s in np.flatnonzero(bits[tried].any(0)):
-            if s == RECYCLE:
-                continue
-            on = tried & (bits[:, s] == 1)
-            np.add.at(self.tried[s], depth[on], 1)
-            np.add.at(self.hits[s], depth[on], accepted[:-1][on])
+        count_tried(tree.parents, tree.sources, tree.depths, np.asarray(path, np.int64), self.tried, self.hits)
 
     # -- persistence ----------------------------------------------------------------------------
 

@@ -167,3 +167,37 @@ def test_acceptance_statistics_follow_recent_steps():
     assert state.rates()[SUFFIX, 0] > 0.9
     steps(False)
     assert state.rates()[SUFFIX, 0] < 0.1
+
+
+def reference_count_tried(tree: TokenTree, path: list[int], tried: np.ndarray, hits: np.ndarray) -> None:
+    """``count_tried`` in numpy (what it replaced)."""
+    from lookahead.drafting import MAX_DEPTH, RECYCLE, STAT_ROWS
+    accepted = np.zeros(len(tree) + 1, bool)  # index -1 (the current token) is always accepted
+    accepted[path] = True
+    accepted[-1] = True
+    on_tried = accepted[tree.parents]
+    bits = (tree.sources[:, None] >> np.arange(STAT_ROWS)) & 1
+    bits[:, AGREE] = bits[:, RECYCLE] & (tree.sources != 1 << RECYCLE)
+    depth = np.minimum(tree.depths, MAX_DEPTH) - 1
+    for s in range(STAT_ROWS):
+        if s != RECYCLE:
+            on = on_tried & (bits[:, s] == 1)
+            np.add.at(tried[s], depth[on], 1)
+            np.add.at(hits[s], depth[on], accepted[:-1][on])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31), st.integers(1, 40))
+def test_count_tried_matches_the_numpy_reference(seed, size):
+    from lookahead.drafting import MAX_DEPTH, STAT_ROWS, count_tried
+    rng = np.random.default_rng(seed)
+    parents = np.array([int(rng.integers(-1, i)) for i in range(size)], np.int64)  # parents before children
+    tree = TokenTree.merge(rng.integers(0, 5, size), parents, rng.random(size), rng.integers(1, 1 << len(SOURCES) + 1, size), size)
+    path, node = [], -1
+    while (children := tree.children(node)).size and rng.random() < 0.7:
+        node = int(children[0])
+        path.append(node)
+    got, want = (np.zeros((STAT_ROWS, MAX_DEPTH)), np.zeros((STAT_ROWS, MAX_DEPTH))), (np.zeros((STAT_ROWS, MAX_DEPTH)), np.zeros((STAT_ROWS, MAX_DEPTH)))
+    count_tried(tree.parents, tree.sources, tree.depths, np.asarray(path, np.int64), *got)
+    reference_count_tried(tree, path, *want)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
