@@ -197,7 +197,7 @@ def test_count_tried_matches_the_numpy_reference(seed, size):
     while (children := tree.children(node)).size and rng.random() < 0.7:
         node = int(children[0])
         path.append(node)
-    got, want = (np.zeros((STAT_ROWS, MAX_DEPTH)), np.zeros((STAT_ROWS, MAX_DEPTH))), (np.zeros((STAT_ROWS, MAX_DEPTH)), np.zeros((STAT_ROWS, MAX_DEPTH)))
+    got, want = ([np.zeros((STAT_ROWS, MAX_DEPTH)) for _ in range(2)] for _ in range(2))  # tried, hits each
     count_tried(tree.parents, tree.sources, tree.depths, np.asarray(path, np.int64), *got)
     reference_count_tried(tree, path, *want)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
