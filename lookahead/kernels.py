@@ -125,8 +125,8 @@ class PackedLinear(nn.Module):
 
 def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                  dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
-    """transformers' SDPA attention, except: in bf16 where our own kernels run, our attention for up to
-    ``native.MAX_ROWS`` query rows (``native.attention``: a step's rows, a short prompt's); else, for several rows
+    """transformers' SDPA attention, except: in bf16 where our own kernels run, our attention
+    (``native.attention``: a step's rows, a prompt's); else, for several rows
     under a 4D mask, SDPA sharing the grouped K/V heads (query (B, H, T, D), key and value (B, H / groups, S, D))
     instead of copying them. Anything else is stock."""
     extras = dropout or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux", "sinks"))

@@ -34,7 +34,6 @@ import torch
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("linear.c", "tree_attention.c", "top_k.c", "move_columns.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared")
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
-MAX_ROWS = 64  # query rows up to which the attention kernel runs (measured faster to 32; longer prefills stay SDPA's)
 Longs = ctypes.c_long * 3
 
 
@@ -127,8 +126,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def attention_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> bool:
-    """Whether ``attention`` runs this call: bf16 on CPU where the kernels run, at most ``MAX_ROWS`` query rows,
-    an additive bf16 mask (B or 1, 1, T, S) or none (then only causal), head size a multiple of 32 up to 256,
+    """Whether ``attention`` runs this call: bf16 on CPU where the kernels run (a step's rows or a prompt's: 3-5x
+    CPU SDPA's speed at 16-1024 causal rows), an additive bf16 mask (B or 1, 1, T, S) or none (then only causal), head size a multiple of 32 up to 256,
     whole groups of query heads."""
     if query.dtype != torch.bfloat16 or query.device.type != "cpu" or isinstance(library(), str):
         return False
@@ -136,7 +135,7 @@ def attention_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     masked = causal if mask is None else (mask.dtype == torch.bfloat16 and mask.dim() == 4 and mask.shape[0] in (1, b)
                                           and tuple(mask.shape[1:]) == (1, t, s) and mask.stride(-1) == 1)
     return (masked and key.dtype == value.dtype == torch.bfloat16 and value.shape == key.shape and key.stride() == value.stride()
-            and kb == b and kd == d and d % 32 == 0 and d <= 256 and h % g == 0 and 0 < t <= min(s, MAX_ROWS)
+            and kb == b and kd == d and d % 32 == 0 and d <= 256 and h % g == 0 and 0 < t <= s
             and query.stride(-1) == key.stride(-1) == 1)
 
 

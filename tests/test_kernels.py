@@ -298,10 +298,12 @@ def attention_case(b: int, h: int, g: int, t: int, s: int, d: int, seed: int):
 
 @needs_own
 @pytest.mark.parametrize("shape", [(1, 9, 3, 1, 300, 64), (1, 9, 3, 16, 316, 64), (2, 9, 3, 5, 37, 64), (1, 14, 2, 7, 100, 64),
-                                   (1, 8, 8, 3, 50, 128), (1, 4, 1, 16, 33, 256), (1, 9, 3, 20, 20, 64), (1, 6, 2, 5, 70, 96)])
+                                   (1, 8, 8, 3, 50, 128), (1, 4, 1, 16, 33, 256), (1, 9, 3, 20, 20, 64), (1, 6, 2, 5, 70, 96),
+                                   (1, 9, 3, 179, 179, 64)])
 def test_own_attention_agrees_with_fp32_sdpa_to_bf16_rounding(shape):
     """Grouped heads 3:1, 7:1, 1:1 and 4:1, head sizes 64-256 (96: a 32-wide tail of columns), one to 20 rows
-    (49 of a K/V head in four tasks), a batch of two, no mask (causal)."""
+    (49 of a K/V head in four tasks), a batch of two, no mask (causal), a prompt's prefill (179 rows: tasks that
+    straddle two heads)."""
     q, k, v, mask = attention_case(*shape, seed=sum(shape))
     t, s = q.shape[2], k.shape[2]
     causal = torch.ones(t, s, dtype=torch.bool).tril(s - t)  # row t sees keys up to s - t + t
@@ -326,6 +328,17 @@ def test_own_attention_row_depends_only_on_its_query_and_the_keys_it_sees():
 
 
 @needs_own
+@pytest.mark.parametrize("t, s", [(179, 179), (40, 100), (1, 30)])
+def test_own_causal_attention_is_the_causal_mask_bit_for_bit(t, s):
+    """Without a mask a task skips the keys none of its rows sees (half a prefill's work): each would add an exact
+    0 to the sums, so the output is the masked path's, which reads every key."""
+    q, k, v, _ = attention_case(1, 9, 3, t, s, 64, seed=t + s)
+    causal = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+    mask = torch.zeros(1, 1, t, s, dtype=torch.bfloat16).masked_fill(~causal, torch.finfo(torch.bfloat16).min)
+    assert torch.equal(native.attention(q, k, v, None, 0.125), native.attention(q, k, v, mask, 0.125))
+
+
+@needs_own
 def test_attention_that_could_not_allocate_runs_sdpa(monkeypatch):
     q, k, v, mask = attention_case(1, 9, 3, 4, 40, 64, seed=5)
     ours = kernels.grouped_sdpa(torch.nn.Module(), q, k, v, mask, scaling=0.125)[0]
@@ -343,8 +356,6 @@ def test_own_attention_declines_what_it_does_not_do():
     assert not native.attention_fits(q.float(), k.float(), v.float(), mask.float(), causal=True)  # fp32 stays SDPA's
     assert not native.attention_fits(q, k, v, mask.bool(), causal=True)
     assert not native.attention_fits(q[..., :48], k[..., :48], v[..., :48], mask, causal=True)  # head size not a multiple of 32
-    wide = attention_case(1, 9, 3, native.MAX_ROWS + 1, 100, 64, seed=3)
-    assert not native.attention_fits(*wide, causal=True)  # a long prompt's prefill: SDPA's
 
 
 @needs_own
