@@ -10,7 +10,8 @@ ms. Each row is summed in the same order whatever the number of rows (row-invari
 rounded to bf16 once, as oneDNN does.
 
 The attention (``csrc/tree_attention.c``): a step's query rows of every head that shares a K/V head, under the
-step's additive 4D mask, 2.2-4x as fast as CPU SDPA on SmolLM2's shapes (see the source). And two pieces of a
+step's additive 4D mask, 2.2-4x as fast as CPU SDPA on SmolLM2's shapes (see the source), and a prompt's
+prefill. The RMSNorm (``csrc/rms_norm.c``): one call for the ~8 torch ops of a norm module. And two pieces of a
 step's host work: the recycled top-k over the vocabulary (``csrc/top_k.c``, in place of ``torch.topk``), and
 the KV compaction's moves in one call (``csrc/move_columns.c``, in place of three torch ops a K/V tensor).
 
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("linear.c", "tree_attention.c", "top_k.c", "move_columns.c"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("linear.c", "tree_attention.c", "rms_norm.c", "top_k.c", "move_columns.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared")
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 Longs = ctypes.c_long * 3
@@ -80,9 +81,10 @@ def library() -> ctypes.CDLL | str:
     lib.bf16_linear.argtypes = lib.fp32_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.tree_attention.argtypes = ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs,
                                     ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])
+    lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2
     lib.top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int]
     lib.move_columns.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-    lib.bf16_linear.restype = lib.fp32_linear.restype = lib.move_columns.restype = None
+    lib.bf16_linear.restype = lib.fp32_linear.restype = lib.rms_norm.restype = lib.move_columns.restype = None
     lib.tree_attention.restype = lib.top_k.restype = ctypes.c_int  # 1: out of memory
     return lib
 
@@ -122,6 +124,20 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
         run = lib.bf16_linear if x.dtype == torch.bfloat16 else lib.fp32_linear
         run(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), x.numel() // k, n, k,
             torch.get_num_threads())
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: int) -> torch.Tensor:
+    """(..., N) -> (..., N), bf16 or fp32 as ``x`` and ``weight`` (N,): transformers' RMSNorm, the weight applied as
+    Llama's (``offset`` 0: w * dtype(x r)) or Gemma 3's (1: dtype(x r (1 + w))); see ``csrc/rms_norm.c``."""
+    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] != weight.numel():
+        raise ValueError(f"rms_norm takes bf16 or fp32 input and weight of one dtype and width, got {x.dtype} {tuple(x.shape)} "
+                         f"and {weight.dtype} {tuple(weight.shape)}")
+    x, weight = x.contiguous(), weight.contiguous()
+    y = torch.empty_like(x)
+    if x.numel():
+        library().rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.dtype == torch.bfloat16, x.numel() // x.shape[-1],
+                           x.shape[-1], eps, offset, torch.get_num_threads())
     return y
 
 
