@@ -31,6 +31,7 @@ import lookahead
 from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
 from lookahead import LookaheadConfig, LookaheadGenerator, kv, models, tuner
+from lookahead.tuner import step_times
 from lookahead.drafting import SOURCES
 from lookahead.hf import generator_for
 from lookahead.kernels import kernels_of
@@ -113,29 +114,14 @@ def is_tie(model, prompt: list[int], generated: list[int]) -> bool:
 
 
 def cost_curve(model, sizes: list[int], context: int = 128, reps: int = 5) -> dict[int, float]:
-    """c(T)/c(1): time of one forward adding T tokens to a ``context``-token cache, relative to T=1; each size's
-    fastest of ``reps`` rounds over every size in turn, so a machine that slows for a while slows every size
-    alike (one size after another, each the median of its own samples, bf16 r(16) read 1.25, 1.24 and 1.48 in
-    three runs on one Zen 5)."""
-    ids = torch.randint(100, 1000, (1, context), device=model.device)
-    times = {size: float("inf") for size in sizes}
-    with torch.inference_mode():
-        for _ in range(reps):
-            for size in sizes:
-                cache = DynamicCache(config=model.config)
-                model(input_ids=ids, **kv.cache_kwarg(model, cache), logits_to_keep=1)
-                new = torch.randint(100, 1000, (1, size), device=model.device)
-                _synchronize(model.device)
-                start = time.perf_counter()
-                model(input_ids=new, **kv.cache_kwarg(model, cache), logits_to_keep=size)
-                _synchronize(model.device)
-                times[size] = min(times[size], time.perf_counter() - start)
-    return {size: times[size] / times[sizes[0]] for size in sizes} | {"ms_at_1": times[sizes[0]] * 1000}
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """c(T)/c(1): time of one forward of the loop's (``tuner.step_times``: its cache, its 4D mask, so on our kernels
+    our attention) adding T tokens to a ``context``-token cache, relative to T=1; each size's fastest of ``reps``
+    rounds over every size in turn, so a machine that slows for a while slows every size alike. (It once timed
+    HF's own call without a mask, which on our kernels ran SDPA's attention under HF's bool mask: bf16 r(16) read
+    1.43-1.54 where the loop's 16-row forwards took ~1.27x its one-row ones.)"""
+    times = step_times(model, tuple(sizes), context, reps)
+    base = times[1, sizes[0]]
+    return {size: times[1, size] / base for size in sizes} | {"ms_at_1": base * 1000}
 
 
 def hardware() -> dict:

@@ -104,14 +104,27 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
     limit = support.context_length(model.config.get_text_config(decoder=True)) or 1 << 20
     sizes = tuple(s for s in sizes if s <= limit // 2) or sizes[:2]  # a tiny context: the sizes it can hold
     context = max(1, min(context, limit - max(sizes)))
-    vocab = models.vocab_size(model)
     progress(f"measuring forward cost for {len(sizes)} step sizes (once for this machine, model and dtype)")
+    widths = BATCH_WIDTHS if batch else ()
+    times = step_times(model, sizes, context, rounds, widths)
+    envelope = np.minimum.accumulate([times[1, s] for s in sizes][::-1])[::-1]  # non-decreasing in T
+    base = envelope[0]
+    wide = np.minimum.accumulate([times[BATCH, w] for w in widths][::-1])[::-1] / base if widths else ()  # likewise
+    return CostCurve(tuple(sizes), tuple(float(t / base) for t in envelope), base * 1000, time.perf_counter() - start,
+                     tuple(float(r) for r in wide))
+
+
+def step_times(model: PreTrainedModel, sizes: tuple[int, ...], context: int, rounds: int,
+               widths: tuple[int, ...] = ()) -> dict[tuple[int, int], float]:
+    """Seconds of the loop's own forward (its cache, a 4D mask, logits of every row on the host) adding T tokens to
+    a ``context``-token cache, keyed (1, T) for each T of ``sizes`` and (``BATCH``, w) for ``BATCH`` such caches
+    taking w rows each, for w in ``widths``: each the fastest of ``rounds`` interleaved passes."""
+    vocab = models.vocab_size(model)
     rng = torch.Generator().manual_seed(0)  # private: the global RNG (unseeded sampling) is the user's
     windows = support.mask_windows(model.config.get_text_config(decoder=True))
-    with torch.inference_mode():  # the loop's own forward: its cache, a 4D mask, logits of every row on the host
+    with torch.inference_mode():
         prompt = torch.randint(0, vocab, (context,), generator=rng).tolist()
         cache, _ = prefill(model, prompt)
-        widths = BATCH_WIDTHS if batch else ()
         batched = prefill(model, prompt)[0] if widths else None
         for _ in range(BATCH - 1 if widths else 0):
             batched.join(cache)  # a copy of the same prompt's keys: no prefill of its own
@@ -125,11 +138,7 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
             forward(model, windows, step, on, ids, torch.full((sequences,), context))  # returns on the host: synchronised
             times[sequences, size] = min(times[sequences, size], time.perf_counter() - t0)
             on.cache.crop(-size)  # back to the context (a negative count in transformers 5.x)
-    envelope = np.minimum.accumulate([times[1, s] for s in sizes][::-1])[::-1]  # non-decreasing in T
-    base = envelope[0]
-    wide = np.minimum.accumulate([times[BATCH, w] for w in widths][::-1])[::-1] / base if widths else ()  # likewise
-    return CostCurve(tuple(sizes), tuple(float(t / base) for t in envelope), base * 1000, time.perf_counter() - start,
-                     tuple(float(r) for r in wide))
+    return times
 
 
 def curve_file(model: PreTrainedModel, cache_dir: Path) -> Path:
