@@ -72,6 +72,7 @@ class Product:
         self.packed = native.pack(weight) if self.own else _pack(weight)  # native's layout, or opaque oneDNN
         bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
         self.bias = bias.float() if self.own and bias is not None else bias  # ours adds it to the fp32 sums
+        self.native = native.Linear(self.packed, self.bias) if self.own else None
         self.splits = [linear.out_features for linear in linears]
         self.held = threading.local()  # per thread (two threads may run one model): input, outputs, taken
 
@@ -91,7 +92,7 @@ class Product:
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.own:
-            return native.linear(x, self.packed, self.bias)
+            return self.native(x)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
