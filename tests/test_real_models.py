@@ -63,9 +63,11 @@ def test_smollm2_bf16_equals_bf16_generate_up_to_bf16_ties():
 def test_bf16_lookahead_equals_the_bf16_plain_loop_on_our_own_kernels(name):
     """Our bf16 linear is row-invariant and our attention's row depends only on the keys it sees, in order: a
     lookahead step's rows are the plain loop's bit for bit, so bf16 lookahead gives the plain loop's tokens
-    (Gemma 3: head size 256, sliding-window layers), also in a batch."""
+    (Gemma 3: head size 256, sliding-window layers), also in a batch. Every RMSNorm runs on our kernel (Gemma 3's
+    weighted 1 + w, its q/k head norms too), each row alone."""
     model, tok = models.load(name, dtype="bfloat16", kernels="packed")
     assert kernels.kernels_of(model) == "packed-own"
+    assert {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RMSNorm")} == {"FusedRMSNorm"}
     for config in (LookaheadConfig(), LookaheadConfig(auto=False, tree_budget=32, suffix_length=16),
                    LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=8)):
         gen = LookaheadGenerator(model, tok, config)
