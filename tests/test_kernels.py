@@ -279,6 +279,7 @@ def test_without_gcc_a_bf16_model_packs_on_onednn_with_a_notice(monkeypatch):
         assert reason in report.notice and "run on oneDNN" in report.notice
         assert "no gcc" in reason or not OWN  # where it ran, gcc's absence is what stops it
         assert report.kernels == kernels.kernels_of(model) == "packed"
+        assert report.norms == 0 and type(model.model.norm).__name__ == "LlamaRMSNorm"  # no kernel: stock norms
         assert len(LookaheadGenerator(model).generate([4, 5, 6], max_new_tokens=6).tokens) == 6
     finally:
         native.library.cache_clear()  # the next test builds (or finds) the real one again
