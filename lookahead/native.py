@@ -154,8 +154,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: int) -> 
 
 def attention_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> bool:
     """Whether ``attention`` runs this call: bf16 on CPU where the kernels run (a step's rows or a prompt's: 3-5x
-    CPU SDPA's speed at 16-1024 causal rows), an additive bf16 mask (B or 1, 1, T, S) or none (then only causal), head size a multiple of 32 up to 256,
-    whole groups of query heads."""
+    CPU SDPA's speed at 16-1024 causal rows), an additive bf16 mask (B or 1, 1, T, S) or none (then only causal),
+    head size a multiple of 32 up to 256, whole groups of query heads."""
     if query.dtype != torch.bfloat16 or query.device.type != "cpu" or isinstance(library(), str):
         return False
     (b, h, t, d), (kb, g, s, kd) = query.shape, key.shape

@@ -52,8 +52,9 @@ def fuse(model: nn.Module) -> int:
 def _fused(norm: nn.Module, dtype: torch.dtype) -> FusedRMSNorm | None:
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     weight = getattr(norm, "weight", None)
-    if (isinstance(norm, FusedRMSNorm) or not type(norm).__name__.endswith("RMSNorm") or next(norm.children(), None) is not None or not isinstance(eps, float)
-            or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.dtype != dtype or weight.device.type != "cpu"):
+    if (isinstance(norm, FusedRMSNorm) or not type(norm).__name__.endswith("RMSNorm") or next(norm.children(), None) is not None
+            or not isinstance(eps, float) or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.dtype != dtype
+            or weight.device.type != "cpu"):
         return None
     x = torch.randn(3, weight.numel(), generator=torch.Generator().manual_seed(0)).to(dtype)
     with torch.inference_mode():

@@ -1,5 +1,5 @@
-/* Attention for a decoding step's few query rows (or a prompt's many), bf16 in and out, on AVX-512 BF16, for a grouped-query
-   model: each K/V head serves H/G query heads, so its query rows are all of theirs (row r = head r / T of the
+/* Attention for a decoding step's few query rows (or a prompt's many), bf16 in and out, on AVX-512 BF16, for a
+   grouped-query model: each K/V head serves H/G query heads, so its query rows are all of theirs (row r = head r / T of the
    group, step row r % T), and a task takes up to 16 of them, a vector's lanes, with one K/V head of one sequence.
    Lanes are rows, p is key-major (p[j * 16 + i]: key j, row i):
 
