@@ -29,7 +29,9 @@ class LookaheadConfig:
     so N-1 window levels and pool drafts of N-1 tokens; guess (G): pool n-grams offered to the tree;
     tree_budget: most tree nodes verified per step (0 = no verification); suffix_drafts/suffix_length:
     suffix-match drafts and their longest length (0 = off); recycle_k: successors kept per token by the
-    recycling table (0 = off). auto: each step, the measured cost model (``tuner.py``, ``planner.py``)
+    recycling table (0 = off); recycle_prior: the lowest token ids (BPE vocabularies number the commonest
+    first) whose successors the model predicts once, to seed a new drafting state's recycling table (0 = none;
+    see ``prior.py``). auto: each step, the measured cost model (``tuner.py``, ``planner.py``)
     picks how many of the tree's best nodes to verify and whether to run the Jacobi branch, within the
     shape above; False: always the full shape.
     """
@@ -42,6 +44,7 @@ class LookaheadConfig:
     suffix_drafts: int = 4
     suffix_length: int = 8
     recycle_k: int = 8
+    recycle_prior: int = 16384
     auto: bool = True
     pool_slots: int = 16  # continuations kept per key; least recently used evicted
     pool_sparse: bool | None = None  # allocate pool rows on demand; None: when the vocabulary exceeds 65536
@@ -57,6 +60,7 @@ class LookaheadConfig:
         _check_int("suffix_drafts", self.suffix_drafts, 0, MAX_GUESS)
         _check_int("suffix_length", self.suffix_length, 1, MAX_TREE)
         _check_int("recycle_k", self.recycle_k, 0, MAX_RECYCLE)
+        _check_int("recycle_prior", self.recycle_prior, 0)
         _check_int("pool_slots", self.pool_slots, 1)
         _check_int("seed", self.seed, 0)
         for name in ("auto", "seed_pool_from_prompt", "pool_from_output"):

@@ -9,10 +9,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from lookahead import models, support
+from lookahead import models, prior, support
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
 from lookahead.drafting import DraftState
@@ -49,6 +50,8 @@ class LookaheadGenerator:
         self._calibration = Calibration()  # the drafts' promise against what came, over every sequence (kept across requests)
         self._state: DraftState | None = None  # the drafting state requests without one of their own share (``drafting_state``)
         self._state_lock = threading.Lock()
+        self._prior: np.ndarray | None = None  # the recycling table's prior (``prior.py``), computed at the first new state
+        self._prior_lock = threading.Lock()
         mc = model.config.get_text_config(decoder=True)
         support.check_config(model)
         self.vocab_size = models.vocab_size(model)
@@ -214,10 +217,20 @@ class LookaheadGenerator:
         return ids, decoding
 
     def new_state(self) -> DraftState:
-        """An empty drafting state for this generator; pass it to ``generate(state=...)`` to keep it learning."""
+        """A drafting state for this generator, empty but for the recycling table's prior (``prior.py``); pass it
+        to ``generate(state=...)`` to keep it learning."""
         cfg = self.config
         sparse = cfg.pool_sparse if cfg.pool_sparse is not None else self.vocab_size > SPARSE_POOL_VOCAB
-        return DraftState.for_config(self.vocab_size, cfg, sparse)
+        state = DraftState.for_config(self.vocab_size, cfg, sparse)
+        with self._prior_lock:  # computed once (seconds), whichever thread asks first
+            if self._prior is None and cfg.recycle_prior and cfg.recycle_k:
+                self._prior = prior.cached(self.model, self.tokenizer, cfg.recycle_prior, cfg.recycle_k,
+                                           self._cache_dir or models.default_cache_dir(), self._progress)
+                if self._prior is None:
+                    self._prior = np.empty((0, cfg.recycle_k), np.int32)  # none for this model: asked once
+        if self._prior is not None and self._prior.size:
+            state.recycle.fill_empty(self._prior)
+        return state
 
     @contextmanager
     def drafting_state(self, state: DraftState | None = None) -> Iterator[DraftState]:

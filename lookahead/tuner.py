@@ -141,10 +141,14 @@ def step_times(model: PreTrainedModel, sizes: tuple[int, ...], context: int, rou
     return times
 
 
+def model_name(model: PreTrainedModel) -> str:
+    """What names a model in the on-disk caches: the directory it was loaded from, else a hash of its config."""
+    return str(model.config._name_or_path or hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:16])
+
+
 def curve_file(model: PreTrainedModel, cache_dir: Path) -> Path:
     """Where this (model, dtype, device, kernels, threads, CPU, torch)'s curve is cached."""
-    name = model.config._name_or_path or hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:16]
-    return curve_path(str(name), model.dtype, model.device.type, cache_dir, kernels_of(model))
+    return curve_path(model_name(model), model.dtype, model.device.type, cache_dir, kernels_of(model))
 
 
 def curve_path(name: str, dtype: torch.dtype, device: str, cache_dir: Path, kernels: str = "stock") -> Path:

@@ -154,6 +154,16 @@ class RecycleTable:
             raise ValueError("a template needs parents before children and ranks below k")
         return expand_template(self.table, int(root), parents, ranks)
 
+    def fill_empty(self, successors: np.ndarray) -> None:
+        """Rows 0 .. R-1 that hold nothing yet take ``successors`` (R, k') (a prior: what is learned stays)."""
+        successors = _as_ids("successors", successors, 2)
+        if successors.shape[0] > self.vocab_size or (successors >= self.vocab_size).any() or (successors < -1).any():
+            raise ValueError(f"successors must be at most {self.vocab_size} rows of ids in [-1, {self.vocab_size}), "
+                             f"got shape {successors.shape}")
+        rows, k = successors.shape[0], min(successors.shape[1], self.k)
+        empty = self.table[:rows, 0] < 0
+        self.table[:rows][empty, :k] = successors[empty, :k]
+
     def save(self, path: str | Path) -> None:
         np.savez_compressed(path, format_version=np.int64(FORMAT_VERSION), table=self.table)
 

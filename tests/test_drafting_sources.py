@@ -201,3 +201,13 @@ def test_count_tried_matches_the_numpy_reference(seed, size):
     count_tried(tree.parents, tree.sources, tree.depths, np.asarray(path, np.int64), *got)
     reference_count_tried(tree, path, *want)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+def test_recycle_table_fill_empty_keeps_what_was_learned():
+    table = RecycleTable(6, k=2)
+    table.update(np.array([1]), np.array([[5, 4]]))
+    table.fill_empty(np.array([[1, 2, 3], [0, 0, 0], [3, -1, -1]]))  # 3 rows of a 3-wide prior into a 2-wide table
+    assert table.table.tolist() == [[1, 2], [5, 4], [3, -1], [-1, -1], [-1, -1], [-1, -1]]
+    for bad in (np.zeros((7, 2), np.int64), np.array([[6]]), np.array([[-2]]), np.zeros(3, np.int64)):
+        with pytest.raises(ValueError):
+            table.fill_empty(bad)

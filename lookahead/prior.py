@@ -1,0 +1,76 @@
+"""The recycling table's prior: each common token's likeliest successors, predicted once by the model itself.
+
+The recycling table learns a token's successors from the rows that fed it; a token no row has fed yet (a
+fresh state meets many) has none, and where pool and suffix have nothing either the step drafts nothing.
+Measured (SmolLM2 bf16, Zen 5, the benchmark's 8 prompts x 64 tokens, a fresh state): 102 of 297 steps
+proposed nothing. So before a state's first request the model predicts, for each of the ``recycle_prior``
+lowest ids (BPE vocabularies number the commonest first: 89% of those tokens were below 16384 of 49152), its
+top-k next tokens after a newline and that token alone (with no token before it, a small model's prediction
+is noise). One batched pass, cached on disk per model and dtype (SmolLM2: ~20 s in bf16 once). Side by side,
+the same prompts: 1.64 -> 1.83 tokens a forward from a fresh state, 1.73 -> 1.90 from one kept across
+prompts, +5.5-5.8% tokens/s. Drafts only: the output is what it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from lookahead import kv, models, native
+from lookahead.tuner import model_name
+
+FORMAT = 1
+BATCH = 512  # one-token sequences a forward
+
+
+def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int) -> np.ndarray:
+    """(tokens, k) int32: the model's k likeliest next tokens after ``prefix`` + [t], for t = 0 .. tokens - 1: the
+    prefix's keys computed once, then ``BATCH`` one-token sequences a forward over copies of them."""
+    out = np.empty((tokens, k), np.int32)
+    with torch.inference_mode():
+        held = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([prefix], device=model.device), **kv.cache_kwarg(model, held), use_cache=True)
+        for start in range(0, tokens, BATCH):
+            ids = torch.arange(start, min(tokens, start + BATCH), device=model.device)[:, None]  # (B, 1)
+            cache = copy.deepcopy(held)
+            cache.batch_repeat_interleave(ids.shape[0])
+            logits = model(input_ids=ids, **kv.cache_kwarg(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1].cpu()
+            out[start : start + ids.shape[0]] = native.top_k(logits, k)
+    return out
+
+
+def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path,
+           progress: models.Progress = models._quiet) -> np.ndarray | None:
+    """``successors`` of the ``tokens`` lowest ids after a newline, from ``cache_dir`` or computed and cached there;
+    None without a tokenizer (no newline to put first) or where there is nothing to predict."""
+    tokens = min(tokens, models.vocab_size(model))
+    if tokenizer is None or tokens < 1 or k < 1:
+        return None
+    prefix = tokenizer.encode("\n", add_special_tokens=False)[-1:]
+    if not prefix:
+        return None
+    name = model_name(model)
+    key = json.dumps([name, str(model.dtype), models.vocab_size(model), tokens, k, prefix, FORMAT])
+    path = cache_dir / "priors" / f"{Path(name).name or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
+    try:
+        table = np.load(path, allow_pickle=False)
+        if table.dtype == np.int32 and table.shape == (tokens, k) and (table >= -1).all() and (table < models.vocab_size(model)).all():
+            return table
+    except (OSError, ValueError):
+        pass  # none yet, or unreadable: computed again
+    progress(f"predicting the successors of {tokens} common tokens (once for this model and dtype)")
+    table = successors(model, prefix, tokens, k)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial.npy")
+        np.save(partial, table)
+        partial.replace(path)  # whole or not at all
+    except OSError:
+        pass  # an unwritable cache: used this once
+    return table

@@ -1,0 +1,59 @@
+"""The recycling table's prior: the model's own top-k after a newline and each common token, computed once and
+cached on disk, seeding every new drafting state without touching what a state learns or what is generated."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_llama, tiny_tokenizer
+from lookahead import LookaheadConfig, LookaheadGenerator, prior
+
+
+def test_successors_are_the_models_top_k_after_the_prefix_and_each_token():
+    model = tiny_llama()
+    got = prior.successors(model, [2], 70, 4)  # 70 tokens: a batch and a part of one with BATCH = 64
+    with torch.inference_mode():
+        for t in (0, 1, 63, 64, 69):
+            logits = model(input_ids=torch.tensor([[2, t]])).logits[0, -1]
+            assert got[t].tolist() == torch.topk(logits, 4).indices.tolist(), t
+
+
+@pytest.fixture(autouse=True)
+def small_batches(monkeypatch):
+    monkeypatch.setattr(prior, "BATCH", 64)
+
+
+def test_cached_computes_once_then_reads_the_cache(tmp_path, monkeypatch):
+    model, tok = tiny_llama(), tiny_tokenizer()
+    first = prior.cached(model, tok, 100, 3, tmp_path)
+    newline = tok.encode("\n", add_special_tokens=False)[-1:]
+    assert first.shape == (100, 3) and np.array_equal(first, prior.successors(model, newline, 100, 3))
+    monkeypatch.setattr(prior, "successors", lambda *args: pytest.fail("computed again"))
+    assert np.array_equal(prior.cached(model, tok, 100, 3, tmp_path), first)
+    (path,) = (tmp_path / "priors").glob("*.npy")
+    path.write_bytes(b"not an array")  # a corrupt cache is computed again, not trusted
+    monkeypatch.undo()
+    monkeypatch.setattr(prior, "BATCH", 64)
+    assert np.array_equal(prior.cached(model, tok, 100, 3, tmp_path), first)
+    assert prior.cached(model, None, 100, 3, tmp_path) is None  # no tokenizer: no newline to start from
+    assert prior.cached(model, tok, 500, 3, tmp_path).shape == (128, 3)  # at most the vocabulary
+
+
+def test_a_new_state_starts_from_the_prior_and_output_is_unchanged(tmp_path):
+    model, tok = tiny_llama(), tiny_tokenizer()
+    gen = LookaheadGenerator(model, tok, LookaheadConfig(recycle_prior=100, auto=False), cache_dir=tmp_path)
+    bare = LookaheadGenerator(model, tok, LookaheadConfig(recycle_prior=0, auto=False), cache_dir=tmp_path)
+    state = gen.new_state()
+    assert np.array_equal(state.recycle.table[:100], prior.cached(model, tok, 100, 8, tmp_path))
+    assert (state.recycle.table[100:] == -1).all() and (bare.new_state().recycle.table == -1).all()
+    prompt = [5, 9, 14, 5, 9, 30, 41]
+    seeded = gen.generate(prompt, max_new_tokens=24, state=gen.new_state())
+    assert seeded.tokens == bare.generate(prompt, max_new_tokens=24, state=bare.new_state()).tokens
+    assert seeded.stats.drafted_by_source["recycle"] > 0
+
+
+def test_recycle_prior_is_validated():
+    with pytest.raises(ValueError, match="recycle_prior"):
+        LookaheadConfig(recycle_prior=-1)
