@@ -48,7 +48,8 @@ def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int) -
 def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path,
            progress: models.Progress = models._quiet) -> np.ndarray | None:
     """``successors`` of the ``tokens`` lowest ids after a newline, from ``cache_dir`` or computed and cached there;
-    None without a tokenizer (no newline to put first) or where there is nothing to predict."""
+    None without a tokenizer (no newline to put first), where there is nothing to predict, or where the model's
+    forward does not take this pass (a prior is only ever a help: its absence costs drafts, never a request)."""
     tokens = min(tokens, models.vocab_size(model))
     if tokenizer is None or tokens < 1 or k < 1:
         return None
@@ -65,7 +66,11 @@ def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Pa
     except (OSError, ValueError):
         pass  # none yet, or unreadable: computed again
     progress(f"predicting the successors of {tokens} common tokens (once for this model and dtype)")
-    table = successors(model, prefix, tokens, k)
+    try:
+        table = successors(model, prefix, tokens, k)
+    except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as e:  # a model this pass does not fit
+        progress(f"no prior for the recycling table ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})")
+        return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial.npy")

@@ -54,6 +54,20 @@ def test_a_new_state_starts_from_the_prior_and_output_is_unchanged(tmp_path):
     assert seeded.stats.drafted_by_source["recycle"] > 0
 
 
+def test_a_model_the_pass_does_not_fit_gets_no_prior_and_still_generates(tmp_path, monkeypatch):
+    model, tok = tiny_llama(), tiny_tokenizer()
+
+    def broken(*args):
+        raise RuntimeError("this model's cache cannot be repeated")
+
+    monkeypatch.setattr(prior, "successors", broken)
+    notes = []
+    assert prior.cached(model, tok, 100, 3, tmp_path, notes.append) is None and "no prior" in notes[-1]
+    gen = LookaheadGenerator(model, tok, LookaheadConfig(auto=False), cache_dir=tmp_path)
+    assert (gen.new_state().recycle.table == -1).all()
+    assert len(gen.generate([5, 9, 14], max_new_tokens=8).tokens) == 8
+
+
 def test_recycle_prior_is_validated():
     with pytest.raises(ValueError, match="recycle_prior"):
         LookaheadConfig(recycle_prior=-1)
