@@ -93,6 +93,9 @@ def main() -> None:
 @click.option("--suffix-drafts", type=int, help=f"Suffix-match drafts per step, 0: off [default: {LookaheadConfig.suffix_drafts}].")
 @click.option("--suffix-length", type=int, help=f"Longest suffix draft [default: {LookaheadConfig.suffix_length}].")
 @click.option("--recycle-k", type=int, help=f"Successors per token in the recycling table, 0: off [default: {LookaheadConfig.recycle_k}].")
+@click.option("--recycle-prior", type=click.IntRange(min=0),
+              help=f"Common tokens whose successors the model predicts once, to seed the recycling table, 0: none "
+                   f"[default: {LookaheadConfig.recycle_prior}].")
 @click.option("--auto/--no-auto", default=None,
               help="Let the measured cost model size each step within the shape (default: on unless a shape option is given).")
 @click.option("--state", "state_dir", type=click.Path(file_okay=False, path_type=Path),
@@ -112,7 +115,7 @@ def main() -> None:
 @click.option("--repetition-penalty", type=float, help="Penalise tokens already present (as in generate()).")
 @click.option("--stop", multiple=True, help="Stop after this string (repeatable; needs a tokenizer).")
 def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kernels, cache_dir, window, ngram, guess, tree_budget,
-             suffix_drafts, suffix_length, recycle_k, auto, state_dir, max_new_tokens, seed, no_lookahead, ids_mode, as_json,
+             suffix_drafts, suffix_length, recycle_k, recycle_prior, auto, state_dir, max_new_tokens, seed, no_lookahead, ids_mode, as_json,
              sample, temperature, top_k, top_p, repetition_penalty, stop) -> None:
     """Generate a continuation of PROMPT (an argument, --file, or standard input)."""
     warpers = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
@@ -123,15 +126,15 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kerne
     try:
         shape = {k: v for k, v in dict(window=window, ngram=ngram, guess=guess, tree_budget=tree_budget, suffix_drafts=suffix_drafts,
                                        suffix_length=suffix_length, recycle_k=recycle_k).items() if v is not None}
-        config = LookaheadConfig(**shape, auto=not shape if auto is None else auto)  # an explicit shape is run as given
+        prior = {} if recycle_prior is None else {"recycle_prior": recycle_prior}  # a help to drafting, not a shape
+        config = LookaheadConfig(**shape, **prior, auto=not shape if auto is None else auto)  # an explicit shape is run as given
         requests = _read_requests(prompt, prompt_file, ids_mode)
-        from lookahead.drafting import DraftState
         from lookahead.generator import LookaheadGenerator
         from lookahead.kernels import kernels_of
 
         gen = LookaheadGenerator.from_pretrained(model_spec, config, dtype=dtype, device=device, cache_dir=cache_dir, progress=_progress,
                                                  kernels=kernels)
-        state = DraftState.load(state_dir) if state_dir is not None and state_dir.exists() else gen.new_state()
+        state = gen.load_state(state_dir)
         if chat is None:
             chat = not ids_mode and gen.tokenizer is not None and bool(gen.tokenizer.chat_template)
         for request in requests:

@@ -221,7 +221,19 @@ class LookaheadGenerator:
         to ``generate(state=...)`` to keep it learning."""
         cfg = self.config
         sparse = cfg.pool_sparse if cfg.pool_sparse is not None else self.vocab_size > SPARSE_POOL_VOCAB
-        state = DraftState.for_config(self.vocab_size, cfg, sparse)
+        return self._with_prior(DraftState.for_config(self.vocab_size, cfg, sparse))
+
+    def load_state(self, directory: Path | None) -> DraftState:
+        """The drafting state saved in ``directory`` (``DraftState.save``), the rows of its recycling table that
+        nothing taught yet filled from the prior; a new state where there is none. ValueError if it does not fit."""
+        if directory is None or not Path(directory).exists():
+            return self.new_state()
+        state = DraftState.load(directory)
+        state.check_fits(self.vocab_size, self.config)
+        return self._with_prior(state)
+
+    def _with_prior(self, state: DraftState) -> DraftState:
+        cfg = self.config
         with self._prior_lock:  # computed once (seconds), whichever thread asks first
             if self._prior is None and cfg.recycle_prior and cfg.recycle_k:
                 self._prior = prior.cached(self.model, self.tokenizer, cfg.recycle_prior, cfg.recycle_k,

@@ -381,8 +381,6 @@ def serve(gen: LookaheadGenerator, model_name: str, host: str, port: int, state_
           max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> None:
     import uvicorn
 
-    state = DraftState.load(state_path) if state_path is not None and state_path.exists() else None
-    if state is not None:
-        state.check_fits(gen.vocab_size, gen.config)
+    state = gen.load_state(state_path)  # checked against the generator (ValueError)
     app = create_app(Server(gen, model_name, state, queue_limit, state_path, max_body_bytes, api_key, max_batch, prefill_chunk))
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -51,6 +51,7 @@ def test_ids_mode_reads_one_request_per_stdin_line(tokenizerless_dir):
         (["-W", "200", "hi"], "window (W) must be in [0, 128], got 200"),
         (["-T", "999", "hi"], "tree_budget must be in [0, 256], got 999"),
         (["--recycle-k", "-1", "hi"], "recycle_k must be in [0, 64], got -1"),
+        (["--recycle-prior", "-5", "hi"], "-5 is not in the range x>=0"),
         (["--seed", "-1", "--sample", "hi"], "-1 is not in the range x>=0"),
         (["-N", "1", "hi"], "ngram (N) must be in [2, 16], got 1"),
         (["-G", "500", "hi"], "guess (G) must be in [0, 128], got 500"),
@@ -309,3 +310,19 @@ def test_tune_measures_prints_and_plots(tokenizerless_dir, tmp_path):
     assert "verify" in result.stdout and (tmp_path / "c.png").stat().st_size > 1000
     assert len(list((tmp_path / "cache" / "costs").glob("*.json"))) == 2
     assert "no such model" in run("tune", "--model", "/no/such").output
+
+
+def test_recycle_prior_option_reaches_the_generator(tmp_path):
+    from conftest import tiny_tokenizer
+
+    model_dir, cache = tmp_path / "model", tmp_path / "cache"
+    tiny_llama().save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    args = ["generate", "--model", str(model_dir), "hello world", "--no-chat", "--max-new-tokens", "6", "--dtype", "float32",
+            "--json", "--cache-dir", str(cache)]
+    off = run(*args, "--recycle-prior", "0")
+    assert off.exit_code == 0, off.output
+    assert not list(cache.glob("priors/*.npy"))
+    on = run(*args, "--recycle-prior", "50")
+    assert on.exit_code == 0 and json.loads(on.stdout)["tokens"] == json.loads(off.stdout)["tokens"]
+    assert len(list(cache.glob("priors/*.npy"))) == 1

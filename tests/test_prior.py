@@ -71,3 +71,19 @@ def test_a_model_the_pass_does_not_fit_gets_no_prior_and_still_generates(tmp_pat
 def test_recycle_prior_is_validated():
     with pytest.raises(ValueError, match="recycle_prior"):
         LookaheadConfig(recycle_prior=-1)
+
+
+def test_a_saved_state_keeps_what_it_learned_and_takes_the_prior_where_it_learned_nothing(tmp_path):
+    model, tok = tiny_llama(), tiny_tokenizer()
+    gen = LookaheadGenerator(model, tok, LookaheadConfig(recycle_prior=0, auto=False), cache_dir=tmp_path)
+    saved = gen.new_state()
+    saved.recycle.update(np.array([7]), np.array([[1, 2, 3, 4, 5, 6, 7, 8]]))
+    saved.save(tmp_path / "state")
+    seeding = LookaheadGenerator(model, tok, LookaheadConfig(recycle_prior=100, auto=False), cache_dir=tmp_path)
+    state = seeding.load_state(tmp_path / "state")
+    expected = prior.cached(model, tok, 100, 8, tmp_path)
+    expected[7] = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert np.array_equal(state.recycle.table[:100], expected) and (state.recycle.table[100:] == -1).all()
+    assert (seeding.load_state(tmp_path / "none yet").recycle.table[:100] >= 0).all()  # nothing saved: a new state
+    with pytest.raises(ValueError, match="drafting state is for"):
+        LookaheadGenerator(model, tok, LookaheadConfig(ngram=4, auto=False), cache_dir=tmp_path).load_state(tmp_path / "state")
