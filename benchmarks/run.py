@@ -31,7 +31,6 @@ import lookahead
 from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
 from lookahead import LookaheadConfig, LookaheadGenerator, kv, models, tuner
-from lookahead.tuner import step_times
 from lookahead.drafting import SOURCES
 from lookahead.hf import generator_for
 from lookahead.kernels import kernels_of
@@ -119,7 +118,7 @@ def cost_curve(model, sizes: list[int], context: int = 128, reps: int = 5) -> di
     rounds over every size in turn, so a machine that slows for a while slows every size alike. (It once timed
     HF's own call without a mask, which on our kernels ran SDPA's attention under HF's bool mask: bf16 r(16) read
     1.43-1.54 where the loop's 16-row forwards took ~1.27x its one-row ones.)"""
-    times = step_times(model, tuple(sizes), context, reps)
+    times = tuner.step_times(model, tuple(sizes), context, reps)
     base = times[1, sizes[0]]
     return {size: times[1, size] / base for size in sizes} | {"ms_at_1": base * 1000}
 

@@ -16,8 +16,8 @@ of a T-row product equals the one-row product bit for bit ("row-invariant") is m
 On a CPU with AVX-512 BF16: our own kernels (``native``, built with gcc on first use) instead of oneDNN's
 product for every bf16 or fp32 product whose shape they fit (``kernels_of`` says "packed-own"), instead of
 SDPA for bf16 attention, and in one call for each RMSNorm module (``norms``). oneDNN's small-M product
-streams a weight, then does the arithmetic; ours prefetches the next blocks while it computes (SmolLM2 bf16, Zen 5: a forward of 1 / 16 rows 15.5 / 21.4 ->
-12.9 / 18.3 ms, measured side by side), and it is row-invariant.
+streams a weight, then does the arithmetic; ours prefetches the next blocks while it computes (SmolLM2 bf16,
+Zen 5: a forward of 1 / 16 rows 15.5 / 21.4 -> 12.9 / 18.3 ms, measured side by side), and it is row-invariant.
 
 Sibling projections (``SIBLINGS``: q/k/v, gate/up) share one product of their stacked weights (``Product``):
 a call costs ~14 us of oneDNN overhead, so three calls for three thin products were ~7% of SmolLM2's
@@ -127,8 +127,8 @@ class PackedLinear(nn.Module):
 def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                  dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers' SDPA attention, except: in bf16 where our own kernels run, our attention (``native.attention``:
-    a step's rows, a prompt's); else, for several rows under a 4D mask, SDPA sharing the grouped K/V heads (query (B, H, T, D), key and value (B, H / groups, S, D))
-    instead of copying them. Anything else is stock."""
+    a step's rows, a prompt's); else, for several rows under a 4D mask, SDPA sharing the grouped K/V heads (query
+    (B, H, T, D), key and value (B, H / groups, S, D)) instead of copying them. Anything else is stock."""
     extras = dropout or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux", "sinks"))
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not extras and native.attention_fits(query, key, value, attention_mask, causal):

@@ -50,18 +50,19 @@ def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Pa
     """``successors`` of the ``tokens`` lowest ids after a newline, from ``cache_dir`` or computed and cached there;
     None without a tokenizer (no newline to put first), where there is nothing to predict, or where the model's
     forward does not take this pass (a prior is only ever a help: its absence costs drafts, never a request)."""
-    tokens = min(tokens, models.vocab_size(model))
+    vocab = models.vocab_size(model)
+    tokens = min(tokens, vocab)
     if tokenizer is None or tokens < 1 or k < 1:
         return None
     prefix = tokenizer.encode("\n", add_special_tokens=False)[-1:]
     if not prefix:
         return None
     name = model_name(model)
-    key = json.dumps([name, str(model.dtype), models.vocab_size(model), tokens, k, prefix, FORMAT])
+    key = json.dumps([name, str(model.dtype), vocab, tokens, k, prefix, FORMAT])
     path = cache_dir / "priors" / f"{Path(name).name or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
     try:
         table = np.load(path, allow_pickle=False)
-        if table.dtype == np.int32 and table.shape == (tokens, k) and (table >= -1).all() and (table < models.vocab_size(model)).all():
+        if table.dtype == np.int32 and table.shape == (tokens, k) and (table >= -1).all() and (table < vocab).all():
             return table
     except (OSError, ValueError):
         pass  # none yet, or unreadable: computed again

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from lookahead import kv, models, native, support
+from lookahead import models, native, support
 from lookahead.kernels import available, kernels_of, own_kernel
 from lookahead.layout import build_layout, stack
 from lookahead.passes import forward, prefill
