@@ -45,6 +45,21 @@ def accept(scores_at: ScoresAt, tree: TokenTree) -> Verdict:
     return Verdict([int(tree.tokens[n]) for n in path] + [token], path)
 
 
+def accepted_after(tree: TokenTree, tokens: list[int]) -> int | None:
+    """How many of ``tree``'s nodes ``accept`` would have accepted, given the ``tokens`` that came after its current
+    token without it (a tree the cost model declined); None while that is not known (the walk is still matching
+    at the last token that came). Exact in greedy and sampling alike: a node is accepted iff its token is the
+    one that came (the Gumbel noise is drawn per emitted position, whatever was drafted)."""
+    node = -1
+    for depth, token in enumerate(tokens):
+        children = tree.children(node)
+        match = children[tree.tokens[children] == token]
+        if not match.size:
+            return depth
+        node = int(match[0])
+    return len(tokens) if not tree.children(node).size else None
+
+
 def argmax(scores: torch.Tensor) -> int | np.ndarray:
     """The index of the largest score along the last axis (the first of equal ones, NaN above all: torch's rule),
     in numpy: ~14x faster than torch's argmax on a host row of 49152 scores (2 vs 28 us, Zen 5)."""

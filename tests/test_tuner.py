@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator, tuner
 from lookahead.tree import TokenTree
 from lookahead.drafting import DraftState
+from lookahead.loop import Lane
 from lookahead.planner import DORMANT, DORMANT_STRIDE, Calibration, JacobiWorth, LiveCurve, choose, plan
+from lookahead.verify import accept, accepted_after
 from lookahead.tuner import BATCH_WIDTHS, CostCurve, cached_curve, curve_file, lookahead_speed, probe
 
 FLAT = CostCurve((1, 64), (1.0, 1.05), 10.0)
-STEEP = CostCurve((1, 2, 64), (1.0, 1.9, 60.0), 10.0)
+STEEP = CostCurve((1, 2, 64), (1.0, 3.0, 60.0), 10.0)  # a row costs more than a step: no draft can pay, however sure
 
 
 def chain(scores: list[float]) -> TokenTree:
@@ -230,6 +235,43 @@ def test_a_sequence_whose_drafts_fare_worse_than_promised_drafts_less():
     assert seeded.factor == 0.5
     seeded.update(promised=1.0, got=1)  # and its own steps take over
     assert 0.5 < seeded.factor < 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), min_size=1, max_size=6), st.lists(st.integers(0, 3), max_size=6))
+def test_a_declined_tree_is_judged_in_hindsight_as_verification_would_have(drafts, came):
+    """``accepted_after`` on the tokens that came equals ``accept``'s walk with those tokens as the model's argmax,
+    once they decide it (None before)."""
+    tokens = np.concatenate([np.asarray(d) for d in drafts])
+    starts = np.cumsum([0] + [len(d) for d in drafts])[:-1]
+    parents = np.concatenate([[-1] + list(range(s, s + len(d) - 1)) for s, d in zip(starts, drafts)])
+    tree = TokenTree.merge(tokens, parents.astype(np.int64), np.linspace(0.9, 0.1, tokens.size), np.ones(tokens.size, np.int64), tokens.size)
+    calls = iter(came + [4])  # 4: a token no draft has, after the ones that came
+    verdict = accept(lambda node: torch.nn.functional.one_hot(torch.tensor(next(calls)), 5).float(), tree)
+    got = accepted_after(tree, came)
+    decided = len(verdict.path) < len(came) or (len(verdict.path) == len(came) and not tree.children(verdict.path[-1] if verdict.path else -1).size)
+    assert got == (len(verdict.path) if decided else None)
+
+
+def test_a_calibration_that_fell_low_recovers_on_plain_steps():
+    """The cost model declines drafts while a calibration is low, so only the declined proposals, judged when
+    their tokens have come, can raise it: without that, a low pooled calibration kept every later request plain."""
+    model = tiny_llama(seed=2)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    curve = CostCurve((1, 8, 32), (1.0, 1.2, 2.4), 10.0)
+    ref = hf_greedy(model, prompt, 40)
+
+    def drafted(judge: bool) -> int:
+        gen = LookaheadGenerator(model, config=LookaheadConfig(window=0), cost=curve)
+        gen._calibration = Calibration(0.01)  # every sequence so far got 1% of what its drafts promised
+        with pytest.MonkeyPatch.context() as mp:
+            if not judge:
+                mp.setattr(Lane, "hindsight", lambda self: [])
+            out = gen.generate(prompt, max_new_tokens=40)
+        assert out.tokens == ref
+        return out.stats.tree_nodes
+
+    assert drafted(judge=False) == 0 < drafted(judge=True)
 
 
 def test_cpu_name_tells_apart_amd_generations_that_share_a_name():
