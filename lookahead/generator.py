@@ -17,7 +17,8 @@ from lookahead import models, prior, support
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
 from lookahead.drafting import DraftState
-from lookahead.loop import Batch, Lane, shared_state
+from lookahead.lane import Lane, shared_state
+from lookahead.loop import Batch
 from lookahead.passes import forward, prefill
 from lookahead.prompt import prompt_ids
 from lookahead.stats import GenerationStats

@@ -13,8 +13,6 @@ of one is the single-sequence engine. Each step:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 from transformers import PreTrainedModel
@@ -22,84 +20,15 @@ from transformers import PreTrainedModel
 from lookahead import kv, native
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
-from lookahead.drafting import TRAJECTORY, DraftState, Observed
+from lookahead.drafting import TRAJECTORY, Observed
+from lookahead.lane import Lane, shared_state
 from lookahead.layout import StepLayout, build_layout, stack
 from lookahead.passes import forward, prefill
-from lookahead.stats import Clock, GenerationStats
+from lookahead.stats import Clock
 from lookahead.tree import TokenTree
-from lookahead.verify import accepted_after, argmax
+from lookahead.verify import argmax
 from lookahead.planner import DORMANT, PLAIN, Calibration, JacobiWorth, LiveCurve, plan
 from lookahead.window import JacobiWindow
-from ngram_pool import SuffixDrafter
-
-
-@dataclass(eq=False)
-class Lane:
-    """One sequence of the batch: its prompt and options, its drafting, and what it has emitted so far."""
-
-    prompt: list[int]
-    decoding: Decoding
-    state: DraftState  # shared by the lanes of a batch; ``suffix`` is this lane's own
-    streamer: object | None = None
-    lookahead: bool = True
-    out: list[int] = field(default_factory=list)
-    done: bool = False  # ended by EOS or a stop string
-    cancelled: bool = False  # set from another thread (a client that went away): the lane leaves at the next step
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    suffix: SuffixDrafter | None = None
-    window: JacobiWindow | None = None
-    worth: JacobiWorth | None = None  # these two with the cost model only
-    calibration: Calibration | None = None
-    declined: list[tuple[TokenTree, int]] = field(default_factory=list)  # proposals the cost model ran none of, and
-                                                                          # where in ``out`` the tokens after them start
-    clock: Clock = field(default_factory=Clock)
-
-    @property
-    def position(self) -> int:
-        """Of the current token, ``out[-1]``."""
-        return len(self.prompt) + len(self.out) - 1
-
-    @property
-    def last_position(self) -> int:
-        """The last position generate() feeds; no row goes beyond."""
-        return len(self.prompt) + self.decoding.max_new_tokens - 2
-
-    @property
-    def finished(self) -> bool:
-        return self.done or self.cancelled or len(self.out) >= self.decoding.max_new_tokens or self.decoding.out_of_time()
-
-    @property
-    def finish_reason(self) -> str:
-        return "stop" if self.done else "cancelled" if self.cancelled else "length"
-
-    def hindsight(self) -> list[tuple[float, int]]:
-        """(promised, accepted) of each declined proposal that the tokens since have decided (it leaves
-        ``declined``): what verifying it would have given, so a calibration learns on plain steps too. Without
-        it a calibration that fell low (a few failed drafts of chat text) kept every later step plain, and,
-        pooled, every later request: measured (SmolLM2 bf16, Zen 4, the benchmark), the first three prompts
-        ran all plain."""
-        judged, waiting = [], []
-        for tree, start in self.declined:
-            got = accepted_after(tree, self.out[start:])
-            if got is None:
-                waiting.append((tree, start))
-            else:
-                judged.append((float(tree.scores.sum()), got))
-        self.declined = waiting
-        return judged
-
-    def emit(self, tokens: list[int]) -> None:
-        if self.streamer is not None and tokens:
-            self.streamer.put(torch.tensor(tokens))
-
-
-def shared_state(lanes: list[Lane]) -> DraftState | None:
-    """The one drafting state of the lanes that draft (None: none does); a ValueError if they have several (the
-    shared sources learn from a whole step in one call)."""
-    states = {id(lane.state): lane.state for lane in lanes if lane.lookahead}
-    if len(states) > 1:
-        raise ValueError("the drafting sequences of a batch share one drafting state (its sources learn from the whole step)")
-    return next(iter(states.values()), None)
 
 
 def until_stop(decoding: Decoding, history: list[int], new: list[int]) -> tuple[list[int], bool]:

@@ -20,7 +20,8 @@ import torch
 
 from lookahead.config import PREFILL_CHUNK
 from lookahead.generator import LookaheadGenerator
-from lookahead.loop import Batch, Lane
+from lookahead.lane import Lane
+from lookahead.loop import Batch
 
 Done = Callable[[Lane | BaseException], None]
 

@@ -41,7 +41,7 @@ from lookahead.api import APIError, BodyLimit, ChatRequest, CompletionRequest, c
 from lookahead.config import MAX_BODY_BYTES, PREFILL_CHUNK
 from lookahead.drafting import SOURCES, DraftState
 from lookahead.generator import LookaheadGenerator
-from lookahead.loop import Lane
+from lookahead.lane import Lane
 from lookahead.scheduler import Scheduler
 
 

@@ -12,7 +12,7 @@ from conftest import hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator, tuner
 from lookahead.tree import TokenTree
 from lookahead.drafting import DraftState
-from lookahead.loop import Lane
+from lookahead.lane import Lane
 from lookahead.planner import DORMANT, DORMANT_STRIDE, Calibration, JacobiWorth, LiveCurve, choose, plan
 from lookahead.verify import accept, accepted_after
 from lookahead.tuner import BATCH_WIDTHS, CostCurve, cached_curve, curve_file, lookahead_speed, probe
