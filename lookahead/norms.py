@@ -37,9 +37,9 @@ class FusedRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, weighting={'gemma' if self.offset else 'llama'}"
 
 
-def fuse(model: nn.Module) -> int:
-    """Swap ``model``'s RMSNorm modules (in place) for ``FusedRMSNorm`` where it computes what they do; how many."""
-    dtype = next(model.parameters()).dtype
+def fuse(model: nn.Module, dtype: torch.dtype) -> int:
+    """Swap ``model``'s RMSNorm modules of ``dtype`` (in place) for ``FusedRMSNorm`` where it computes what they do;
+    how many. (The dtype is given: once its linears are packed a model may have no parameter left to read it from.)"""
     fused = 0
     for parent in list(model.modules()):
         for name, norm in list(parent.named_children()):

@@ -112,6 +112,19 @@ def test_unpackable_linears_and_stock_kernels_are_left_alone():
         kernels.pack(model, "fast")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_module_of_linears_only_packs_though_no_parameter_is_left(dtype):
+    """Packing frees each original weight, so a module of nothing but linears has no parameter left after it (the
+    norms' pass read its dtype from one and raised StopIteration)."""
+    mlp = nn.Sequential(nn.Linear(64, 128, bias=False, dtype=dtype))
+    x = torch.randn(1, 3, 64, dtype=dtype)
+    with torch.inference_mode():
+        want = mlp(x)
+        report = kernels.pack(mlp)
+        assert torch.allclose(mlp(x).float(), want.float(), rtol=1e-2, atol=1e-2)
+    assert report.packed == 1 or report.notice
+
+
 def test_missing_onednn_falls_back_to_stock_kernels_with_a_notice(monkeypatch):
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     model = tiny_llama()

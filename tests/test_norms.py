@@ -69,17 +69,17 @@ def test_fuse_swaps_only_what_it_computes():
     with torch.no_grad():
         model[3].weight.normal_()  # Gemma's weight starts at 0 (its scale is 1 + w)
     stock = copy.deepcopy(model)
-    assert norms.fuse(model) == 2
+    assert norms.fuse(model, torch.float32) == 2
     assert [type(m).__name__ for m in model] == ["FusedRMSNorm", "OddRMSNorm", "LayerNorm", "FusedRMSNorm"]
     assert [m.offset for m in (model[0], model[3])] == [0, 1]
-    x = torch.randn(4, 32)
-    with torch.inference_mode():
-        assert torch.allclose(model(x), stock(x), rtol=1e-5)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # fp32 rounding at the outputs' scale (~1): rtol alone failed 3 in 200 inputs at an output near 0
+        assert torch.allclose(model(x), stock(x), rtol=1e-5, atol=1e-6)
 
 
 def test_a_norm_whose_weight_is_of_another_dtype_stays():
     model = nn.Sequential(nn.Linear(16, 16).to(torch.bfloat16), LlamaRMSNorm(16))  # the norm's weight left fp32
-    assert norms.fuse(model) == 0 and type(model[1]) is LlamaRMSNorm
+    assert norms.fuse(model, torch.bfloat16) == 0 and type(model[1]) is LlamaRMSNorm
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3])
