@@ -57,23 +57,24 @@ def forward_once(model, cache: kv.BatchCache, size: int, context: int, mask: tor
 @contextmanager
 def annotated():
     """Our own kernels are ctypes calls, no torch ops: while profiling, each call is a ``record_function`` span
-    named for its C function (~4 us each, so only here)."""
-    spans = {"linear": "bf16_linear", "attention": "tree_attention"}  # native's functions -> their C functions
-    plain = {name: getattr(native, name) for name in spans}
+    named for its C function (~4 us each, so only here). The linears call a ``native.Linear`` each, the norms
+    ``native.rms_norm`` and the attention ``native.attention``."""
+    spans = [(native.Linear, "__call__", "bf16_linear"), (native, "attention", "tree_attention"), (native, "rms_norm", "rms_norm")]
+    plain = [getattr(owner, name) for owner, name, _ in spans]
 
-    def spanned(name: str, function):
+    def spanned(span: str, function):
         def call(*args):
-            with record_function(spans[name]):
+            with record_function(span):
                 return function(*args)
         return call
 
-    for name, function in plain.items():
-        setattr(native, name, spanned(name, function))
+    for (owner, name, span), function in zip(spans, plain):
+        setattr(owner, name, spanned(span, function))
     try:
         yield
     finally:
-        for name, function in plain.items():
-            setattr(native, name, function)
+        for (owner, name, _), function in zip(spans, plain):
+            setattr(owner, name, function)
 
 
 def profile_size(model, size: int, context: int, reps: int) -> dict:
