@@ -78,7 +78,7 @@ def library() -> ctypes.CDLL | str:
         lib = ctypes.CDLL(str(target))
     except OSError as e:  # an unwritable cache, a missing source, a library that will not load
         return f"cannot build or load it ({e})"
-    lib.bf16_linear.argtypes = lib.fp32_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.bf16_linear.argtypes = lib.fp32_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     lib.tree_attention.argtypes = ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs,
                                     ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])
     lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2
@@ -110,6 +110,18 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 2, 1).reshape(packed.shape[0] * BLOCK, packed.shape[1])
 
 
+PREFETCH_INTO_L2 = ("Zen 4",)  # the CPUs whose loop ran fastest with the weights prefetched into L2 (linear.c)
+
+
+@functools.cache
+def prefetch_into_l2() -> int:
+    """1 where the linears prefetch the weights into L2, 0 where non-temporally (``linear.c`` says what each
+    measured; a CPU not measured keeps non-temporal, the first measured)."""
+    from lookahead.tuner import cpu_generation  # tuner imports this module
+
+    return int(cpu_generation() in PREFETCH_INTO_L2)
+
+
 class Linear:
     """(..., K) -> (..., N) in the weight's dtype (bf16 or fp32): x W^T (+ bias, fp32), W packed by ``pack``; the
     sizes, pointers and kernel looked up once (a forward makes 121 calls: ~1 us each less than doing it per call).
@@ -120,6 +132,7 @@ class Linear:
         self.n, self.k = packed.shape[0] * BLOCK, packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
         self.run = library().bf16_linear if packed.dtype == torch.bfloat16 else library().fp32_linear
         self.pointers = packed.data_ptr(), None if bias is None else bias.data_ptr()
+        self.l2 = prefetch_into_l2()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:
@@ -129,7 +142,7 @@ class Linear:
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], self.n, dtype=self.dtype)
         if rows := x.numel() // self.k:
-            self.run(x.data_ptr(), *self.pointers, y.data_ptr(), rows, self.n, self.k, torch.get_num_threads())
+            self.run(x.data_ptr(), *self.pointers, y.data_ptr(), rows, self.n, self.k, torch.get_num_threads(), self.l2)
         return y
 
 

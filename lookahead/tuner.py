@@ -214,21 +214,35 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which
 
 
 @functools.cache  # the CPU does not change under a running process: read /proc/cpuinfo once
-def cpu_name() -> str:
-    """The CPU's name with its family/model and vector extensions: a name alone says "AMD EPYC" for Zen 3, 4
-    and 5 alike, whose cost curves differ (a cached curve is keyed by this), e.g.
-    "AMD EPYC (Zen 5, family 26 model 2; avx2 avx512f avx512_bf16)"."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return platform.processor() or platform.machine()
-    fields: dict[str, str] = {}
-    for line in cpuinfo.read_text().splitlines():
+def _cpu_fields() -> dict[str, str]:
+    """The first processor's block of /proc/cpuinfo (empty where there is none)."""
+    cpuinfo, fields = Path("/proc/cpuinfo"), {}
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
         if not line.strip():
             break  # the first processor's block says it
         key, _, value = line.partition(":")
         fields[key.strip()] = value.strip()
-    family, model = int(fields.get("cpu family", 0) or 0), int(fields.get("model", 0) or 0)
-    zen = _zen(family, model) if fields.get("vendor_id") == "AuthenticAMD" else None
+    return fields
+
+
+def _family_model() -> tuple[int, int]:
+    fields = _cpu_fields()
+    return int(fields.get("cpu family", 0) or 0), int(fields.get("model", 0) or 0)
+
+
+def cpu_generation() -> str | None:
+    """AMD's core generation ("Zen 4"), None for other CPUs."""
+    return _zen(*_family_model()) if _cpu_fields().get("vendor_id") == "AuthenticAMD" else None
+
+
+def cpu_name() -> str:
+    """The CPU's name with its family/model and vector extensions: a name alone says "AMD EPYC" for Zen 3, 4
+    and 5 alike, whose cost curves differ (a cached curve is keyed by this), e.g.
+    "AMD EPYC (Zen 5, family 26 model 2; avx2 avx512f avx512_bf16)"."""
+    fields = _cpu_fields()
+    if not fields:
+        return platform.processor() or platform.machine()
+    (family, model), zen = _family_model(), cpu_generation()
     flags = [f for f in ISA_FLAGS if f in fields.get("flags", "").split()]
     return f"{fields.get('model name', platform.machine())} ({zen + ', ' if zen else ''}family {family} model {model}; {' '.join(flags) or 'no avx2'})"
 

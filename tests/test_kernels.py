@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator, kernels, native
+from lookahead import LookaheadConfig, LookaheadGenerator, kernels, native, tuner
 from lookahead.cli import main
 from lookahead.tuner import curve_file
 
@@ -246,6 +246,20 @@ def test_own_bf16_linear_is_row_invariant(k, rows):
     is not at K = 1536)."""
     linear = nn.Linear(k, 64, bias=True).to(torch.bfloat16)
     assert kernels.row_invariant(kernels.PackedLinear(linear), torch.bfloat16, rows)
+
+
+@needs_own
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_where_the_weights_are_prefetched_changes_no_bit(dtype):
+    """The linear prefetches the next weights non-temporally or into L2 by CPU (``native.prefetch_into_l2``); both
+    give the same output, at one row tile and at two."""
+    weight = torch.randn(96, 1536).to(dtype)
+    products = [native.Linear(native.pack(weight), None) for _ in range(2)]
+    products[0].l2, products[1].l2 = 0, 1
+    for rows in (1, 16):
+        x = torch.randn(rows, 1536).to(dtype)
+        assert torch.equal(products[0](x), products[1](x))
+    assert native.prefetch_into_l2() == int(tuner.cpu_generation() in native.PREFETCH_INTO_L2)
 
 
 @needs_own

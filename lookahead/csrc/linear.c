@@ -19,11 +19,14 @@
    ahead, slower. Tiles of 12 rows instead of 8: a forward of 9-12 rows 13.7-13.9 -> 12.8-13.1 ms (SmolLM2, one
    tile instead of two), the same at other widths.
 
-   The prefetch is non-temporal: a weight is read once a forward, and streamed into the caches as other data
-   would be it evicted everything else a step touches (activations, the KV cache, the host's Python and
-   drafting structures), so every op after it started cold. Side by side in the loop (SmolLM2 bf16, Zen 5):
-   plain loop +7.3%, lookahead +4.7% tokens/s; a step's host work 0.72 -> 0.57 ms. (Alone, a forward after a
-   forward is as fast either way: it is what runs between the products that gains.)
+   The prefetch is non-temporal (l2 = 0) or into L2 (l2 = 1), whichever the CPU ran fastest in the loop
+   (``native.prefetch_into_l2``). A weight is read once a forward, and streamed into L1 as other data would be
+   it evicted everything else a step touches (activations, the KV cache, the host's Python and drafting
+   structures), so every op after it started cold. Non-temporal against into L1, side by side in the loop
+   (SmolLM2 bf16, Zen 5): plain loop +7.3%, lookahead +4.7% tokens/s; a step's host work 0.72 -> 0.57 ms. Into
+   L2 against non-temporal (Zen 4, whose L1 is 32 KB to Zen 5's 48): plain loop +0.8-1.5%, lookahead +8.3-8.6%,
+   a 16-row forward's linears 13.6 -> 12.3 ms. (Alone, a forward after a forward hides the first effect: it is
+   what runs between the products that gains.)
 
    Every row is summed in the same order whatever M is: row i of an M-row product equals the one-row product bit
    for bit (row-invariant). The fp32 sums (+ bias) are rounded to bf16 once, as oneDNN does; in fp32 each output
@@ -39,20 +42,21 @@ static inline __m512 dot_fp32(__m512 sum, __m512i x, __m512i w) {
 }
 static inline void put_bf16(uint16_t *y, __m512 sum) { _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(sum)); }
 static inline void put_fp32(float *y, __m512 sum) { _mm512_storeu_ps(y, sum); }
+static inline void prefetch(const char *p, int l2) { l2 ? _mm_prefetch(p, _MM_HINT_T2) : _mm_prefetch(p, _MM_HINT_NTA); }
 
 /* ROWS rows of x (lines 32-bit units a row) times one or two blocks (w0, w1 = w0 + one block), into y (n a row);
    prefetches the lines kp of `next` (if any) with kp % row_tiles == row_tile: the row tiles of one pair of blocks
    share the next pair's prefetch */
 #define TILE(TYPE, OUT, ROWS)                                                                                     \
     static void tile_##TYPE##ROWS(const int32_t *x, const char *w0, int two, OUT *y, const float *bias, int n,    \
-                                  int lines, const char *next, int row_tiles, int row_tile) {                     \
+                                  int lines, const char *next, int row_tiles, int row_tile, int l2) {             \
         const char *w1 = w0 + (size_t)lines * 64;                                                                 \
         __m512 s0[ROWS], s1[ROWS];                                                                                \
         _Pragma("GCC unroll 12") for (int r = 0; r < ROWS; r++) s0[r] = s1[r] = _mm512_setzero_ps();               \
         for (int kp = 0; kp < lines; kp++) {                                                                      \
             if (next && kp % row_tiles == row_tile) {                                                             \
-                _mm_prefetch(next + (size_t)kp * 128, _MM_HINT_NTA);                                              \
-                _mm_prefetch(next + (size_t)kp * 128 + 64, _MM_HINT_NTA);                                         \
+                prefetch(next + (size_t)kp * 128, l2);                                                            \
+                prefetch(next + (size_t)kp * 128 + 64, l2);                                                       \
             }                                                                                                     \
             __m512i a = _mm512_loadu_si512(w0 + (size_t)kp * 64);                                                 \
             if (two) {                                                                                            \
@@ -77,11 +81,11 @@ static inline void put_fp32(float *y, __m512 sum) { _mm512_storeu_ps(y, sum); }
     TILE(TYPE, OUT, 5) TILE(TYPE, OUT, 6) TILE(TYPE, OUT, 7) TILE(TYPE, OUT, 8)                                   \
     TILE(TYPE, OUT, 9) TILE(TYPE, OUT, 10) TILE(TYPE, OUT, 11) TILE(TYPE, OUT, 12)                                \
     static void (*const tiles_##TYPE[13])(const int32_t *, const char *, int, OUT *, const float *, int, int,      \
-                                         const char *, int, int) = {0, tile_##TYPE##1, tile_##TYPE##2,             \
+                                         const char *, int, int, int) = {0, tile_##TYPE##1, tile_##TYPE##2,        \
         tile_##TYPE##3, tile_##TYPE##4, tile_##TYPE##5, tile_##TYPE##6, tile_##TYPE##7, tile_##TYPE##8,           \
         tile_##TYPE##9, tile_##TYPE##10, tile_##TYPE##11, tile_##TYPE##12};                                      \
     void TYPE##_linear(const void *x, const void *packed, const float *bias, OUT *y, int m, int n, int k,         \
-                       int threads) {                                                                             \
+                       int threads, int l2) {                                                                     \
         const int lines = (int)(k * sizeof(OUT) / 4), blocks = n / 16, pairs = (blocks + 1) / 2;                  \
         const size_t block = (size_t)lines * 64; /* bytes */                                                     \
         const int row_tiles = (m + 11) / 12, per = (m + row_tiles - 1) / row_tiles; /* rows a tile, as even as can be */ \
@@ -91,7 +95,7 @@ static inline void put_fp32(float *y, __m512 sum) { _mm512_storeu_ps(y, sum); }
             for (int r = 0; r < m; r += per)                                                                      \
                 tiles_##TYPE[m - r < per ? m - r : per]((const int32_t *)x + (size_t)r * lines, w, 2 * q + 1 < blocks, \
                                                    y + (size_t)r * n + 32 * q, bias ? bias + 32 * q : 0, n, lines, \
-                                                   next, row_tiles, r / per);                                     \
+                                                   next, row_tiles, r / per, l2);                                 \
         }                                                                                                         \
     }
 
