@@ -247,13 +247,14 @@ def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, 
         from lookahead import server
     except ImportError as e:
         raise click.ClickException(f"serving needs the serve extra: pip install 'lookahead[serve]' ({e})") from None
+    from lookahead.auth import is_loopback
     from lookahead.generator import LookaheadGenerator
 
     api_key = _read_api_key(api_key, api_key_file)  # before the model loads: a bad key fails fast
     try:
         gen = LookaheadGenerator.from_pretrained(model_spec, LookaheadConfig(), dtype=dtype, device=device, cache_dir=cache_dir,
                                                  progress=_progress, kernels=kernels)
-        if api_key is None and not server.is_loopback(host):
+        if api_key is None and not is_loopback(host):
             click.echo(f"[lookahead] warning: serving on {host} without an API key: anyone who can reach it can use it "
                        "(--api-key-file)", err=True)
         server.serve(gen, model_spec, host, port, state_dir, queue_limit, max_body_bytes, api_key=api_key, max_batch=max_batch,
@@ -264,7 +265,7 @@ def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, 
 
 def _read_api_key(key: str | None, key_file: Path | None) -> str | None:
     """The key from --api-key or --api-key-file (stripped: files end in a newline), checked as the server checks it."""
-    from lookahead.server import check_api_key
+    from lookahead.auth import check_api_key
 
     key = _given_or_read(key, key_file, "--api-key-file", "give the API key with --api-key or --api-key-file, not both")
     if key is None:

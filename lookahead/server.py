@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import json
 import threading
 import time
@@ -38,6 +36,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from lookahead.api import APIError, BodyLimit, ChatRequest, CompletionRequest, check_request
+from lookahead.auth import RequireKey, check_api_key
 from lookahead.config import MAX_BODY_BYTES, PREFILL_CHUNK
 from lookahead.drafting import SOURCES, DraftState
 from lookahead.generator import LookaheadGenerator
@@ -64,26 +63,6 @@ class _Channel:
 def _settle(future: asyncio.Future, result) -> None:
     if not future.done():  # its request may have been cancelled meanwhile
         future.set_exception(result) if isinstance(result, BaseException) else future.set_result(result)
-
-
-def check_api_key(key: str) -> str:
-    """``key`` if a client can send it in an ``Authorization`` header (visible ASCII, no spaces), else a ValueError:
-    an empty key would otherwise look like protection while matching nothing, or everything."""
-    if not key:
-        raise ValueError("the API key is empty")
-    if not (key.isascii() and key.isprintable()) or " " in key:
-        raise ValueError("the API key must be printable ASCII without spaces (clients send it in an HTTP header)")
-    return key
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is reachable from this machine only (where serving without an API key is safe enough)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # another host name: it may resolve to any interface
-        return False
 
 
 class Server:
@@ -176,38 +155,6 @@ class Server:
         self.m_requests.labels(path, str(e.status)).inc()
         body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status if code is None else code}}
         return JSONResponse(body, status_code=e.status, headers=headers)
-
-
-class RequireKey:
-    """ASGI middleware: without ``Authorization: Bearer <key>`` a request gets 401 before anything reads its body,
-    parses it or queues it (so an unauthenticated client costs no more than the header check); ``/health`` stays
-    open for load balancers and probes."""
-
-    OPEN = frozenset({"/health"})
-
-    def __init__(self, app, server: Server) -> None:
-        self.app, self.server = app, server
-
-    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool | None:
-        """True: the right key; False: a wrong one (or another scheme); None: no Authorization header."""
-        values = [v for k, v in headers if k == b"authorization"]
-        if not values:
-            return None
-        scheme, _, token = values[0].strip().partition(b" ")
-        right = hmac.compare_digest(token.strip(), self.server.api_key)  # constant time: timing shows at most the length
-        return right and scheme.lower() == b"bearer" and len(values) == 1
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.OPEN:
-            return await self.app(scope, receive, send)
-        verdict = self.authorized(scope["headers"])
-        if verdict:
-            return await self.app(scope, receive, send)
-        message = ("missing API key: send it as 'Authorization: Bearer <key>'" if verdict is None else
-                   "invalid API key: send the server's key as 'Authorization: Bearer <key>'")
-        response = self.server.error_response(scope["path"], APIError(401, message), "invalid_api_key",
-                                              {"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
 
 
 def create_app(server: Server) -> FastAPI:
