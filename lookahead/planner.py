@@ -202,7 +202,8 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
 
 
 class Calibration:
-    """Draft tokens a sequence got accepted per token its trees' scores promised, over its recent drafting steps.
+    """Draft tokens a sequence got accepted per token its trees' scores promised, over its recent proposals (a
+    proposal the cost model declined counts once the tokens after it have come: ``Lane.hindsight``).
 
     The scores come from acceptance statistics shared by every sequence of a batch (and across requests), per
     source and depth: a sequence whose drafts fare worse than the mix (a chat answer beside a summary) would be
