@@ -17,7 +17,6 @@ it to ``generate(state=...)``), and saves and loads as a directory of ``.npz`` f
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,6 +26,7 @@ from numba import njit
 from lookahead.config import LookaheadConfig
 from lookahead.tree import TokenTree, draft_rows
 from ngram_pool import NGramPool, RecycleTable, Source, SuffixDrafter, template
+from ngram_pool.files import ArrayFile
 from ngram_pool.recycle import expand_template
 
 SOURCES = ("trajectory", "prompt", "output", "other", "suffix", "recycle")  # bit i of a node's ``sources``
@@ -243,24 +243,23 @@ class DraftState:
         np.savez(directory / "acceptance.npz", format_version=np.int64(STATE_FORMAT), tried=self.tried, hits=self.hits)
 
     @classmethod
-    def load(cls, directory: str | Path) -> "DraftState":
-        """Read a state written by ``save``; a missing, corrupt or mismatched file raises ``ValueError``."""
+    def load(cls, directory: str | Path, vocab_size: int | None = None, ngram: int | None = None) -> "DraftState":
+        """Read a state written by ``save``, every field checked (against ``vocab_size`` and ``ngram`` too, when
+        given) before anything is allocated: a missing, corrupt, hostile or mismatched file raises ``ValueError``."""
         directory = Path(directory)
         if not directory.is_dir():
             raise ValueError(f"{directory}: no drafting state directory")
-        pool = NGramPool.load(directory / "pool.npz")
+        pool = NGramPool.load(directory / "pool.npz", vocab_size, ngram)
         recycle = RecycleTable.load(directory / "recycle.npz", vocab_size=pool.vocab_size)
+        with ArrayFile(directory / "acceptance.npz", "acceptance statistics") as f:
+            version = f.scalar("format_version")
+            f.check("format_version", version in (2, STATE_FORMAT), f"unsupported version {version} (expected {STATE_FORMAT})")
+            rows = AGREE if version == 2 else STAT_ROWS  # version 2: from before the AGREE row, which starts unmeasured
+            tried, hits = (np.vstack([f.array(name, np.float64, (rows, MAX_DEPTH)), np.zeros((STAT_ROWS - rows, MAX_DEPTH))])
+                           for name in ("tried", "hits"))
+            f.check("tried", np.isfinite(tried).all() and (tried >= 0).all(), "a count that is negative or not finite")
+            f.check("hits", np.isfinite(hits).all() and (hits >= 0).all() and (hits <= tried).all(),
+                    "a count that is negative, not finite or above its tried count")
         state = cls(pool.vocab_size, pool.n, pool.slots_per_key, recycle.k)
-        state.pool, state.recycle = pool, recycle
-        try:
-            with np.load(directory / "acceptance.npz", allow_pickle=False) as f:
-                version, tried, hits = int(f["format_version"]), f["tried"], f["hits"]
-        except (OSError, EOFError, KeyError, ValueError, TypeError, zipfile.BadZipFile) as e:
-            raise ValueError(f"{directory / 'acceptance.npz'}: not a readable acceptance file ({e})") from None
-        if version == 2 and tried.shape == hits.shape == (AGREE, MAX_DEPTH):  # from before the AGREE row: it starts afresh
-            version, tried, hits = STATE_FORMAT, *(np.vstack([a, np.zeros((1, MAX_DEPTH))]) for a in (tried, hits))
-        if version != STATE_FORMAT or tried.shape != state.tried.shape or hits.shape != state.hits.shape \
-                or (hits > tried).any() or (hits < 0).any():
-            raise ValueError(f"{directory / 'acceptance.npz'}: corrupt or from another version")
-        state.tried, state.hits = tried.astype(np.float64), hits.astype(np.float64)
+        state.pool, state.recycle, state.tried, state.hits = pool, recycle, tried, hits
         return state

@@ -229,7 +229,7 @@ class LookaheadGenerator:
         nothing taught yet filled from the prior; a new state where there is none. ValueError if it does not fit."""
         if directory is None or not Path(directory).exists():
             return self.new_state()
-        state = DraftState.load(directory)
+        state = DraftState.load(directory, self.vocab_size, self.config.ngram)
         state.check_fits(self.vocab_size, self.config)
         return self._with_prior(state)
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import enum
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ngram_pool import kernels
+from ngram_pool.files import ArrayFile
 
 FORMAT_VERSION = 1
 _INITIAL_SPARSE_ROWS = 256
@@ -198,39 +198,37 @@ class NGramPool:
 
     @classmethod
     def load(cls, path: str | Path, vocab_size: int | None = None, n: int | None = None) -> "NGramPool":
-        """Read a pool written by ``save``; a truncated, corrupt or mismatched file raises ``ValueError``."""
-        try:
-            with np.load(path, allow_pickle=False) as f:
-                arrays = {k: f[k] for k in ("format_version", "shape", "hit_miss", "table", "counts", "row_of")}
-        except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
-            raise ValueError(f"{path}: not a readable n-gram pool file ({type(e).__name__}: {e})") from None
-        if arrays["format_version"].shape != () or int(arrays["format_version"]) != FORMAT_VERSION:
-            raise ValueError(f"{path}: unsupported pool format version {arrays['format_version']!r} (expected {FORMAT_VERSION})")
-        if arrays["shape"].shape != (4,) or arrays["hit_miss"].shape != (2,):
-            raise ValueError(f"{path}: corrupt pool header")
-        file_vocab, file_n, slots, sparse = (int(v) for v in arrays["shape"])
-        if vocab_size is not None and vocab_size != file_vocab:
-            raise ValueError(f"{path}: pool was built for vocab_size={file_vocab}, not {vocab_size}")
-        if n is not None and n != file_n:
-            raise ValueError(f"{path}: pool holds {file_n}-grams, not {n}-grams")
+        """Read a pool written by ``save``: every field is checked against the header (and ``vocab_size``, ``n`` when
+        given) before the pool is allocated, so a truncated, corrupt, hostile or mismatched file is a ``ValueError``
+        naming the field, never a failure later in a kernel."""
+        with ArrayFile(path, "n-gram pool") as f:
+            version = f.scalar("format_version")
+            f.check("format_version", version == FORMAT_VERSION, f"unsupported version {version} (expected {FORMAT_VERSION})")
+            file_vocab, file_n, slots, sparse = (int(v) for v in f.array("shape", np.int64, (4,)))
+            f.check("shape", 1 <= file_vocab <= np.iinfo(np.int32).max and 2 <= file_n and 1 <= slots and sparse in (0, 1),
+                    f"not a pool's (vocab_size, n, slots_per_key, sparse): {(file_vocab, file_n, slots, sparse)}")
+            f.check("shape", vocab_size is None or vocab_size == file_vocab, f"built for vocab_size={file_vocab}, not {vocab_size}")
+            f.check("shape", n is None or n == file_n, f"holds {file_n}-grams, not {n}-grams")
+            hits_misses = f.array("hit_miss", np.int64, (2,))
+            f.check("hit_miss", (hits_misses >= 0).all(), "negative counts")
+            row_of = f.array("row_of", np.int32, (file_vocab,))
+            counts = f.array("counts", np.int32, (None,) if sparse else (file_vocab,))
+            used = counts.size
+            table = f.array("table", np.int32, (used, slots, file_n))
+            f.check("counts", used <= file_vocab and ((counts >= 0) & (counts <= slots)).all(), f"outside [0, {slots}]")
+            f.check("table", ((table[..., :-1] >= 0) & (table[..., :-1] < file_vocab)).all(), f"a token id outside [0, {file_vocab})")
+            f.check("table", ((table[..., -1] >= 0) & (table[..., -1] <= 255)).all(), "a source code outside [0, 255]")
+            if sparse:
+                keyed = row_of[row_of >= 0]
+                f.check("row_of", ((row_of >= -1) & (row_of < used)).all() and np.unique(keyed).size == keyed.size,
+                        f"a key's row outside [-1, {used}) or shared by two keys")
+            else:
+                f.check("row_of", np.array_equal(row_of, np.arange(file_vocab)), "not a dense pool's key index")
         pool = cls(file_vocab, file_n, slots, sparse=bool(sparse))
-        table, counts, row_of = arrays["table"], arrays["counts"], arrays["row_of"]
-        used = counts.shape[0] if counts.ndim == 1 else -1
-        expected_rows = used if sparse else file_vocab
-        if (
-            table.dtype != np.int32 or counts.dtype != np.int32 or row_of.dtype != np.int32
-            or table.shape != (expected_rows, slots, file_n) or row_of.shape != (file_vocab,)
-            or (counts < 0).any() or (counts > slots).any()
-            or (table[..., :-1] < 0).any() or (table[..., :-1] >= file_vocab).any()
-            or (row_of < -1).any() or (row_of >= used).any()
-        ):
-            raise ValueError(f"{path}: corrupt pool arrays (shapes, dtypes or values do not match the header)")
-        if not sparse and not np.array_equal(row_of, np.arange(file_vocab)):
-            raise ValueError(f"{path}: corrupt key index of a dense pool")
         if sparse:
             pool._table, pool._counts, pool._rows_used = table.copy(), counts.copy(), used
         else:
             pool._table[:], pool._counts[:] = table, counts
         pool._row_of[:] = row_of
-        pool.hits, pool.misses = (int(v) for v in arrays["hit_miss"])
+        pool.hits, pool.misses = (int(v) for v in hits_misses)
         return pool

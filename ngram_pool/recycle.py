@@ -19,12 +19,12 @@ maximise the expected number of accepted nodes for measured per-rank acceptance 
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 
 import numpy as np
 from numba import njit
 
+from ngram_pool.files import ArrayFile
 from ngram_pool.kernels import check_ids
 from ngram_pool.pool import _as_ids
 
@@ -169,17 +169,14 @@ class RecycleTable:
 
     @classmethod
     def load(cls, path: str | Path, vocab_size: int | None = None) -> "RecycleTable":
-        """Read a table written by ``save``; a corrupt or mismatched file raises ``ValueError``."""
-        try:
-            with np.load(path, allow_pickle=False) as f:
-                version, table = f["format_version"], f["table"]
-        except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
-            raise ValueError(f"{path}: not a readable recycling table ({type(e).__name__}: {e})") from None
-        if version.shape != () or int(version) != FORMAT_VERSION or table.dtype != np.int32 or table.ndim != 2 \
-                or table.shape[1] < 1 or (table < -1).any() or (table >= table.shape[0]).any():
-            raise ValueError(f"{path}: corrupt recycling table or unsupported version")
-        if vocab_size is not None and table.shape[0] != vocab_size:
-            raise ValueError(f"{path}: recycling table is for vocab_size={table.shape[0]}, not {vocab_size}")
+        """Read a table written by ``save``, checked (and against ``vocab_size`` when given) before it is allocated:
+        a corrupt, hostile or mismatched file raises ``ValueError`` naming the field."""
+        with ArrayFile(path, "recycling table") as f:
+            version = f.scalar("format_version")
+            f.check("format_version", version == FORMAT_VERSION, f"unsupported version {version} (expected {FORMAT_VERSION})")
+            table = f.array("table", np.int32, (vocab_size, None))
+            f.check("table", table.shape[0] >= 1 and table.shape[1] >= 1, f"empty shape {table.shape}")
+            f.check("table", ((table >= -1) & (table < table.shape[0])).all(), f"a token id outside [-1, {table.shape[0]})")
         out = cls(table.shape[0], table.shape[1])
         out.table[:] = table
         return out
