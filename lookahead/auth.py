@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from lookahead.api import APIError
-
-if TYPE_CHECKING:
-    from lookahead.server import Server
 
 
 def check_api_key(key: str) -> str:
@@ -36,12 +33,12 @@ def is_loopback(host: str) -> bool:
 class RequireKey:
     """ASGI middleware: without ``Authorization: Bearer <key>`` a request gets 401 before anything reads its body,
     parses it or queues it (so an unauthenticated client costs no more than the header check); ``/health`` stays
-    open for load balancers and probes."""
+    open for load balancers and probes. ``deny(path, error, code, headers)`` makes the 401 response."""
 
     OPEN = frozenset({"/health"})
 
-    def __init__(self, app, server: "Server") -> None:
-        self.app, self.server = app, server
+    def __init__(self, app, key: bytes, deny: Callable) -> None:
+        self.app, self.key, self.deny = app, key, deny
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool | None:
         """True: the right key; False: a wrong one (or another scheme); None: no Authorization header."""
@@ -49,7 +46,7 @@ class RequireKey:
         if not values:
             return None
         scheme, _, token = values[0].strip().partition(b" ")
-        right = hmac.compare_digest(token.strip(), self.server.api_key)  # constant time: timing shows at most the length
+        right = hmac.compare_digest(token.strip(), self.key)  # constant time: timing shows at most the length
         return right and scheme.lower() == b"bearer" and len(values) == 1
 
     async def __call__(self, scope, receive, send) -> None:
@@ -60,6 +57,5 @@ class RequireKey:
             return await self.app(scope, receive, send)
         message = ("missing API key: send it as 'Authorization: Bearer <key>'" if verdict is None else
                    "invalid API key: send the server's key as 'Authorization: Bearer <key>'")
-        response = self.server.error_response(scope["path"], APIError(401, message), "invalid_api_key",
-                                              {"WWW-Authenticate": "Bearer"})
+        response = self.deny(scope["path"], APIError(401, message), "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)

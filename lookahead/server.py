@@ -43,6 +43,8 @@ from lookahead.generator import LookaheadGenerator
 from lookahead.lane import Lane
 from lookahead.scheduler import Scheduler
 
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+
 
 class _Channel:
     """A streamer from the worker thread to the event loop (the prompt is not echoed)."""
@@ -151,8 +153,9 @@ class Server:
 
     def error_response(self, path: str, e: APIError, code: int | str | None = None,
                        headers: dict[str, str] | None = None) -> JSONResponse:
-        """An OpenAI-style error body (``code``: the status unless given), counted in the metrics."""
-        self.m_requests.labels(path, str(e.status)).inc()
+        """An OpenAI-style error body (``code``: the status unless given), counted in the metrics under its route,
+        or ``other``: a label per path a client sends would grow the metrics without bound."""
+        self.m_requests.labels(path if path in ROUTES else "other", str(e.status)).inc()
         body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status if code is None else code}}
         return JSONResponse(body, status_code=e.status, headers=headers)
 
@@ -166,7 +169,7 @@ def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="lookahead", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=server.max_body_bytes)
     if server.api_key is not None:  # added last: the outermost, it answers before the body limit or the app run
-        app.add_middleware(RequireKey, server=server)
+        app.add_middleware(RequireKey, key=server.api_key, deny=server.error_response)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):

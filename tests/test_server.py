@@ -379,3 +379,39 @@ def test_smollm2_served_equals_hf_greedy(smollm2):
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     ref = tok.decode(hf_greedy(model, ids, 32), skip_special_tokens=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref
+
+
+def series(metrics: str) -> set[str]:
+    """The metric series (name and labels) a /metrics text holds."""
+    return {line.rsplit(" ", 1)[0] for line in metrics.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.mark.parametrize("fixture", ["keyed_server", "text_server"])
+def test_hostile_paths_and_keyless_requests_leave_the_metrics_and_memory_flat(request, fixture):
+    """Thousands of requests to distinct unknown paths, with and without a key, on loopback: the metrics keep
+    one series per route and status (unknown paths counted as ``other``), and the server's memory stays flat."""
+    import tracemalloc
+
+    server, url = request.getfixturevalue(fixture)[:2]
+    key = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        def hostile(n: int, start: int) -> None:
+            for i in range(start, start + n):
+                path = f"/x{i}/" + "a" * 2000
+                assert client.get(path).status_code in (401, 404)
+                assert client.post("/v1/completions", content=b"{}", headers={"X-Probe": str(i)}).status_code in (400, 401)
+                if server.api_key is not None:
+                    assert client.get(path, headers=key).status_code == 404
+
+        hostile(200, 0)  # warm: every route and status this load can reach has its series now
+        before = client.get("/metrics", headers=key).text
+        tracemalloc.start()
+        try:
+            hostile(1000, 200)
+            grown = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        after = client.get("/metrics", headers=key).text
+    assert series(after) == series(before) and 'endpoint="other"' in after and "/x1" not in after
+    assert abs(len(after) - len(before)) < 200  # counts grew by digits, nothing else
+    assert grown < 2**20, f"{grown} bytes still held after 2000+ hostile requests"
