@@ -137,9 +137,15 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kerne
         state = gen.load_state(state_dir)
         if chat is None:
             chat = not ids_mode and gen.tokenizer is not None and bool(gen.tokenizer.chat_template)
+        chat = chat and not ids_mode
+        for line, request in enumerate(requests, 1):  # every request checked before any is answered
+            try:
+                gen.prepare(request, max_new_tokens, chat=chat, system=system, seed=seed, **options)
+            except ValueError as e:
+                raise ValueError(f"line {line}: {e}" if len(requests) > 1 else str(e)) from None
         for request in requests:
             streamer = None if (as_json or ids_mode or gen.tokenizer is None) else _Printer(gen.tokenizer)
-            out = gen.generate(request, max_new_tokens, chat=chat and not ids_mode, system=system, streamer=streamer,
+            out = gen.generate(request, max_new_tokens, chat=chat, system=system, streamer=streamer,
                                lookahead=not no_lookahead, state=state, seed=seed, **options)
             if as_json:
                 click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
@@ -195,6 +201,8 @@ def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
     from lookahead import planner, tuner
 
     cache_dir = cache_dir or models.default_cache_dir()
+    if plot is not None:
+        _check_plot(plot)  # before a minute of measuring
     curves = {}
     try:
         for name in tuner.AUTO_DTYPES if dtype == "auto" else (dtype,):
@@ -214,6 +222,18 @@ def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
     if plot:
         tuner.plot_curves(curves, plot)
         click.echo(f"plot: {plot}")
+
+
+def _check_plot(path: Path) -> None:
+    """A usage error unless a PNG can be drawn and written at ``path``."""
+    if path.suffix.lower() != ".png":
+        raise click.BadParameter(f"{path}: the plot is a PNG file: name it *.png", param_hint="--plot")
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise click.BadParameter(f"{path}: {path.parent} is not a writable directory", param_hint="--plot")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.BadParameter("drawing the plot needs matplotlib: pip install matplotlib", param_hint="--plot") from None
 
 
 @main.command(context_settings=CONTEXT)

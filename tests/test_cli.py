@@ -326,3 +326,17 @@ def test_recycle_prior_option_reaches_the_generator(tmp_path):
     on = run(*args, "--recycle-prior", "50")
     assert on.exit_code == 0 and json.loads(on.stdout)["tokens"] == json.loads(off.stdout)["tokens"]
     assert len(list(cache.glob("priors/*.npy"))) == 1
+
+
+def test_every_ids_line_is_checked_before_any_is_answered(tokenizerless_dir):
+    result = run("generate", "--model", tokenizerless_dir, "--ids", "--max-new-tokens", "4", input="1,2,3\n4,99999999\n")
+    assert result.exit_code == 1 and result.stdout == ""  # nothing generated for the good first line
+    assert result.stderr.strip().splitlines()[-1] == "Error: line 2: token id 99999999 is outside the vocabulary [0, 128)"
+
+
+@pytest.mark.parametrize("plot, message", [("missing_dir/curve.png", "is not a writable directory"),
+                                           ("curve.pdf", "the plot is a PNG file")])
+def test_tune_refuses_an_unwritable_plot_before_measuring(tokenizerless_dir, tmp_path, plot, message):
+    result = run("tune", "--model", tokenizerless_dir, "--cache-dir", str(tmp_path / "cache"), "--plot", str(tmp_path / plot))
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "cache").exists()  # refused before loading or measuring anything
