@@ -11,11 +11,16 @@ refuses ``stop_strings`` without that tokenizer; bind them instead (``stop_strin
 
     model.generate(**inputs, custom_generate=functools.partial(lookahead.custom_generate, streamer=s, tokenizer=tok),
                    stop_strings=["."])
+
+A streamer given to generate() unbound still works: generate() has put the prompt into it before calling us, so
+we take it from that call (its frame's ``streamer``: read, never changed) and go on from the prompt. Without
+that, its consumer would wait forever for an ``end()``.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 import weakref
 from pathlib import Path
 
@@ -74,6 +79,49 @@ def custom_generate(
     the drafting state to draft from and teach, as ``LookaheadGenerator.generate(state=...)`` takes it
     (default, as there: the generator's own, learning across calls). Options the loop cannot honour are refused by name with ValueError.
     """
+    unbound = _streamer_of_generate(model) if streamer is None else None
+    if unbound is None:
+        return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, tokenizer,
+                       stop_strings, lookahead_config, lookahead_state, model_kwargs)
+    try:
+        return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, _AfterPrompt(unbound),
+                       tokenizer, stop_strings, lookahead_config, lookahead_state, model_kwargs)
+    except BaseException:
+        unbound.end()  # its consumer is waiting: an error must end the stream too
+        raise
+
+
+def _streamer_of_generate(model: PreTrainedModel):
+    """The streamer of the generate() call on ``model`` that called ``custom_generate``, or None."""
+    frame = sys._getframe(2)  # custom_generate's caller (functools.partial adds no Python frame)
+    for _ in range(3):  # generate() itself, under at most a decorator or two
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "generate" and frame.f_locals.get("self") is model:
+            return frame.f_locals.get("streamer")
+        frame = frame.f_back
+    return None
+
+
+class _AfterPrompt:
+    """A streamer that already holds the prompt (generate() put it): the loop's own put of the prompt is skipped."""
+
+    def __init__(self, streamer) -> None:
+        self.streamer, self.prompt_seen = streamer, False
+
+    def put(self, ids) -> None:
+        if self.prompt_seen:
+            self.streamer.put(ids)
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
+def _decode(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
+            stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig, streamer, tokenizer,
+            stop_strings: str | list[str] | None, lookahead_config: LookaheadConfig | None, lookahead_state: DraftState | None,
+            model_kwargs: dict) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     config = copy.deepcopy(generation_config)
     _refuse_unhonoured(model, input_ids, logits_processor, stopping_criteria, config, model_kwargs)
     if stop_strings is not None and tokenizer is None:

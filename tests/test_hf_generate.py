@@ -90,6 +90,30 @@ def test_bound_streamer_and_stop_strings():
     assert stream.text == ref_stream.text and stream.ended
 
 
+def test_an_unbound_streamer_given_to_generate_streams_and_ends():
+    """generate() puts the prompt into its streamer and keeps the streamer from a callable: we take it from that
+    call, so a TextIteratorStreamer's consumer gets the same text as plain generate() streams, then its end."""
+    from threading import Thread
+
+    from transformers import TextIteratorStreamer
+
+    model, tok = tiny_llama(), tiny_tokenizer()
+    ids = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3]])
+    texts = {}
+    for name, extra in (("plain", {}), ("lookahead", {"custom_generate": custom_generate, "lookahead_config": DRAFTING})):
+        stream = TextIteratorStreamer(tok, skip_prompt=True, timeout=60)  # a hang fails the test instead of the suite
+        worker = Thread(target=generate, args=(model, ids), kwargs=dict(max_new_tokens=20, streamer=stream, **extra))
+        worker.start()
+        texts[name] = "".join(stream)
+        worker.join()
+    assert texts["lookahead"] == texts["plain"] and texts["plain"]
+    refused = TextIteratorStreamer(tok, skip_prompt=True, timeout=5)  # a refused request ends its stream too
+    with pytest.raises(ValueError, match="output_scores=True is not supported"):
+        generate(model, ids, max_new_tokens=4, streamer=refused, output_scores=True, return_dict_in_generate=True,
+                 custom_generate=custom_generate)
+    assert "".join(refused) == ""  # ended: the iteration stops instead of waiting
+
+
 def test_directory_form_takes_streamer_tokenizer_and_stop_strings_as_generate_does():
     model, tok = tiny_llama(), tiny_tokenizer()
     ids = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3]])
