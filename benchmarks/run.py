@@ -31,6 +31,7 @@ import lookahead
 from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
 from lookahead import LookaheadConfig, LookaheadGenerator, kv, models, tuner
+from lookahead.cpu import cpu_name
 from lookahead.drafting import SOURCES
 from lookahead.hf import generator_for
 from lookahead.kernels import kernels_of
@@ -124,7 +125,7 @@ def cost_curve(model, sizes: list[int], context: int = 128, reps: int = 5) -> di
 
 
 def hardware() -> dict:
-    cpu = tuner.cpu_name()
+    cpu = cpu_name()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip())

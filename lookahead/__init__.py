@@ -5,6 +5,6 @@ from lookahead.drafting import DraftState
 from lookahead.generator import GenerationResult, LookaheadGenerator
 from lookahead.hf import custom_generate
 from lookahead.stats import GenerationStats
-from lookahead.tuner import CostCurve
+from lookahead.curve import CostCurve
 
 __all__ = ["CostCurve", "DraftState", "GenerationResult", "GenerationStats", "LookaheadConfig", "LookaheadGenerator", "custom_generate"]

@@ -15,16 +15,17 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from lookahead import models, prior, support
 from lookahead.config import LookaheadConfig
+from lookahead.curve import CostCurve
 from lookahead.decoding import Decoding
 from lookahead.drafting import DraftState
 from lookahead.lane import Lane, shared_state
 from lookahead.loop import Batch
 from lookahead.passes import forward, prefill
+from lookahead.planner import Calibration, LiveCurve
 from lookahead.prompt import prompt_ids
 from lookahead.stats import GenerationStats
 from lookahead.tree import TokenTree
-from lookahead.planner import Calibration, LiveCurve
-from lookahead.tuner import CostCurve, cached_curve, fastest_dtype
+from lookahead.tuner import cached_curve, fastest_dtype
 
 SPARSE_POOL_VOCAB = 65536
 
@@ -229,7 +230,7 @@ class LookaheadGenerator:
         nothing taught yet filled from the prior; a new state where there is none. ValueError if it does not fit."""
         if directory is None or not Path(directory).exists():
             return self.new_state()
-        state = DraftState.load(directory, self.vocab_size, self.config.ngram)
+        state = DraftState.load(directory, self.vocab_size)  # the vocabulary before allocating; the rest against the config
         state.check_fits(self.vocab_size, self.config)
         return self._with_prior(state)
 

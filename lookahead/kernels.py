@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -207,11 +208,11 @@ def kernels_of(model: nn.Module) -> str:
     return "stock" if not products else "packed-own" if any(p.own for p in products) else "packed"
 
 
-def pack(model: nn.Module, kernels: str = "packed") -> KernelReport:
+def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = None) -> KernelReport:
     """Replace every plain CPU ``nn.Linear`` of ``model`` (in place) with a ``PackedLinear``; see the module doc.
 
     ``kernels="stock"`` leaves the model as it is. Off CPU, or where ``available`` says no, the model stays
-    stock and the report's ``notice`` says why."""
+    stock and the report's ``notice`` says why. Our kernels are built into ``cache_dir`` (``native.library``)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if kernels == "stock":
@@ -219,6 +220,7 @@ def pack(model: nn.Module, kernels: str = "packed") -> KernelReport:
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if device.type != "cpu":
         return KernelReport("stock", notice=f"packed kernels are for CPU; the model is on {device.type}")
+    native.library(cache_dir)  # built (or found) where the caller keeps its cache, before anything asks for it
     if reason := available(dtype):
         return KernelReport("stock", notice=f"packed kernels unavailable ({reason}); running stock kernels")
     tied = _shared_weights(model)

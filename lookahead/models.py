@@ -21,6 +21,8 @@ from typing import BinaryIO, Callable
 
 import torch
 
+from lookahead.cpu import default_cache_dir
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL = "smollm2-135m"
 Progress = Callable[[str], None]
@@ -66,11 +68,6 @@ EMBEDDED = {
         ),
     )
 }
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "lookahead"
 
 
 def _quiet(_: str) -> None:
@@ -234,7 +231,7 @@ def load(
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device).eval()
     except Exception as e:
         raise ModelLoadError(f"cannot load model {spec}: {_one_line(e)}") from None
-    report = kernel_layer.pack(model, kernels)
+    report = kernel_layer.pack(model, kernels, cache_dir or default_cache_dir())
     if report.notice:
         progress(report.notice)
     try:

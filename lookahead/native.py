@@ -15,8 +15,8 @@ prefill. The RMSNorm (``csrc/rms_norm.c``): one call for the ~8 torch ops of a n
 step's host work: the recycled top-k over the vocabulary (``csrc/top_k.c``, in place of ``torch.topk``), and
 the KV compaction's moves in one call (``csrc/move_columns.c``, in place of three torch ops a K/V tensor).
 
-``library`` says why not where they cannot run (no gcc, not x86-64, no AVX-512 BF16, an unwritable cache): the
-packed kernels then use oneDNN's product and SDPA, as they do for fp16."""
+``library`` says why not where they cannot run: the packed kernels then use oneDNN's product and SDPA, as they do
+for fp16."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from lookahead import cpu
+from lookahead.cpu import default_cache_dir
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("linear.c", "tree_attention.c", "rms_norm.c", "top_k.c", "move_columns.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared")
@@ -47,27 +50,42 @@ def build_id() -> str:
     return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + repr((FLAGS, version)).encode()).hexdigest()[:16]
 
 
-@functools.cache
-def library() -> ctypes.CDLL | str:
-    """The kernels, built on first use (cached under ``~/.cache/lookahead/kernels``), or why they cannot run here.
+class _Library:
+    """``library``: the kernels, built on first use into ``cache_dir/kernels`` (default: the user's cache), or why
+    they cannot run here (no gcc, not x86-64, no AVX-512 BF16, an unwritable cache). A process loads one build (a
+    loaded shared library stays loaded): the first call's directory holds, later calls get that build.
 
     gcc's OpenMP runtime is torch's own (the same ``libgomp.so.1``, loaded with torch), so the kernels' threads
     are torch's."""
+
+    def __init__(self) -> None:
+        self.loaded: ctypes.CDLL | str | None = None
+
+    def __call__(self, cache_dir: Path | None = None) -> ctypes.CDLL | str:
+        if self.loaded is None:
+            self.loaded = _build((cache_dir or default_cache_dir()) / "kernels")
+        return self.loaded
+
+    def cache_clear(self) -> None:
+        """Forget the build (tests): the next call builds or finds one again."""
+        self.loaded = None
+
+
+library = _Library()
+
+
+def _build(directory: Path) -> ctypes.CDLL | str:
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({platform.machine()})"
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
+    if not cpu.flags():
         return "cannot read /proc/cpuinfo"
-    if "avx512_bf16" not in flags:
+    if "avx512_bf16" not in cpu.flags():
         return "this CPU has no AVX-512 BF16"
     gcc = shutil.which("gcc")
     if gcc is None:
         return "no gcc to build it"
-    from lookahead.models import default_cache_dir
-
     try:
-        target = default_cache_dir() / "kernels" / f"lookahead-{build_id()}.so"
+        target = directory / f"lookahead-{build_id()}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_suffix(f".{os.getpid()}.partial")  # renamed into place whole: a parallel build is harmless
@@ -117,9 +135,7 @@ PREFETCH_INTO_L2 = ("Zen 4",)  # the CPUs whose loop ran fastest with the weight
 def prefetch_into_l2() -> int:
     """1 where the linears prefetch the weights into L2, 0 where non-temporally (``linear.c`` says what each
     measured; a CPU not measured keeps non-temporal, the first measured)."""
-    from lookahead.tuner import cpu_generation  # tuner imports this module
-
-    return int(cpu_generation() in PREFETCH_INTO_L2)
+    return int(cpu.cpu_generation() in PREFETCH_INTO_L2)
 
 
 class Linear:

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lookahead.curve import CostCurve
 from lookahead.tree import TokenTree
-
-if TYPE_CHECKING:
-    from lookahead.tuner import CostCurve
 
 JACOBI_PRIOR = 0.05  # draft tokens per step credited to the Jacobi branch before any is measured (SmolLM2: ~0)
 JACOBI_DECAY = 0.05  # weight of each step in its running estimate

@@ -9,12 +9,9 @@ that curve is ``planner``'s.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import platform
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +20,8 @@ import torch
 from transformers import PreTrainedModel
 
 from lookahead import models, native, support
+from lookahead.cpu import cpu_name
+from lookahead.curve import BATCH, BATCH_WIDTHS, CostCurve
 from lookahead.kernels import available, kernels_of, own_kernel
 from lookahead.layout import build_layout, stack
 from lookahead.passes import forward, prefill
@@ -30,64 +29,10 @@ from lookahead.planner import chain_tree, choose
 
 PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROBE_CONTEXT = 256
-BATCH, BATCH_WIDTHS = 8, (1, 2, 4)  # the batch the probe also times: 8 sequences x 1, 2 and 4 rows
-CURVE_FORMAT = 5  # 2: fastest of interleaved rounds, monotone envelope; 3: packed models attend with grouped_sdpa;
-# 4: the loop's own forward (4D mask, logits to the host; without a mask c(1) read ~20% high on Zen 5); 5: the
-# batch axis (older curves are re-probed)
 AUTO_DTYPES = ("float32", "bfloat16")  # what --dtype auto chooses from (float16 on CPU is slow and lossy)
 # what --dtype auto expects of drafting before anything is measured: a chain of 16 drafts, each accepted with
 # probability 0.5 given its parent (~2 tokens per forward at full width, what the default shape measured)
 REFERENCE_CHAIN = (0.5, 16)
-
-
-@dataclass(frozen=True)
-class CostCurve:
-    """r(T) = c(T)/c(1) at the measured sizes for one sequence, c(1) itself, and what ``BATCH`` sequences of
-    ``BATCH_WIDTHS`` rows each cost (over c(1); empty: not measured)."""
-
-    sizes: tuple[int, ...]
-    ratios: tuple[float, ...]
-    ms_at_1: float
-    probe_s: float = 0.0  # what measuring it cost
-    batch_ratios: tuple[float, ...] = ()  # c(BATCH sequences x w rows) / c(1), for w in BATCH_WIDTHS
-
-    def ratio(self, tokens: int | np.ndarray, batch: int = 1) -> float | np.ndarray:
-        """c(``tokens`` rows over ``batch`` sequences) / c(1); an array of T gives an array.
-
-        One sequence: r(T), interpolated between measured sizes and extrapolated linearly beyond the largest.
-        A batch's rows cost more than one sequence's (each sequence reads its own cache; SmolLM2 bf16 on Zen 5:
-        8 x 2 rows cost 1.37x 8 x 1, one sequence's 16 rows 1.16x its 8): r(T) times the measured factor
-        f(w) = c(BATCH x w) / (c(1) r(BATCH w)) at the width w = T / batch, taken to the power
-        log(batch) / log(BATCH) for other batch sizes."""
-        sizes, ratios = np.asarray(self.sizes, float), np.asarray(self.ratios, float)
-        slope = (ratios[-1] - ratios[-2]) / (sizes[-1] - sizes[-2])
-        t = np.asarray(tokens, float)
-        r = np.where(t <= sizes[-1], np.interp(t, sizes, ratios), ratios[-1] + slope * (t - sizes[-1]))
-        if batch > 1 and self.batch_ratios:
-            widths = np.asarray(BATCH_WIDTHS, float)
-            factor = np.asarray(self.batch_ratios) / self.ratio(BATCH * widths)  # f(w) at the measured widths
-            r = r * np.interp(t / batch, widths, factor) ** (np.log(batch) / np.log(BATCH))
-        return r if r.ndim else float(r)
-
-    @classmethod
-    def from_json(cls, text: str) -> "CostCurve":
-        """ValueError unless ``text`` is a curve written by ``to_json`` with sane values."""
-        try:
-            data = json.loads(text)
-            if data.pop("format") != CURVE_FORMAT:
-                raise ValueError("another format")
-            curve = cls(tuple(int(s) for s in data["sizes"]), tuple(float(r) for r in data["ratios"]),
-                        float(data["ms_at_1"]), float(data.get("probe_s", 0.0)), tuple(float(r) for r in data.get("batch_ratios", ())))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"not a cost curve ({e})") from None
-        if len(curve.sizes) < 2 or len(curve.sizes) != len(curve.ratios) or curve.sizes[0] != 1 \
-                or list(curve.sizes) != sorted(set(curve.sizes)) or not all(r > 0 for r in curve.ratios + curve.batch_ratios) \
-                or len(curve.batch_ratios) not in (0, len(BATCH_WIDTHS)) or not curve.ms_at_1 > 0:
-            raise ValueError("not a cost curve (bad values)")
-        return curve
-
-    def to_json(self) -> str:
-        return json.dumps({"format": CURVE_FORMAT} | asdict(self))
 
 
 def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT, rounds: int = 4,
@@ -174,7 +119,7 @@ def fastest_dtype(spec: str, device: str, cache_dir: Path, progress: Callable[[s
     for dtype in AUTO_DTYPES:
         loaded = None
         try:
-            path = curve_path(source, models.DTYPES[dtype], device, cache_dir, _kernels_for(kernels, dtype, device))
+            path = curve_path(source, models.DTYPES[dtype], device, cache_dir, _kernels_for(kernels, dtype, device, cache_dir))
             curve = CostCurve.from_json(path.read_text())
         except (OSError, UnicodeDecodeError, ValueError):
             loaded = models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress, kernels=kernels)
@@ -186,8 +131,9 @@ def fastest_dtype(spec: str, device: str, cache_dir: Path, progress: Callable[[s
     return dtype, loaded
 
 
-def _kernels_for(kernels: str, dtype: str, device: str) -> str:
+def _kernels_for(kernels: str, dtype: str, device: str, cache_dir: Path) -> str:
     """The kernel set a model loaded with ``kernels`` will run (packing falls back to stock where unavailable)."""
+    native.library(cache_dir)  # where ``models.load`` would build them
     packs = kernels == "packed" and torch.device(device).type == "cpu" and available(models.DTYPES[dtype]) is None
     return "stock" if not packs else "packed" if own_kernel(models.DTYPES[dtype]) else "packed-own"
 
@@ -208,52 +154,6 @@ def cached_curve(model: PreTrainedModel, cache_dir: Path, progress: Callable[[st
         except OSError:
             pass  # a read-only cache: probe again next time
         return curve
-
-
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which kernels oneDNN runs
-
-
-@functools.cache  # the CPU does not change under a running process: read /proc/cpuinfo once
-def _cpu_fields() -> dict[str, str]:
-    """The first processor's block of /proc/cpuinfo (empty where there is none)."""
-    cpuinfo, fields = Path("/proc/cpuinfo"), {}
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
-        if not line.strip():
-            break  # the first processor's block says it
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
-
-
-def _family_model() -> tuple[int, int]:
-    fields = _cpu_fields()
-    return int(fields.get("cpu family", 0) or 0), int(fields.get("model", 0) or 0)
-
-
-def cpu_generation() -> str | None:
-    """AMD's core generation ("Zen 4"), None for other CPUs."""
-    return _zen(*_family_model()) if _cpu_fields().get("vendor_id") == "AuthenticAMD" else None
-
-
-def cpu_name() -> str:
-    """The CPU's name with its family/model and vector extensions: a name alone says "AMD EPYC" for Zen 3, 4
-    and 5 alike, whose cost curves differ (a cached curve is keyed by this), e.g.
-    "AMD EPYC (Zen 5, family 26 model 2; avx2 avx512f avx512_bf16)"."""
-    fields = _cpu_fields()
-    if not fields:
-        return platform.processor() or platform.machine()
-    (family, model), zen = _family_model(), cpu_generation()
-    flags = [f for f in ISA_FLAGS if f in fields.get("flags", "").split()]
-    return f"{fields.get('model name', platform.machine())} ({zen + ', ' if zen else ''}family {family} model {model}; {' '.join(flags) or 'no avx2'})"
-
-
-def _zen(family: int, model: int) -> str | None:
-    """AMD's core generation from the CPUID family and model (AMD's published family/model ranges)."""
-    if family == 0x17:
-        return "Zen 2" if model >= 0x30 else "Zen/Zen+"
-    if family == 0x19:
-        return "Zen 4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0xAF else "Zen 3"
-    return "Zen 5" if family == 0x1A else None
 
 
 def plot_curves(curves: dict[str, CostCurve], path: Path) -> None:

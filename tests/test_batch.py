@@ -22,7 +22,7 @@ from conftest import assert_greedy_equal, hf_greedy, tiny_gemma3, tiny_llama, ti
 from test_engine import repetitive_prompt
 from test_sampling import K, VOCAB, chi_square_p, exact_distribution, sharp_tiny_model, state_with
 from lookahead import LookaheadConfig, LookaheadGenerator
-from lookahead.tuner import CostCurve
+from lookahead.curve import CostCurve
 
 FIXED = LookaheadConfig(auto=False, window=3, ngram=3, guess=3)
 AUTO = LookaheadConfig()

@@ -156,7 +156,7 @@ def test_state_directory_is_saved_and_loaded(tokenizerless_dir, tmp_path):
     assert second.exit_code == 0 and second.stdout == first.stdout
     (tmp_path / "st" / "pool.npz").write_bytes(b"junk")
     bad = run(*args)
-    assert bad.exit_code == 1 and "not a readable n-gram pool file" in bad.output
+    assert bad.exit_code == 1 and "pool.npz: not a readable n-gram pool" in bad.output
 
 
 def test_printer_flushes_a_held_incomplete_character(capsys):

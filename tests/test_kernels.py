@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator, kernels, native, tuner
+from lookahead import LookaheadConfig, LookaheadGenerator, cpu, kernels, native, tuner
 from lookahead.cli import main
 from lookahead.tuner import curve_file
 
@@ -259,7 +259,7 @@ def test_where_the_weights_are_prefetched_changes_no_bit(dtype):
     for rows in (1, 16):
         x = torch.randn(rows, 1536).to(dtype)
         assert torch.equal(products[0](x), products[1](x))
-    assert native.prefetch_into_l2() == int(tuner.cpu_generation() in native.PREFETCH_INTO_L2)
+    assert native.prefetch_into_l2() == int(cpu.cpu_generation() in native.PREFETCH_INTO_L2)
 
 
 @needs_own
@@ -421,6 +421,29 @@ def test_own_move_columns_is_the_gather_it_replaces():
     assert native.move_columns(tensors, 8, index)
     assert all(torch.equal(got, w) for got, w in zip(tensors, want))
     assert not native.move_columns([tensors[0].transpose(2, 3)], 8, index)  # head_dim not contiguous: torch's ops
+
+
+@needs_own
+def test_the_kernels_are_built_into_the_cache_dir_the_cli_names(monkeypatch, tmp_path):
+    """``--cache-dir`` holds everything a run keeps, our kernels' build included: the user's cache stays untouched."""
+    import shutil
+    from pathlib import Path
+
+    model_dir, mine, user = tmp_path / "model", tmp_path / "mine", tmp_path / "user"
+    tiny_llama().save_pretrained(model_dir)
+    built = Path(native.library()._name)
+    (mine / "kernels").mkdir(parents=True)
+    shutil.copy(built, mine / "kernels" / built.name)  # as gcc would leave it (a build takes a while on 2 cores)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(user))
+    native.library.cache_clear()
+    try:
+        result = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "--cache-dir", str(mine), "--ids", "1,2,3",
+                                           "--max-new-tokens", "4", "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["kernels"] == "packed-own"
+        assert native.library()._name == str(mine / "kernels" / built.name) and not user.exists()
+    finally:
+        native.library.cache_clear()
 
 
 def test_an_unwritable_cache_leaves_bf16_on_onednn_with_a_notice(monkeypatch, tmp_path):

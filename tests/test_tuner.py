@@ -9,13 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import hf_greedy, tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator, tuner
+from lookahead import LookaheadConfig, LookaheadGenerator, cpu, tuner
 from lookahead.tree import TokenTree
 from lookahead.drafting import DraftState
 from lookahead.lane import Lane
 from lookahead.planner import DORMANT, DORMANT_STRIDE, Calibration, JacobiWorth, LiveCurve, choose, plan
 from lookahead.verify import accept, accepted_after
-from lookahead.tuner import BATCH_WIDTHS, CostCurve, cached_curve, curve_file, lookahead_speed, probe
+from lookahead.curve import BATCH_WIDTHS, CostCurve
+from lookahead.tuner import cached_curve, curve_file, lookahead_speed, probe
 
 FLAT = CostCurve((1, 64), (1.0, 1.05), 10.0)
 STEEP = CostCurve((1, 2, 64), (1.0, 3.0, 60.0), 10.0)  # a row costs more than a step: no draft can pay, however sure
@@ -275,9 +276,9 @@ def test_a_calibration_that_fell_low_recovers_on_plain_steps():
 
 
 def test_cpu_name_tells_apart_amd_generations_that_share_a_name():
-    assert [tuner._zen(f, m) for f, m in ((0x17, 0x31), (0x19, 0x01), (0x19, 0x11), (0x19, 0x61), (0x1A, 0x02), (6, 0x6A))] \
+    assert [cpu._zen(f, m) for f, m in ((0x17, 0x31), (0x19, 0x01), (0x19, 0x11), (0x19, 0x61), (0x1A, 0x02), (6, 0x6A))] \
         == ["Zen 2", "Zen 3", "Zen 4", "Zen 4", "Zen 5", None]
-    assert "family" in tuner.cpu_name() or not tuner.Path("/proc/cpuinfo").exists()
+    assert "family" in cpu.cpu_name() or not cpu.Path("/proc/cpuinfo").exists()
 
 
 def reference_plan(curve, trees, window_rows, window_values, factors, explore):
