@@ -33,15 +33,19 @@ from numba import njit
 NO_PARENT = -1
 
 
+NO_RATES = np.empty(0)  # no agreement rescoring (``merge_drafts``: an explicit argument, since numba's on-disk cache
+                       # misses on a default array: a process that used one compiled the kernel anew, ~3 s)
+
+
 @njit(cache=True)
 def merge_drafts(
-    tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, budget: int,
-    agree_bit: int = 0, agree_rates: np.ndarray = np.empty(0)
+    tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, budget: int, agree_bit: int,
+    agree_rates: np.ndarray
 ) -> np.ndarray:
     """Merge drafts into a trie and keep its ``budget`` best nodes.
 
     Inputs are (M,) arrays (tokens int, parents int with parent < own index, scores float64, sources int).
-    A node proposed by source ``agree_bit`` and by another is rescored: its conditional rate (its score over
+    A node proposed by source ``agree_bit`` (0: none) and by another is rescored: its conditional rate (its score over
     its parent's) rises to ``agree_rates[depth - 1]`` (the last one deeper) where that is higher, and its
     descendants' scores follow.
     Returns a (K, 5) float64 array of the kept nodes, depth first: columns token, parent (index into
@@ -184,7 +188,7 @@ class TokenTree:
 
     @classmethod
     def merge(cls, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, budget: int) -> "TokenTree":
-        return cls.from_rows(merge_drafts(tokens, parents, scores, sources, budget))
+        return cls.from_rows(merge_drafts(tokens, parents, scores, sources, budget, 0, NO_RATES))
 
     @classmethod
     def from_rows(cls, rows: np.ndarray) -> "TokenTree":
