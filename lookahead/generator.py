@@ -3,6 +3,7 @@ and the pool's candidates; accept what the model agrees with; keep only the acce
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,10 +63,16 @@ class LookaheadGenerator:
         self.rotary_switches = support.rotary_switches(mc)
         TokenTree.warm_up()
         DraftState.warm_up()
-        probes = (lambda prompt: prefill(model, prompt), lambda *step: forward(model, self.windows, *step))
-        support.check_step(model, *probes)
-        # sequences share a step where that is exact (LongRoPE switches a whole forward by its largest position)
-        self.batchable = not self.rotary_switches and support.check_batch(model, *probes)
+        support.check_step(model, *self._probes())
+
+    def _probes(self) -> tuple[support.Prefill, support.Forward]:
+        return (lambda prompt: prefill(self.model, prompt), lambda *step: forward(self.model, self.windows, *step))
+
+    @functools.cached_property
+    def batchable(self) -> bool:
+        """Whether sequences share a step exactly (LongRoPE switches a whole forward by its largest position): probed
+        when a batch first needs it, not at load (a quarter of a second a one-request start does not need)."""
+        return not self.rotary_switches and support.check_batch(self.model, *self._probes())
 
     @classmethod
     def from_pretrained(
@@ -95,7 +102,7 @@ class LookaheadGenerator:
     def cost(self) -> CostCurve:
         """This machine's forward-cost curve for the model (probed once and cached on disk)."""
         if self._cost is None:
-            self._cost = cached_curve(self.model, self._cache_dir or models.default_cache_dir(), self._progress, self.batchable)
+            self._cost = cached_curve(self.model, self._cache_dir or models.default_cache_dir(), self._progress, lambda: self.batchable)
         return self._cost
 
     @property
@@ -172,7 +179,7 @@ class LookaheadGenerator:
     def decode(self, lanes: list[Lane]) -> list[GenerationResult]:
         """Decode ``new_lane``s together (each joins in turn) until every one has finished; one after another
         where sequences cannot share a step exactly (``batchable``)."""
-        groups = [lanes] if self.batchable else [[lane] for lane in lanes]
+        groups = [lanes] if len(lanes) == 1 or self.batchable else [[lane] for lane in lanes]
         for group in groups:  # before anything joins
             shared_state(group)
         for group in groups:

@@ -139,14 +139,14 @@ def _kernels_for(kernels: str, dtype: str, device: str, cache_dir: Path) -> str:
 
 
 def cached_curve(model: PreTrainedModel, cache_dir: Path, progress: Callable[[str], None] = lambda _: None,
-                 batch: bool = True) -> CostCurve:
-    """The cached curve, or a new probe (also when the file is missing, unreadable or corrupt), saved; ``batch``:
-    as ``probe``'s."""
+                 batch: Callable[[], bool] = lambda: True) -> CostCurve:
+    """The cached curve, or a new probe (also when the file is missing, unreadable or corrupt), saved; ``batch()``:
+    as ``probe``'s ``batch``, asked only when probing (the answer may cost a capability probe)."""
     path = curve_file(model, cache_dir)
     try:
         return CostCurve.from_json(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
-        curve = probe(model, progress=progress, batch=batch)
+        curve = probe(model, progress=progress, batch=batch())
         progress(f"forward cost measured in {curve.probe_s:.1f} s: r(16) = {curve.ratio(16):.2f}, r(32) = {curve.ratio(32):.2f}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
