@@ -259,7 +259,7 @@ def test_where_the_weights_are_prefetched_changes_no_bit(dtype):
     for rows in (1, 16):
         x = torch.randn(rows, 1536).to(dtype)
         assert torch.equal(products[0](x), products[1](x))
-    assert native.prefetch_into_l2() == int(cpu.cpu_generation() in native.PREFETCH_INTO_L2)
+    assert native.prefetch_into_l2() == int(cpu.cpu_generation() not in native.NON_TEMPORAL)
 
 
 @needs_own
