@@ -35,8 +35,9 @@ import torch
 from lookahead import cpu
 from lookahead.cpu import default_cache_dir
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("linear.c", "tree_attention.c", "rms_norm.c", "top_k.c", "move_columns.c"))
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC", "-shared")
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("linear.c", "amx_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c",
+                                                                   "move_columns.c"))
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-fPIC", "-shared")
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 Longs = ctypes.c_long * 3
 
@@ -96,13 +97,14 @@ def _build(directory: Path) -> ctypes.CDLL | str:
         lib = ctypes.CDLL(str(target))
     except OSError as e:  # an unwritable cache, a missing source, a library that will not load
         return f"cannot build or load it ({e})"
-    lib.bf16_linear.argtypes = lib.fp32_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+    lib.bf16_linear.argtypes = lib.fp32_linear.argtypes = lib.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     lib.tree_attention.argtypes = ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs,
                                     ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])
     lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2
     lib.top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int]
     lib.move_columns.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-    lib.bf16_linear.restype = lib.fp32_linear.restype = lib.rms_norm.restype = lib.move_columns.restype = None
+    lib.bf16_linear.restype = lib.fp32_linear.restype = lib.amx_bf16_linear.restype = lib.rms_norm.restype = None
+    lib.move_columns.restype = None
     lib.tree_attention.restype = lib.top_k.restype = ctypes.c_int  # 1: out of memory
     return lib
 
@@ -138,15 +140,26 @@ def prefetch_into_l2() -> int:
     return int(cpu.cpu_generation() not in NON_TEMPORAL)
 
 
+@functools.cache
+def amx() -> bool:
+    """Whether bf16 products run on AMX tiles (``csrc/amx_linear.c``): the CPU has them and Linux lets this process
+    use them. One answer a process, so every product of a shape takes one path whatever its rows."""
+    return "amx_bf16" in cpu.flags() and not isinstance(library(), str) and bool(library().amx_init())
+
+
 class Linear:
     """(..., K) -> (..., N) in the weight's dtype (bf16 or fp32): x W^T (+ bias, fp32), W packed by ``pack``; the
     sizes, pointers and kernel looked up once (a forward makes 121 calls: ~1 us each less than doing it per call).
     Holds ``packed`` and ``bias``, so the pointers stay valid."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, tiles: bool | None = None) -> None:
+        """``tiles``: bf16 on AMX tiles (None: where ``amx()``; True where they are not is a ValueError)."""
         self.packed, self.bias, self.dtype = packed, bias, packed.dtype
         self.n, self.k = packed.shape[0] * BLOCK, packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
-        self.run = library().bf16_linear if packed.dtype == torch.bfloat16 else library().fp32_linear
+        if tiles and not amx():
+            raise ValueError("this CPU or process cannot use AMX tiles")
+        on_tiles = packed.dtype == torch.bfloat16 and self.k % 32 == 0 and (amx() if tiles is None else tiles)
+        self.run = library().amx_bf16_linear if on_tiles else library().bf16_linear if packed.dtype == torch.bfloat16 else library().fp32_linear
         self.pointers = packed.data_ptr(), None if bias is None else bias.data_ptr()
         self.l2 = prefetch_into_l2()
 

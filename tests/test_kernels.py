@@ -248,6 +248,34 @@ def test_own_bf16_linear_is_row_invariant(k, rows):
     assert kernels.row_invariant(kernels.PackedLinear(linear), torch.bfloat16, rows)
 
 
+BF16_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not (OWN and native.amx()), reason="no AMX tiles here"))]
+
+
+@needs_own
+@pytest.mark.parametrize("tiles", BF16_PATHS, ids=["vector", "amx"])
+@pytest.mark.parametrize("n, k", [(64, 576), (96, 1536), (48, 64), (1040, 576)])  # 1040: a last group of 1 block
+def test_each_bf16_path_is_row_invariant_and_rounds_fp32_sums_once(tiles, n, k):
+    """The bf16 linear on the vector units (``linear.c``) and on AMX tiles (``amx_linear.c``), chosen by argument:
+    each gives row i of an M-row product (M across one tile and several, 16-row tiles padded past 16) bit for
+    bit as the one-row product, within one bf16 rounding of fp32 sums, with and without a bias."""
+    torch.manual_seed(n + k)
+    weight, bias = torch.randn(n, k).to(torch.bfloat16), torch.randn(n)
+    for b in (None, bias):
+        product = native.Linear(native.pack(weight), b, tiles=tiles)
+        x = torch.randn(40, k).to(torch.bfloat16)
+        alone = torch.cat([product(x[i : i + 1]) for i in range(40)])
+        want = x.float() @ weight.float().T + (0 if b is None else b)
+        assert torch.allclose(alone.float(), want, rtol=2 ** -8, atol=1e-3)
+        for rows in (1, 2, 9, 16, 17, 33, 40):
+            assert torch.equal(product(x[:rows]), alone[:rows]), rows
+
+
+def test_tiles_are_refused_where_amx_cannot_run(monkeypatch):
+    monkeypatch.setattr(native, "amx", lambda: False)
+    with pytest.raises(ValueError, match="cannot use AMX tiles"):
+        native.Linear(native.pack(torch.randn(16, 64).to(torch.bfloat16)), None, tiles=True)
+
+
 @needs_own
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_where_the_weights_are_prefetched_changes_no_bit(dtype):
