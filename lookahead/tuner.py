@@ -133,7 +133,8 @@ def fastest_dtype(spec: str, device: str, cache_dir: Path, progress: Callable[[s
 
 def _kernels_for(kernels: str, dtype: str, device: str, cache_dir: Path) -> str:
     """The kernel set a model loaded with ``kernels`` will run (packing falls back to stock where unavailable)."""
-    native.library(cache_dir)  # where ``models.load`` would build them
+    if kernels == "packed":
+        native.library(cache_dir)  # where ``models.load`` would build them
     packs = kernels == "packed" and torch.device(device).type == "cpu" and available(models.DTYPES[dtype]) is None
     return "stock" if not packs else "packed" if own_kernel(models.DTYPES[dtype]) else "packed-own"
 
