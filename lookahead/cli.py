@@ -129,6 +129,7 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kerne
         prior = {} if recycle_prior is None else {"recycle_prior": recycle_prior}  # a help to drafting, not a shape
         config = LookaheadConfig(**shape, **prior, auto=not shape if auto is None else auto)  # an explicit shape is run as given
         requests = _read_requests(prompt, prompt_file, ids_mode)
+        from lookahead import native
         from lookahead.generator import LookaheadGenerator
         from lookahead.kernels import kernels_of
 
@@ -150,7 +151,7 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kerne
             if as_json:
                 click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
                                        "stats": out.stats.as_dict(), "dtype": str(gen.model.dtype).split(".")[-1],
-                                       "kernels": kernels_of(gen.model),
+                                       "kernels": kernels_of(gen.model), "isa": native.isa() if kernels == "packed" else None,
                                        "config": dataclasses.asdict(config)}))
             elif ids_mode:
                 click.echo(",".join(map(str, out.tokens)))
@@ -211,6 +212,10 @@ def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
             curves[name] = tuner.cached_curve(model, cache_dir, _progress)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
+    if kernels == "packed":
+        from lookahead import native
+
+        click.echo(f"our kernels: {native.isa()}")
     click.echo("dtype     ms/token(T=1)  " + "  ".join(f"r({t})" for t in curves[name].sizes))
     for name, curve in curves.items():
         click.echo(f"{name:9} {curve.ms_at_1:13.1f}  " + "  ".join(f"{r:5.2f}".rjust(len(f"r({t})")) for t, r in zip(curve.sizes, curve.ratios)))

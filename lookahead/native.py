@@ -147,6 +147,13 @@ def amx() -> bool:
     return "amx_bf16" in cpu.flags() and not isinstance(library(), str) and bool(library().amx_init())
 
 
+def isa() -> str:
+    """What our kernels run on in this process, for ``--json`` and ``lookahead tune``: "avx512-bf16+amx",
+    "avx512-bf16", or "none (why)"."""
+    lib = library()
+    return f"none ({lib})" if isinstance(lib, str) else "avx512-bf16+amx" if amx() else "avx512-bf16"
+
+
 class Linear:
     """(..., K) -> (..., N) in the weight's dtype (bf16 or fp32): x W^T (+ bias, fp32), W packed by ``pack``; the
     sizes, pointers and kernel looked up once (a forward makes 121 calls: ~1 us each less than doing it per call).

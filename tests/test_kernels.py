@@ -160,6 +160,8 @@ def test_cli_kernels_option_reaches_the_model(tmp_path):
     assert seen["stock"]["kernels"] == "stock"
     assert seen["packed"]["kernels"] == ("stock" if kernels.available(torch.float32) else "packed-own" if OWN else "packed")
     assert seen["stock"]["tokens"] == seen["packed"]["tokens"]
+    assert seen["stock"]["isa"] is None and seen["packed"]["isa"] == native.isa()  # the ISA our kernels run on, said
+    assert native.isa() == ("avx512-bf16+amx" if native.amx() else "avx512-bf16") if OWN else native.isa().startswith("none (")
     bad = CliRunner().invoke(main, ["generate", "--model", str(path), "--ids", "1", "--kernels", "fast"])
     assert bad.exit_code != 0 and "fast" in bad.output
 
