@@ -198,7 +198,9 @@ def own_kernel(dtype: torch.dtype) -> str | None:
     if dtype not in (torch.bfloat16, torch.float32):
         return f"it is for bfloat16 and float32, not {str(dtype).split('.')[-1]}"
     reason = native.library()
-    return reason if isinstance(reason, str) else None
+    if isinstance(reason, str):
+        return reason
+    return "this CPU has no AVX-512 BF16" if dtype == torch.bfloat16 and not native.has("bf16_linear") else None
 
 
 def kernels_of(model: nn.Module) -> str:

@@ -1,5 +1,6 @@
-"""Our own CPU kernels (``csrc/*.c``, AVX-512 BF16 CPUs): the linear of a step's few rows (bf16 and fp32) and
-its bf16 attention, built once per machine with gcc into the cache and called through ctypes.
+"""Our own CPU kernels (``csrc/*.c``, AVX-512 CPUs, in ``TIERS``): the linear of a step's few rows (bf16 and fp32;
+bf16 on AMX tiles where the CPU has them, ``csrc/amx_linear.c``) and its bf16 attention, built once per machine
+with gcc into the cache and called through ctypes.
 
 The linear (``csrc/linear.c``): a step's linears must stream every weight from memory, and at 16 rows
 also do 16x the arithmetic. oneDNN's small-M product does one after the other (in the model its 16-row time is
@@ -27,6 +28,7 @@ import os
 import platform
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,26 +37,51 @@ import torch
 from lookahead import cpu
 from lookahead.cpu import default_cache_dir
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("linear.c", "amx_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c",
-                                                                   "move_columns.c"))
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-fPIC", "-shared")
+CSRC = Path(__file__).parent / "csrc"
+BASE_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp", "-fPIC", "-shared")
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One build of the kernels: the CPU flags it needs, its sources and gcc's flags."""
+
+    needs: tuple[str, ...]
+    sources: tuple[str, ...]
+    flags: tuple[str, ...]
+
+
+# the best tier this CPU has serves the process; an AVX-512F CPU without BF16 (Skylake-X, Cascade Lake, Ice
+# Lake) gets the fp32 linear, the fp32 RMSNorm, the top-k and the KV moves (their bf16 code is not compiled)
+TIERS = {
+    "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+                        ("linear.c", "amx_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c", "move_columns.c"),
+                        BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
+    "avx512f": Tier(("avx512f", "avx512bw", "avx512vl"), ("linear.c", "rms_norm.c", "top_k.c", "move_columns.c"), BASE_FLAGS),
+}
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 Longs = ctypes.c_long * 3
 
 
 @functools.cache
-def build_id() -> str:
-    """A hash of what the kernels' build depends on (their sources, flags and gcc): the library's file name, and
-    part of a cost curve's cache key, so a changed kernel is probed again."""
+def build_id(tier: str = "avx512-bf16") -> str:
+    """A hash of what a tier's build depends on (its sources, flags and gcc): the library's file name, and part
+    of a cost curve's cache key, so a changed kernel is probed again."""
     gcc = shutil.which("gcc") or "gcc"
     version = subprocess.run([gcc, "--version"], capture_output=True, text=True).stdout.partition("\n")[0]
-    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + repr((FLAGS, version)).encode()).hexdigest()[:16]
+    t = TIERS[tier]
+    return hashlib.sha256(b"".join((CSRC / s).read_bytes() for s in t.sources) + repr((t.flags, version)).encode()).hexdigest()[:16]
+
+
+def best_tier() -> str | None:
+    """The tier this CPU runs (None: no AVX-512)."""
+    return next((name for name, t in TIERS.items() if all(f in cpu.flags() for f in t.needs)), None)
 
 
 class _Library:
-    """``library``: the kernels, built on first use into ``cache_dir/kernels`` (default: the user's cache), or why
-    they cannot run here (no gcc, not x86-64, no AVX-512 BF16, an unwritable cache). A process loads one build (a
-    loaded shared library stays loaded): the first call's directory holds, later calls get that build.
+    """``library``: the kernels of the best tier this CPU has, built on first use into ``cache_dir/kernels``
+    (default: the user's cache), or why they cannot run here (no gcc, not x86-64, no AVX-512, an unwritable
+    cache). A process loads one build (a loaded shared library stays loaded): the first call's directory holds,
+    later calls get that build. ``build`` makes any tier's, for the tests.
 
     gcc's OpenMP runtime is torch's own (the same ``libgomp.so.1``, loaded with torch), so the kernels' threads
     are torch's."""
@@ -64,8 +91,15 @@ class _Library:
 
     def __call__(self, cache_dir: Path | None = None) -> ctypes.CDLL | str:
         if self.loaded is None:
-            self.loaded = _build((cache_dir or default_cache_dir()) / "kernels")
+            tier = best_tier()
+            self.loaded = build((cache_dir or default_cache_dir()) / "kernels", tier) if tier else self._why_none()
         return self.loaded
+
+    @staticmethod
+    def _why_none() -> str:
+        if platform.machine() not in ("x86_64", "AMD64"):
+            return f"not an x86-64 CPU ({platform.machine()})"
+        return "cannot read /proc/cpuinfo" if not cpu.flags() else "this CPU has no AVX-512"
 
     def cache_clear(self) -> None:
         """Forget the build (tests): the next call builds or finds one again."""
@@ -75,37 +109,54 @@ class _Library:
 library = _Library()
 
 
-def _build(directory: Path) -> ctypes.CDLL | str:
+def has(kernel: str) -> bool:
+    """Whether the process's kernels include ``kernel`` (``bf16_linear``, ``tree_attention``, ``amx_init`` ...: an
+    AVX-512F build has no bf16 ones)."""
+    lib = library()
+    return not isinstance(lib, str) and hasattr(lib, kernel)
+
+
+def tier() -> str | None:
+    """The tier of the process's kernels (None where they do not run)."""
+    return None if isinstance(library(), str) else "avx512-bf16" if has("bf16_linear") else "avx512f"
+
+
+def build(directory: Path, tier: str) -> ctypes.CDLL | str:
+    """The kernels of ``tier``, built into ``directory`` (kept: a later call finds them), or why they cannot be."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({platform.machine()})"
-    if not cpu.flags():
-        return "cannot read /proc/cpuinfo"
-    if "avx512_bf16" not in cpu.flags():
-        return "this CPU has no AVX-512 BF16"
     gcc = shutil.which("gcc")
     if gcc is None:
         return "no gcc to build it"
+    t = TIERS[tier]
     try:
-        target = directory / f"lookahead-{build_id()}.so"
+        target = directory / f"lookahead-{tier}-{build_id(tier)}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_suffix(f".{os.getpid()}.partial")  # renamed into place whole: a parallel build is harmless
-            built = subprocess.run([gcc, *FLAGS, *map(str, SOURCES), "-o", str(partial)], capture_output=True, text=True)
+            built = subprocess.run([gcc, *t.flags, *(str(CSRC / s) for s in t.sources), "-o", str(partial)],
+                                   capture_output=True, text=True)
             if built.returncode:
                 return f"gcc could not build it ({(built.stderr.strip().splitlines() or ['?'])[0][:120]})"
             os.replace(partial, target)
         lib = ctypes.CDLL(str(target))
     except OSError as e:  # an unwritable cache, a missing source, a library that will not load
         return f"cannot build or load it ({e})"
-    lib.bf16_linear.argtypes = lib.fp32_linear.argtypes = lib.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
-    lib.tree_attention.argtypes = ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs,
-                                    ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])
-    lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2
-    lib.top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int]
-    lib.move_columns.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-    lib.bf16_linear.restype = lib.fp32_linear.restype = lib.amx_bf16_linear.restype = lib.rms_norm.restype = None
-    lib.move_columns.restype = None
-    lib.tree_attention.restype = lib.top_k.restype = ctypes.c_int  # 1: out of memory
+    linear = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+    signatures = {  # name: (argument types, result type)
+        "fp32_linear": (linear, None),
+        "bf16_linear": (linear, None),
+        "amx_bf16_linear": (linear, None),
+        "amx_init": ([], ctypes.c_int),
+        "tree_attention": ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
+                           + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
+        "rms_norm": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),
+        "top_k": ([ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int], ctypes.c_int),  # 1: out of memory
+        "move_columns": ([ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int], None),
+    }
+    for name, (arguments, result) in signatures.items():
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = arguments, result
     return lib
 
 
@@ -144,14 +195,14 @@ def prefetch_into_l2() -> int:
 def amx() -> bool:
     """Whether bf16 products run on AMX tiles (``csrc/amx_linear.c``): the CPU has them and Linux lets this process
     use them. One answer a process, so every product of a shape takes one path whatever its rows."""
-    return "amx_bf16" in cpu.flags() and not isinstance(library(), str) and bool(library().amx_init())
+    return "amx_bf16" in cpu.flags() and has("amx_init") and bool(library().amx_init())
 
 
 def isa() -> str:
     """What our kernels run on in this process, for ``--json`` and ``lookahead tune``: "avx512-bf16+amx",
-    "avx512-bf16", or "none (why)"."""
+    "avx512-bf16", "avx512f", or "none (why)"."""
     lib = library()
-    return f"none ({lib})" if isinstance(lib, str) else "avx512-bf16+amx" if amx() else "avx512-bf16"
+    return f"none ({lib})" if isinstance(lib, str) else f"{tier()}+amx" if amx() else str(tier())
 
 
 class Linear:
@@ -193,6 +244,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: int) -> 
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] != weight.numel():
         raise ValueError(f"rms_norm takes bf16 or fp32 input and weight of one dtype and width, got {x.dtype} {tuple(x.shape)} "
                          f"and {weight.dtype} {tuple(weight.shape)}")
+    if x.dtype == torch.bfloat16 and tier() != "avx512-bf16":
+        raise ValueError("the bf16 RMSNorm needs the AVX-512 BF16 kernels")
     x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty_like(x)
     if x.numel():
@@ -205,7 +258,7 @@ def attention_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """Whether ``attention`` runs this call: bf16 on CPU where the kernels run (a step's rows or a prompt's: 3-5x
     CPU SDPA's speed at 16-1024 causal rows), an additive bf16 mask (B or 1, 1, T, S) or none (then only causal),
     head size a multiple of 32 up to 256, whole groups of query heads."""
-    if query.dtype != torch.bfloat16 or query.device.type != "cpu" or isinstance(library(), str):
+    if query.dtype != torch.bfloat16 or query.device.type != "cpu" or not has("tree_attention"):
         return False
     (b, h, t, d), (kb, g, s, kd) = query.shape, key.shape
     masked = causal if mask is None else (mask.dtype == torch.bfloat16 and mask.dim() == 4 and mask.shape[0] in (1, b)

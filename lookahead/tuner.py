@@ -98,7 +98,7 @@ def curve_file(model: PreTrainedModel, cache_dir: Path) -> Path:
 
 def curve_path(name: str, dtype: torch.dtype, device: str, cache_dir: Path, kernels: str = "stock") -> Path:
     """``curve_file`` before loading: ``name`` is the directory the model is loaded from."""
-    build = [native.build_id(), native.prefetch_into_l2(), native.amx()] if kernels == "packed-own" else None  # ours as built and run
+    build = [native.isa(), native.build_id(native.tier()), native.prefetch_into_l2()] if kernels == "packed-own" else None  # ours, as run
     key = json.dumps([name, str(dtype), torch.device(device).type, torch.get_num_threads(), cpu_name(), torch.__version__, kernels, build])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir / "costs" / f"{Path(name).name or 'model'}-{str(dtype).split('.')[-1]}-{kernels}-{digest}.json"

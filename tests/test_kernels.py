@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -272,6 +273,42 @@ def test_each_bf16_path_is_row_invariant_and_rounds_fp32_sums_once(tiles, n, k):
             assert torch.equal(product(x[:rows]), alone[:rows]), rows
 
 
+@pytest.mark.skipif(native.best_tier() is None or shutil.which("gcc") is None, reason="no AVX-512 or no gcc here")
+def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(tmp_path):
+    """Each tier of the kernels this CPU can run (an AVX-512 BF16 host runs the AVX-512F one too) is built and
+    called by name: the fp32 linear, RMSNorm and top-k and the KV moves give the same bits in every tier (the
+    same code, compiled for fewer instructions), and only the AVX-512 BF16 tier has bf16 kernels."""
+    import ctypes
+
+    tiers = [t for t, spec in native.TIERS.items() if all(f in cpu.flags() for f in spec.needs)]
+    libs = {t: native.build(tmp_path, t) for t in tiers}
+    assert all(not isinstance(lib, str) for lib in libs.values()), libs
+    assert {t: hasattr(lib, "bf16_linear") for t, lib in libs.items()} == {t: t == "avx512-bf16" for t in tiers}
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 576), torch.randn(96), torch.randn(9, 576)
+    packed, scores, norm_weight = native.pack(weight), torch.randn(5, 1000), torch.randn(576)
+    keys = torch.randn(2, 3, 12, 32)  # (B, H, S, D): sequence b's columns 4 + index[b] move to 4, 5, 6
+    index = np.array([[0, 2, 5], [1, 3, 4]], np.int64)
+    outputs = {}
+    for t, lib in libs.items():
+        y, normed = torch.empty(9, 96), torch.empty_like(x)
+        lib.fp32_linear(x.data_ptr(), packed.data_ptr(), bias.data_ptr(), y.data_ptr(), 9, 96, 576, 2, 1)
+        lib.rms_norm(x.data_ptr(), norm_weight.data_ptr(), normed.data_ptr(), 0, 9, 576, 1e-5, 0, 2)
+        top = np.empty((5, 8), np.int64)
+        assert lib.top_k(scores.data_ptr(), 0, 5, 1000, 8, top.ctypes.data, 2) == 0
+        moved = keys.clone()
+        lib.move_columns((ctypes.c_void_p * 1)(moved.data_ptr()), (ctypes.c_long * 3)(*moved.stride()[:3]), 1, 4, 2, 3, 32, 4,
+                         index.ctypes.data, 3)
+        outputs[t] = (y, normed, torch.from_numpy(top), moved)
+    want_linear, want_top = x @ weight.T + bias, torch.topk(scores, 8).indices
+    for t, got in outputs.items():
+        assert torch.allclose(got[0], want_linear, rtol=1e-4, atol=1e-4) and torch.equal(got[2], want_top)
+        gathered = torch.stack([keys[b, :, 4 + torch.from_numpy(index[b])] for b in range(2)])  # (B, H, C, D)
+        assert torch.equal(got[3][:, :, 4:7], gathered) and torch.equal(got[3][:, :, :4], keys[:, :, :4])
+        for other in outputs.values():
+            assert all(torch.equal(a, b) for a, b in zip(got, other)), t
+
+
 def test_tiles_are_refused_where_amx_cannot_run(monkeypatch):
     monkeypatch.setattr(native, "amx", lambda: False)
     with pytest.raises(ValueError, match="cannot use AMX tiles"):
@@ -316,7 +353,7 @@ def test_a_bf16_model_on_the_own_kernel_runs_lookahead_and_its_own_cost_curve(tm
     kernels.pack(model)
     assert kernels.kernels_of(model) == "packed-own" and "-packed-own-" in curve_file(model, tmp_path).name
     today = curve_file(model, tmp_path)
-    monkeypatch.setattr(native, "build_id", lambda: "a-changed-kernel")  # kernels built from other sources: probed anew
+    monkeypatch.setattr(native, "build_id", lambda tier: "a-changed-kernel")  # kernels built from other sources: probed anew
     assert curve_file(model, tmp_path) != today
     monkeypatch.undo()
     gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False, tree_budget=8))
@@ -456,7 +493,6 @@ def test_own_move_columns_is_the_gather_it_replaces():
 @needs_own
 def test_the_kernels_are_built_into_the_cache_dir_the_cli_names(monkeypatch, tmp_path):
     """``--cache-dir`` holds everything a run keeps, our kernels' build included: the user's cache stays untouched."""
-    import shutil
     from pathlib import Path
 
     model_dir, mine, user = tmp_path / "model", tmp_path / "mine", tmp_path / "user"

@@ -40,11 +40,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __AVX512BF16__ /* the AVX-512F build (native.TIERS) has the fp32 linear only */
 static inline __m512 dot_bf16(__m512 sum, __m512i x, __m512i w) { return _mm512_dpbf16_ps(sum, (__m512bh)x, (__m512bh)w); }
+static inline void put_bf16(uint16_t *y, __m512 sum) { _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(sum)); }
+#endif
 static inline __m512 dot_fp32(__m512 sum, __m512i x, __m512i w) {
     return _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(w), sum);
 }
-static inline void put_bf16(uint16_t *y, __m512 sum) { _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(sum)); }
 static inline void put_fp32(float *y, __m512 sum) { _mm512_storeu_ps(y, sum); }
 static inline void prefetch(const char *p, int l2) { l2 ? _mm_prefetch(p, _MM_HINT_T2) : _mm_prefetch(p, _MM_HINT_NTA); }
 
@@ -103,5 +105,7 @@ static inline void prefetch(const char *p, int l2) { l2 ? _mm_prefetch(p, _MM_HI
         }                                                                                                         \
     }
 
+#ifdef __AVX512BF16__
 TILES(bf16, uint16_t)  /* bf16_linear: x, y bf16 */
+#endif
 TILES(fp32, float)     /* fp32_linear: x, y fp32 */

@@ -20,13 +20,19 @@ static inline __m512 load(const void *p, int bf16, long i, __mmask16 m) {
     return _mm512_maskz_loadu_ps(m, (const float *)p + i);
 }
 
+#ifdef __AVX512BF16__
+static inline __m256i bf16_of(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#else /* the AVX-512F build (native.TIERS) is for fp32: native.rms_norm never gives it bf16 */
+static inline __m256i bf16_of(__m512 v) { (void)v; __builtin_trap(); }
+#endif
+
 static inline __m512 to_bf16_and_back(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_of(v)), 16));
 }
 
 static inline void store(void *p, int bf16, long i, __mmask16 m, __m512 v) {
     if (bf16)
-        _mm256_mask_storeu_epi16((uint16_t *)p + i, m, (__m256i)_mm512_cvtneps_pbh(v));
+        _mm256_mask_storeu_epi16((uint16_t *)p + i, m, bf16_of(v));
     else
         _mm512_mask_storeu_ps((float *)p + i, m, v);
 }
