@@ -30,7 +30,7 @@ from transformers import DynamicCache
 import lookahead
 from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
-from lookahead import LookaheadConfig, LookaheadGenerator, kv, models, tuner
+from lookahead import LookaheadConfig, LookaheadGenerator, kv, models, native, tuner
 from lookahead.cpu import cpu_name
 from lookahead.drafting import SOURCES
 from lookahead.hf import generator_for
@@ -199,7 +199,7 @@ def run_all(args) -> dict:
     curves = {f"{dtype} {kernels_of(model)}": cost_curve(model, args.cost_sizes)
               for dtype in args.dtypes for model in {id(m): m for m in (loaded[dtype][0], ours[dtype])}.values()}
     return {"hardware": machine, "model": args.model, "device": args.device, "max_new_tokens": args.max_new_tokens, "dtypes": args.dtypes,
-            "kernels": {dtype: kernels_of(model) for dtype, model in ours.items()},
+            "kernels": {dtype: kernels_of(model) for dtype, model in ours.items()}, "isa": native.isa(),
             "pld_tokens": args.pld_tokens, "summary": summarise(runs), "cost_curve": curves, "runs": [asdict(r) for r in runs]}
 
 
@@ -261,7 +261,8 @@ def write_report(results: dict, out: Path) -> None:
              + f"{hw['cpu']}, {hw['cores']} cores ({hw['torch_threads']} torch threads); torch {hw['torch']}, transformers "
              f"{hw['transformers']}; commit {hw['commit']}; {results['max_new_tokens']} new tokens per prompt, greedy.", "",
              "HF methods run on the stock model; ours (plain loop, lookahead) on kernels "
-             + ", ".join(f"{k} in {d}" for d, k in results.get("kernels", {}).items()) + " (see lookahead/kernels.py).", "",
+             + ", ".join(f"{k} in {d}" for d, k in results.get("kernels", {}).items())
+             + f" (see lookahead/kernels.py); our kernels' ISA: {results.get('isa', 'not recorded')}.", "",
              "equal: same tokens as HF greedy in the same dtype; equal or tie: or the first difference is at a step where the "
              "reference's top-2 logits tie (fp32: margin < 1e-4; bf16: margin within that step's own rounding noise, measured by computing it in two orders); "
              "equal to plain loop: same tokens as our plain loop on the same kernels.", "",
@@ -332,6 +333,7 @@ def parse_args(argv=None):
     parser.add_argument("--pld-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     parser.add_argument("--cost-sizes", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--kernels", choices=["packed", "stock"], default="packed", help="the kernels our loop runs on")
+    parser.add_argument("--isa", choices=list(native.TIERS), help="hold our kernels to this tier (default: the CPU's best)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (packed kernels are CPU-only: elsewhere ours run as loaded)")
     parser.add_argument("--cache-dir", type=Path)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))
@@ -347,6 +349,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.isa:
+        native.library(args.cache_dir, tier=args.isa)  # before anything loads them
     results = run_all(args)
     write_report(results, args.out)
     print((args.out / "results.md").read_text())

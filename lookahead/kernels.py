@@ -244,7 +244,7 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
         model.set_attn_implementation(GROUPED_SDPA)
     why_not_own = own_kernel(dtype) if packed and dtype == torch.bfloat16 else None  # fp32 on oneDNN is as before: no notice
     notice = f"own bf16 kernel unavailable ({why_not_own}); packed products run on oneDNN" if why_not_own else None
-    fused = norms.fuse(model, dtype) if packed and own_kernel(dtype) is None else 0
+    fused = norms.fuse(model, dtype) if packed and own_kernel(dtype) is None and native.has("rms_norm") else 0
     return KernelReport(kernels_of(model), packed, kept, extra, products, fused, notice)
 
 

@@ -51,12 +51,14 @@ class Tier:
 
 
 # the best tier this CPU has serves the process; an AVX-512F CPU without BF16 (Skylake-X, Cascade Lake, Ice
-# Lake) gets the fp32 linear, the fp32 RMSNorm, the top-k and the KV moves (their bf16 code is not compiled)
+# Lake) gets the fp32 linear, the fp32 RMSNorm, the top-k and the KV moves (their bf16 code is not compiled); an
+# AVX2 one (Haswell and later, Zen 1-3) the fp32 linear (linear_avx2.c: the same bits) and the KV moves
 TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
                         ("linear.c", "amx_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c", "move_columns.c"),
                         BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
     "avx512f": Tier(("avx512f", "avx512bw", "avx512vl"), ("linear.c", "rms_norm.c", "top_k.c", "move_columns.c"), BASE_FLAGS),
+    "avx2": Tier(("avx2", "fma"), ("linear_avx2.c", "move_columns.c"), ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")),
 }
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 Longs = ctypes.c_long * 3
@@ -88,11 +90,18 @@ class _Library:
 
     def __init__(self) -> None:
         self.loaded: ctypes.CDLL | str | None = None
+        self.tier: str | None = None
 
-    def __call__(self, cache_dir: Path | None = None) -> ctypes.CDLL | str:
+    def __call__(self, cache_dir: Path | None = None, tier: str | None = None) -> ctypes.CDLL | str:
+        """``tier``: a lower one than the CPU's best, held for the process (benchmarks: an AVX2 run on an
+        AVX-512 machine); ValueError for one the CPU lacks, or once another is loaded."""
+        if tier is not None and (tier not in TIERS or not all(f in cpu.flags() for f in TIERS[tier].needs)):
+            raise ValueError(f"this CPU cannot run the {tier!r} kernels (tiers: {', '.join(TIERS)})")
         if self.loaded is None:
-            tier = best_tier()
-            self.loaded = build((cache_dir or default_cache_dir()) / "kernels", tier) if tier else self._why_none()
+            self.tier = tier or best_tier()
+            self.loaded = build((cache_dir or default_cache_dir()) / "kernels", self.tier) if self.tier else self._why_none()
+        elif tier is not None and tier != self.tier:
+            raise ValueError(f"this process already runs the {self.tier} kernels")
         return self.loaded
 
     @staticmethod
@@ -103,7 +112,7 @@ class _Library:
 
     def cache_clear(self) -> None:
         """Forget the build (tests): the next call builds or finds one again."""
-        self.loaded = None
+        self.loaded = self.tier = None
 
 
 library = _Library()
@@ -118,11 +127,13 @@ def has(kernel: str) -> bool:
 
 def tier() -> str | None:
     """The tier of the process's kernels (None where they do not run)."""
-    return None if isinstance(library(), str) else "avx512-bf16" if has("bf16_linear") else "avx512f"
+    return None if isinstance(library(), str) else library.tier
 
 
 def build(directory: Path, tier: str) -> ctypes.CDLL | str:
     """The kernels of ``tier``, built into ``directory`` (kept: a later call finds them), or why they cannot be."""
+    if platform.machine() in ("x86_64", "AMD64") and not all(f in cpu.flags() for f in TIERS[tier].needs):
+        return f"this CPU cannot run the {tier} kernels"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({platform.machine()})"
     gcc = shutil.which("gcc")
@@ -200,7 +211,7 @@ def amx() -> bool:
 
 def isa() -> str:
     """What our kernels run on in this process, for ``--json`` and ``lookahead tune``: "avx512-bf16+amx",
-    "avx512-bf16", "avx512f", or "none (why)"."""
+    "avx512-bf16", "avx512f", "avx2", or "none (why)"."""
     lib = library()
     return f"none ({lib})" if isinstance(lib, str) else f"{tier()}+amx" if amx() else str(tier())
 
@@ -287,7 +298,7 @@ def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
     """Indices (..., k) of the ``k`` largest of each row of host fp32 or bf16 ``scores`` (..., V), largest first (a
     tie: the lower index first); ``torch.topk``'s where the kernels do not run, or for k over 64."""
     lib = library()
-    ours = not isinstance(lib, str) and 0 < k <= min(64, scores.shape[-1]) and scores.dtype in (torch.float32, torch.bfloat16) \
+    ours = has("top_k") and 0 < k <= min(64, scores.shape[-1]) and scores.dtype in (torch.float32, torch.bfloat16) \
         and scores.device.type == "cpu"
     if ours:
         x = scores.contiguous()

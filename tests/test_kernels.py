@@ -273,11 +273,12 @@ def test_each_bf16_path_is_row_invariant_and_rounds_fp32_sums_once(tiles, n, k):
             assert torch.equal(product(x[:rows]), alone[:rows]), rows
 
 
-@pytest.mark.skipif(native.best_tier() is None or shutil.which("gcc") is None, reason="no AVX-512 or no gcc here")
+@pytest.mark.skipif(native.best_tier() is None or shutil.which("gcc") is None, reason="no AVX2 or no gcc here")
 def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(tmp_path):
-    """Each tier of the kernels this CPU can run (an AVX-512 BF16 host runs the AVX-512F one too) is built and
-    called by name: the fp32 linear, RMSNorm and top-k and the KV moves give the same bits in every tier (the
-    same code, compiled for fewer instructions), and only the AVX-512 BF16 tier has bf16 kernels."""
+    """Each tier of the kernels this CPU can run (an AVX-512 BF16 host runs the AVX-512F and AVX2 ones too) is
+    built and called by name: what two tiers both have (the fp32 linear, RMSNorm and top-k, the KV moves) gives
+    the same bits in each (the AVX2 linear is other code with the same FMA chain per output), and only the
+    AVX-512 BF16 tier has bf16 kernels."""
     import ctypes
 
     tiers = [t for t, spec in native.TIERS.items() if all(f in cpu.flags() for f in spec.needs)]
@@ -285,28 +286,37 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
     assert all(not isinstance(lib, str) for lib in libs.values()), libs
     assert {t: hasattr(lib, "bf16_linear") for t, lib in libs.items()} == {t: t == "avx512-bf16" for t in tiers}
     torch.manual_seed(0)
-    weight, bias, x = torch.randn(96, 576), torch.randn(96), torch.randn(9, 576)
+    weight, bias, x = torch.randn(96, 576), torch.randn(96), torch.randn(13, 576)
     packed, scores, norm_weight = native.pack(weight), torch.randn(5, 1000), torch.randn(576)
     keys = torch.randn(2, 3, 12, 32)  # (B, H, S, D): sequence b's columns 4 + index[b] move to 4, 5, 6
     index = np.array([[0, 2, 5], [1, 3, 4]], np.int64)
+    gathered = torch.stack([keys[b, :, 4 + torch.from_numpy(index[b])] for b in range(2)])  # (B, H, C, D)
     outputs = {}
     for t, lib in libs.items():
-        y, normed = torch.empty(9, 96), torch.empty_like(x)
-        lib.fp32_linear(x.data_ptr(), packed.data_ptr(), bias.data_ptr(), y.data_ptr(), 9, 96, 576, 2, 1)
-        lib.rms_norm(x.data_ptr(), norm_weight.data_ptr(), normed.data_ptr(), 0, 9, 576, 1e-5, 0, 2)
-        top = np.empty((5, 8), np.int64)
-        assert lib.top_k(scores.data_ptr(), 0, 5, 1000, 8, top.ctypes.data, 2) == 0
-        moved = keys.clone()
-        lib.move_columns((ctypes.c_void_p * 1)(moved.data_ptr()), (ctypes.c_long * 3)(*moved.stride()[:3]), 1, 4, 2, 3, 32, 4,
+        out = outputs[t] = {}
+        for rows in (1, 5, 13):  # one tile, a full AVX2 tile, several
+            y = torch.empty(rows, 96)
+            lib.fp32_linear(x.data_ptr(), packed.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, 96, 576, 2, 1)
+            out[f"linear {rows}"] = y
+        assert torch.allclose(out["linear 13"], x @ weight.T + bias, rtol=1e-4, atol=1e-4)
+        assert torch.equal(out["linear 1"], out["linear 13"][:1]) and torch.equal(out["linear 5"], out["linear 13"][:5])
+        if hasattr(lib, "rms_norm"):
+            out["norm"] = torch.empty_like(x)
+            lib.rms_norm(x.data_ptr(), norm_weight.data_ptr(), out["norm"].data_ptr(), 0, 13, 576, 1e-5, 0, 2)
+        if hasattr(lib, "top_k"):
+            top = np.empty((5, 8), np.int64)
+            assert lib.top_k(scores.data_ptr(), 0, 5, 1000, 8, top.ctypes.data, 2) == 0
+            out["top"] = torch.from_numpy(top)
+            assert torch.equal(out["top"], torch.topk(scores, 8).indices)
+        out["moved"] = keys.clone()
+        lib.move_columns((ctypes.c_void_p * 1)(out["moved"].data_ptr()), (ctypes.c_long * 3)(*keys.stride()[:3]), 1, 4, 2, 3, 32, 4,
                          index.ctypes.data, 3)
-        outputs[t] = (y, normed, torch.from_numpy(top), moved)
-    want_linear, want_top = x @ weight.T + bias, torch.topk(scores, 8).indices
-    for t, got in outputs.items():
-        assert torch.allclose(got[0], want_linear, rtol=1e-4, atol=1e-4) and torch.equal(got[2], want_top)
-        gathered = torch.stack([keys[b, :, 4 + torch.from_numpy(index[b])] for b in range(2)])  # (B, H, C, D)
-        assert torch.equal(got[3][:, :, 4:7], gathered) and torch.equal(got[3][:, :, :4], keys[:, :, :4])
-        for other in outputs.values():
-            assert all(torch.equal(a, b) for a, b in zip(got, other)), t
+        assert torch.equal(out["moved"][:, :, 4:7], gathered) and torch.equal(out["moved"][:, :, :4], keys[:, :, :4])
+    for t, out in outputs.items():
+        for other, theirs in outputs.items():
+            assert all(torch.equal(out[name], theirs[name]) for name in out.keys() & theirs.keys()), (t, other)
+    if "avx2" in outputs:  # the AVX2 tier: the fp32 linear and the KV moves only
+        assert set(outputs["avx2"]) == {"linear 1", "linear 5", "linear 13", "moved"}
 
 
 def test_tiles_are_refused_where_amx_cannot_run(monkeypatch):
