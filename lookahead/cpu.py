@@ -49,8 +49,8 @@ def cpu_name() -> str:
     if not fields:
         return platform.processor() or platform.machine()
     (family, model), zen = _family_model(), cpu_generation()
-    flags = [f for f in ISA_FLAGS if f in fields.get("flags", "").split()]
-    return f"{fields.get('model name', platform.machine())} ({zen + ', ' if zen else ''}family {family} model {model}; {' '.join(flags) or 'no avx2'})"
+    isa = [f for f in ISA_FLAGS if f in flags()]
+    return f"{fields.get('model name', platform.machine())} ({zen + ', ' if zen else ''}family {family} model {model}; {' '.join(isa) or 'no avx2'})"
 
 
 def _zen(family: int, model: int) -> str | None:

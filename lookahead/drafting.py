@@ -243,13 +243,13 @@ class DraftState:
         np.savez(directory / "acceptance.npz", format_version=np.int64(STATE_FORMAT), tried=self.tried, hits=self.hits)
 
     @classmethod
-    def load(cls, directory: str | Path, vocab_size: int | None = None, ngram: int | None = None) -> "DraftState":
-        """Read a state written by ``save``, every field checked (against ``vocab_size`` and ``ngram`` too, when
-        given) before anything is allocated: a missing, corrupt, hostile or mismatched file raises ``ValueError``."""
+    def load(cls, directory: str | Path, vocab_size: int | None = None) -> "DraftState":
+        """Read a state written by ``save``, every field checked (against ``vocab_size`` too, when given) before
+        anything is allocated: a missing, corrupt, hostile or mismatched file raises ``ValueError``."""
         directory = Path(directory)
         if not directory.is_dir():
             raise ValueError(f"{directory}: no drafting state directory")
-        pool = NGramPool.load(directory / "pool.npz", vocab_size, ngram)
+        pool = NGramPool.load(directory / "pool.npz", vocab_size)
         recycle = RecycleTable.load(directory / "recycle.npz", vocab_size=pool.vocab_size)
         with ArrayFile(directory / "acceptance.npz", "acceptance statistics") as f:
             version = f.scalar("format_version")

@@ -65,7 +65,7 @@ Longs = ctypes.c_long * 3
 
 
 @functools.cache
-def build_id(tier: str = "avx512-bf16") -> str:
+def build_id(tier: str) -> str:
     """A hash of what a tier's build depends on (its sources, flags and gcc): the library's file name, and part
     of a cost curve's cache key, so a changed kernel is probed again."""
     gcc = shutil.which("gcc") or "gcc"
@@ -74,9 +74,14 @@ def build_id(tier: str = "avx512-bf16") -> str:
     return hashlib.sha256(b"".join((CSRC / s).read_bytes() for s in t.sources) + repr((t.flags, version)).encode()).hexdigest()[:16]
 
 
+def runs(tier: str) -> bool:
+    """Whether this CPU has every instruction set ``tier`` is built for."""
+    return all(f in cpu.flags() for f in TIERS[tier].needs)
+
+
 def best_tier() -> str | None:
-    """The tier this CPU runs (None: no AVX-512)."""
-    return next((name for name, t in TIERS.items() if all(f in cpu.flags() for f in t.needs)), None)
+    """The best tier this CPU runs (None: not even AVX2)."""
+    return next((name for name in TIERS if runs(name)), None)
 
 
 class _Library:
@@ -95,7 +100,7 @@ class _Library:
     def __call__(self, cache_dir: Path | None = None, tier: str | None = None) -> ctypes.CDLL | str:
         """``tier``: a lower one than the CPU's best, held for the process (benchmarks: an AVX2 run on an
         AVX-512 machine); ValueError for one the CPU lacks, or once another is loaded."""
-        if tier is not None and (tier not in TIERS or not all(f in cpu.flags() for f in TIERS[tier].needs)):
+        if tier is not None and (tier not in TIERS or not runs(tier)):
             raise ValueError(f"this CPU cannot run the {tier!r} kernels (tiers: {', '.join(TIERS)})")
         if self.loaded is None:
             self.tier = tier or best_tier()
@@ -132,7 +137,7 @@ def tier() -> str | None:
 
 def build(directory: Path, tier: str) -> ctypes.CDLL | str:
     """The kernels of ``tier``, built into ``directory`` (kept: a later call finds them), or why they cannot be."""
-    if platform.machine() in ("x86_64", "AMD64") and not all(f in cpu.flags() for f in TIERS[tier].needs):
+    if platform.machine() in ("x86_64", "AMD64") and not runs(tier):
         return f"this CPU cannot run the {tier} kernels"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({platform.machine()})"
@@ -255,7 +260,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: int) -> 
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] != weight.numel():
         raise ValueError(f"rms_norm takes bf16 or fp32 input and weight of one dtype and width, got {x.dtype} {tuple(x.shape)} "
                          f"and {weight.dtype} {tuple(weight.shape)}")
-    if x.dtype == torch.bfloat16 and tier() != "avx512-bf16":
+    if x.dtype == torch.bfloat16 and not has("bf16_linear"):
         raise ValueError("the bf16 RMSNorm needs the AVX-512 BF16 kernels")
     x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty_like(x)

@@ -6,13 +6,15 @@
        x rows r .. r+15, k 32c .. 32c+31   -> A tile (16 rows of 64 bytes)     C (16 x 16 fp32) += A B
 
    One tdpbf16ps does 16 x 16 x 32 multiply-adds, so 16 rows cost the arithmetic one row costs the vector units
-   (linear.c's tiles are bound by arithmetic from ~9 rows on a 2-core Xeon); the weight streams once as there,
-   prefetched a pair of blocks ahead (into L2 or non-temporally, as linear.c).
+   (linear.c's tiles are bound by arithmetic from ~9 rows on a 2-core Xeon). The threads split the blocks four at
+   a time (four C tiles in flight: two were bound by the products' latency), and the weight streams once as in
+   linear.c, the next four blocks prefetched (into L2 or non-temporally, as there).
 
    Row-invariant by construction: up to 16 rows make tiles of exactly M rows (more: tiles of 16, x copied with
    zero rows after it), every row is multiplied by the same B tiles in the same order of k whatever M is, and
-   rows never mix, so row i of an M-row product equals the one-row product bit for bit. It is not bit-equal to linear.c's vdpbf16ps path (another order of the pair
-   sums), so a process uses one or the other for every row count (native.py). Needs K % 32 == 0; the rest of
+   rows never mix, so row i of an M-row product equals the one-row product bit for bit. It is not bit-equal to
+   linear.c's vdpbf16ps path (another order of the pair sums), so a process uses one or the other for every row
+   count (native.py). Needs K % 32 == 0; the rest of
    the tiles' fp32 sums are rounded to bf16 as linear.c does. */
 
 #include <immintrin.h>
