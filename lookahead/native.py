@@ -130,6 +130,13 @@ def has(kernel: str) -> bool:
     return not isinstance(lib, str) and hasattr(lib, kernel)
 
 
+def loaded() -> ctypes.CDLL | None:
+    """The process's kernels if something has loaded them (``kernels.pack``, ``library``), never building them: the
+    helpers that have torch's ops to fall back on (``top_k``, ``move_columns``) use ours only then, so a process
+    whose models run stock (``--kernels stock``) runs no C of ours."""
+    return library.loaded if isinstance(library.loaded, ctypes.CDLL) else None
+
+
 def tier() -> str | None:
     """The tier of the process's kernels (None where they do not run)."""
     return None if isinstance(library(), str) else library.tier
@@ -301,9 +308,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
 
 def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
     """Indices (..., k) of the ``k`` largest of each row of host fp32 or bf16 ``scores`` (..., V), largest first (a
-    tie: the lower index first); ``torch.topk``'s where the kernels do not run, or for k over 64."""
-    lib = library()
-    ours = has("top_k") and 0 < k <= min(64, scores.shape[-1]) and scores.dtype in (torch.float32, torch.bfloat16) \
+    tie: the lower index first); ``torch.topk``'s where the kernels are not loaded, or for k over 64."""
+    lib = loaded()
+    ours = hasattr(lib, "top_k") and 0 < k <= min(64, scores.shape[-1]) and scores.dtype in (torch.float32, torch.bfloat16) \
         and scores.device.type == "cpu"
     if ours:
         x = scores.contiguous()
@@ -317,9 +324,9 @@ def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
 def move_columns(tensors: list[torch.Tensor], start: int, index: np.ndarray) -> bool:
     """In each host tensor (B, H, S, D) of ``tensors`` (a cache's keys and values), sequence b's columns ``start +
     index[b]`` (``index`` (B, C) int64, each row sorted) move to ``start + 0 .. C - 1``, in place, in one call;
-    False (nothing moved) where the kernels do not run or a tensor is not of that shape with D contiguous."""
-    lib = library()
-    if isinstance(lib, str) or not tensors or any(t.device.type != "cpu" or t.dim() != 4 or t.stride(3) != 1
+    False (nothing moved) where the kernels are not loaded or a tensor is not of that shape with D contiguous."""
+    lib = loaded()
+    if lib is None or not tensors or any(t.device.type != "cpu" or t.dim() != 4 or t.stride(3) != 1
                                                   or t.shape != tensors[0].shape or t.dtype != tensors[0].dtype for t in tensors):
         return False
     b, h, _, d = tensors[0].shape

@@ -1,10 +1,11 @@
 """The benchmark runners in their smallest modes, so they cannot rot."""
 
 import json
+import sys
 
 import pytest
 
-from benchmarks import pool_bench, run
+from benchmarks import peers, pool_bench, run
 
 
 def test_config_specs_parse_presets_and_fields():
@@ -43,3 +44,45 @@ def test_runner_smallest_mode_writes_json_markdown_and_plot(tmp_path):
     assert f"float32 {results['kernels']['float32']}" in results["cost_curve"]  # the curve of the kernels our loop ran on
     assert f"| all | float32 | {name} |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "speedup.png").stat().st_size > 1000
+
+
+FAKE_LLAMA_SERVER = '''#!{python}
+"""Stands for llama-server: dies as its weight repacking does unless --no-repack; answers /health and
+/completion with the prompt's tokens reversed."""
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+if "--no-repack" not in sys.argv:
+    sys.exit(139)
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        out = {{"tokens": body["prompt"][::-1][: body["n_predict"]], "timings": {{"predicted_ms": 30.0, "predicted_n": 4}}}}
+        self.send_response(200); self.end_headers(); self.wfile.write(json.dumps(out).encode())
+    def log_message(self, *args):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Handler).serve_forever()
+'''
+
+
+def test_peers_server_retries_without_repacking_and_the_report_ranks_engines(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "llama-server").write_text(FAKE_LLAMA_SERVER.format(python=sys.executable))
+    (bin_dir / "llama-server").chmod(0o755)
+    with peers.llama_server(bin_dir, tmp_path / "model.gguf", 2) as (complete, flags):
+        tokens, seconds, timings = complete([1, 2, 3, 4, 5], 4)
+    assert flags == ("--no-repack",) and tokens == [5, 4, 3, 2] and timings["predicted_ms"] == 30.0 and seconds > 0
+
+    def rows(tokens_per_s: float, sets=("a", "b")) -> list[dict]:
+        return [{"set": s, "prompt": "0", "tokens": [1] * 100, "seconds": 100 / tokens_per_s, "step_ms": 10.0} for s in sets]
+    results = {"hardware": run.hardware(), "model": "m", "isa": "avx2", "max_new_tokens": 100, "llama_cpp": peers.LLAMA_CPP,
+               "weight_bytes": 2e8, "read_bytes_per_s": 2e10,
+               "runs": {"our plain loop bfloat16": rows(40), "lookahead bfloat16": rows(80), "llama.cpp bf16 plain": rows(50),
+                        "llama.cpp bf16 ngram-mod": rows(64)}}
+    peers.write_report(results, tmp_path / "out")
+    text = (tmp_path / "out" / "results.md").read_text()
+    assert "| engine | tokens/s | vs llama.cpp bf16 ngram-mod |" in text and "| lookahead bfloat16 | 80.0 | 1.25x |" in text
+    assert "takes 10.0 ms" in text and "| llama.cpp bf16 plain | 50.0 | 0.78x | 10.0 |" in text
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["runs"].keys() == results["runs"].keys()

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import tiny_llama
+from lookahead import native
 from lookahead.cli import main
 from lookahead.config import PREFILL_CHUNK
 
@@ -195,6 +196,20 @@ def test_default_model_streams_text_in_a_subprocess():
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
     assert "12 tokens" in done.stderr and "tokens/s" in done.stderr
+
+
+@pytest.mark.slow
+def test_stock_kernels_run_no_c_of_ours():
+    """``--kernels stock`` runs lookahead on torch's ops alone: the process never maps a library of ours (which the
+    default does wherever our kernels run: the check can fail)."""
+    probe = ("import atexit, sys; atexit.register(lambda: sys.stderr.write('ours mapped: %s\\n' % any("
+             "'/kernels/lookahead-' in line for line in open('/proc/self/maps')))); from lookahead.cli import main; main()")
+    common = [sys.executable, "-c", probe, "generate", "--no-chat", "The capital of France is", "--max-new-tokens", "12", "--dtype", "float32"]
+    stock = subprocess.run([*common, "--kernels", "stock"], capture_output=True, text=True, timeout=600)
+    assert stock.returncode == 0 and "Paris" in stock.stdout and "ours mapped: False" in stock.stderr, stock.stderr
+    if native.best_tier():
+        packed = subprocess.run(common, capture_output=True, text=True, timeout=600)
+        assert packed.returncode == 0 and "ours mapped: True" in packed.stderr, packed.stderr
 
 
 @pytest.mark.slow

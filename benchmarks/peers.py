@@ -1,0 +1,246 @@
+"""Lookahead side by side with the engine CPU users already run: llama.cpp's ``llama-server`` (plain, each of its
+n-gram speculation modes, and the original quantized GGUF), beside stock HF greedy, HF prompt lookup, our plain
+loop and lookahead, on the same prompts given as token ids (chat template applied), greedy, one request at a time.
+
+    python -m benchmarks.peers                                # SmolLM2-135M, 3 prompts a set, 128 new tokens
+    python -m benchmarks.peers --model qwen2.5-coder-0.5b
+    python -m benchmarks.peers --build-only                   # just build llama.cpp (~16 min on 2 cores, once)
+
+llama.cpp is built once from the source vendored in PyPI's ``llama-cpp-python`` sdist (``-DGGML_NATIVE=ON``,
+static, into ``<cache>/peers``); its bf16 runs read the embedded GGUF re-saved in bf16 by its own
+``llama-quantize``, so every bf16 engine here streams the same weights. Each request is timed whole, prefill
+included, as ``generate()`` is; the report also gives each engine's plain decode step against the time two
+cores take to stream the weights once (bytes of every linear, ``lm_head`` included, over the measured read
+bandwidth). Engines run one after another, never two at once (llama.cpp's OpenMP threads stall beside
+other work)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tarfile
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from benchmarks import datasets
+from benchmarks.prompts import prompt_ids
+from benchmarks.run import hardware, hf_generate
+from lookahead import LookaheadConfig, LookaheadGenerator, models, native
+
+LLAMA_CPP = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp at commit 0c1e570
+TOOLS = ("llama-server", "llama-quantize")
+MODES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # llama.cpp's draft-free speculation
+
+
+def build_llama_cpp(cache_dir: Path) -> Path:
+    """The directory holding ``TOOLS``, built on first use. A build that did not finish leaves no ``done`` mark
+    and is started again from scratch."""
+    home = cache_dir / "peers" / LLAMA_CPP.replace("==", "-")
+    bin_dir, done = home / "build" / "bin", home / "done"
+    if done.exists():
+        return bin_dir
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    print(f"building llama.cpp from the {LLAMA_CPP} sdist into {home} (once; ~16 min on 2 cores)", flush=True)
+    subprocess.run(["pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_CPP, "-d", str(home)], check=True,
+                   capture_output=True)
+    with tarfile.open(next(home.glob("*.tar.gz"))) as sdist:
+        sdist.extractall(home, filter="data")
+    source = next(home.glob("*/vendor/llama.cpp"))
+    subprocess.run(["cmake", "-S", str(source), "-B", str(home / "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
+                   check=True, capture_output=True)
+    with open(home / "build.log", "w") as log:  # its compilers' warnings run to megabytes
+        subprocess.run(["cmake", "--build", str(home / "build"), "--target", *TOOLS, "-j", str(os.cpu_count())], check=True,
+                       stdout=log, stderr=subprocess.STDOUT)
+    done.touch()
+    return bin_dir
+
+
+def bf16_gguf(bin_dir: Path, gguf: Path) -> Path:
+    """``gguf`` re-saved in bf16 by llama.cpp's own quantizer (the weights ours load, dequantized once), cached beside it."""
+    target = gguf.with_name(f"{gguf.stem}.bf16.gguf")
+    if not target.exists():
+        with tempfile.NamedTemporaryFile(dir=gguf.parent, suffix=".gguf", delete=False) as tmp:
+            subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), tmp.name, "BF16"], check=True,
+                           capture_output=True)
+        Path(tmp.name).replace(target)
+    return target
+
+
+def start_server(bin_dir: Path, gguf: Path, threads: int, extra: tuple[str, ...]) -> tuple[subprocess.Popen, str]:
+    """A ``llama-server`` on a free loopback port, one slot, no prompt cache, answering -> (process, its URL)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+           "-tb", str(threads), "-np", "1", "-c", "4096", "--no-cache-prompt", "--no-webui", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.2)
+
+
+@contextmanager
+def llama_server(bin_dir: Path, gguf: Path, threads: int, extra: tuple[str, ...] = ()):
+    """Yields (``complete(ids, n)``, the flags it runs with): ``extra``, and ``--no-repack`` if it crashed without
+    (its weight repacking does on some files and CPUs: a Q4_1 GGUF on a Xeon with AMX)."""
+    try:
+        proc, url = start_server(bin_dir, gguf, threads, extra)
+    except RuntimeError as e:
+        print(f"{e}; again with --no-repack", flush=True)
+        extra = (*extra, "--no-repack")
+        proc, url = start_server(bin_dir, gguf, threads, extra)
+
+    def complete(ids: list[int], n: int) -> tuple[list[int], float, dict]:
+        body = json.dumps({"prompt": ids, "n_predict": n, "temperature": 0.0, "cache_prompt": False, "return_tokens": True}).encode()
+        request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as r:
+            out = json.loads(r.read())
+        return out["tokens"], time.perf_counter() - start, out["timings"]
+
+    try:
+        yield complete, extra
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def linear_bytes(model) -> int:
+    """Bytes of every linear weight of a stock model in bf16 (``lm_head`` included): what a decode step streams."""
+    return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    """Bytes a second the process's threads read, from the fastest of ``reps`` sums over ``gib`` GiB."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def run_all(args) -> dict:
+    cache_dir = args.cache_dir or models.default_cache_dir()
+    machine = hardware()
+    bin_dir = args.llama_cpp or build_llama_cpp(cache_dir)
+    quantized = models.fetch_embedded(args.model, cache_dir)
+    bf16 = bf16_gguf(bin_dir, quantized)
+    prompts = datasets.load(args.sets, args.limit, cache_dir)
+    stock = {dtype: models.load(args.model, dtype=dtype, cache_dir=cache_dir) for dtype in ("float32", "bfloat16")}
+    tokenizer = stock["bfloat16"][1]
+    ids = [prompt_ids(tokenizer, p.text, p.chat) for p in prompts]
+    n = args.max_new_tokens
+    rows: dict[str, list[dict]] = {}
+
+    def timed(method: str, call) -> None:
+        call(ids[0][:16], 4)  # warm-up: first-call costs are not what a server pays per request
+        rows[method] = []
+        for p, prompt in zip(prompts, ids):
+            tokens, seconds, step_ms = call(prompt, n)
+            rows[method].append({"set": p.set, "prompt": p.id, "tokens": tokens, "seconds": seconds, "step_ms": step_ms})
+        print(f"{method}: {sum(len(r['tokens']) for r in rows[method]) / sum(r['seconds'] for r in rows[method]):.1f} tok/s", flush=True)
+
+    for dtype, (model, _) in stock.items():
+        timed(f"HF greedy {dtype}", lambda p, k, m=model: (*hf_generate(m, p, k), None))
+    timed("HF prompt lookup bfloat16", lambda p, k: (*hf_generate(stock["bfloat16"][0], p, k, prompt_lookup_num_tokens=10), None))
+    weight_bytes = linear_bytes(stock["bfloat16"][0])
+    del stock
+    model, tok = models.load(args.model, dtype="bfloat16", cache_dir=cache_dir, kernels="packed")
+    gen = LookaheadGenerator(model, tok, LookaheadConfig(), cache_dir=cache_dir)
+
+    def ours(lookahead: bool):
+        def call(prompt: list[int], k: int):
+            start = time.perf_counter()
+            out = gen.generate(prompt, max_new_tokens=k, lookahead=lookahead, state=gen.new_state())
+            return out.tokens, time.perf_counter() - start, out.stats.decode_s * 1000 / max(out.stats.steps, 1)
+        return call
+
+    timed("our plain loop bfloat16", ours(False))
+    timed("lookahead bfloat16", ours(True))
+    del gen, model
+    peers = [("llama.cpp bf16 plain", bf16, ()), *((f"llama.cpp bf16 {m}", bf16, ("--spec-type", m)) for m in MODES),
+             (f"llama.cpp {quantized.name} plain", quantized, ()), (f"llama.cpp {quantized.name} ngram-mod", quantized, ("--spec-type", "ngram-mod"))]
+    for method, gguf, extra in peers:
+        with llama_server(bin_dir, gguf, torch.get_num_threads(), extra) as (complete, flags):
+            def call(prompt, k):
+                tokens, seconds, t = complete(prompt, k)
+                return tokens, seconds, t["predicted_ms"] / max(t["predicted_n"] - 1, 1)
+            timed(method + (" (--no-repack)" if "--no-repack" in flags else ""), call)
+    return {"hardware": machine, "model": args.model, "isa": native.isa(), "max_new_tokens": n, "llama_cpp": LLAMA_CPP,
+            "weight_bytes": weight_bytes, "read_bytes_per_s": read_bandwidth(), "runs": rows}
+
+
+def write_report(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    runs, hw = results["runs"], results["hardware"]
+    tps = {m: sum(len(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
+    peers = {m: v for m, v in tps.items() if m.startswith("llama.cpp")}
+    best_peer = max(peers, key=peers.get)
+    plain = runs["our plain loop bfloat16"]
+    stream_ms = results["weight_bytes"] / results["read_bytes_per_s"] * 1000
+    lines = [f"# {results['model']}: lookahead beside llama.cpp and HF", "",
+             f"{hw['cpu']}, {hw['cores']} cores ({hw['torch_threads']} threads for every engine); torch {hw['torch']}, transformers "
+             f"{hw['transformers']}; commit {hw['commit']}; our kernels' ISA {results['isa']}; llama.cpp from {results['llama_cpp']}'s sdist. "
+             f"{len(plain)} prompts as token ids, {results['max_new_tokens']} new tokens, greedy, one request at a time; each request timed "
+             "whole (prefill included).", "",
+             f"Streaming the {results['weight_bytes'] / 1e6:.0f} MB of bf16 linear weights once at the measured "
+             f"{results['read_bytes_per_s'] / 1e9:.1f} GB/s takes {stream_ms:.1f} ms: a plain decode step's floor.", "",
+             f"| engine | tokens/s | vs {best_peer} | plain decode step (ms) | same tokens as our plain loop |", "|---|---|---|---|---|"]
+    for method, rs in runs.items():
+        steps = [r["step_ms"] for r in rs if r["step_ms"] is not None]
+        step = f"{sorted(steps)[len(steps) // 2]:.1f}" if steps and ("plain" in method) else "–"
+        same = sum(r["tokens"] == q["tokens"] for r, q in zip(rs, plain)) / len(rs)
+        lines.append(f"| {method} | {tps[method]:.1f} | {tps[method] / peers[best_peer]:.2f}x | {step} | {same:.0%} |")
+    worst = min((sum(len(r["tokens"]) for r in ps) / sum(r["seconds"] for r in ps) / (sum(len(q["tokens"]) for q in qs) / sum(q["seconds"] for q in qs)), s)
+                for s in sorted({r["set"] for r in plain})
+                for ps, qs in [([r for r in runs["lookahead bfloat16"] if r["set"] == s], [r for r in runs[best_peer] if r["set"] == s])])
+    lines += ["", f"Plain decode step: the median over prompts of decode time per forward. Lookahead's worst prompt set against "
+                  f"{best_peer}: {worst[1]} at {worst[0]:.2f}x."]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.EMBEDDED))
+    parser.add_argument("--sets", default=",".join(datasets.SETS), help="comma-separated prompt sets")
+    parser.add_argument("--limit", type=int, default=3, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--llama-cpp", type=Path, help="a directory holding llama-server and llama-quantize (default: build them)")
+    parser.add_argument("--build-only", action="store_true")
+    parser.add_argument("--cache-dir", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/peers-latest"))
+    args = parser.parse_args(argv)
+    args.sets = args.sets.split(",")
+    if args.build_only:
+        print(build_llama_cpp(args.cache_dir or models.default_cache_dir()))
+        return
+    write_report(run_all(args), args.out)
+    print((args.out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
