@@ -167,7 +167,7 @@ def run_all(args) -> dict:
         timed(f"HF greedy {dtype}", lambda p, k, m=model: (*hf_generate(m, p, k), None))
     timed("HF prompt lookup bfloat16", lambda p, k: (*hf_generate(stock["bfloat16"][0], p, k, prompt_lookup_num_tokens=10), None))
     weight_bytes = linear_bytes(stock["bfloat16"][0])
-    del stock
+    stock.clear()  # free the stock models before ours and llama.cpp's run
     model, tok = models.load(args.model, dtype="bfloat16", cache_dir=cache_dir, kernels="packed")
     gen = LookaheadGenerator(model, tok, LookaheadConfig(), cache_dir=cache_dir)
 
@@ -180,7 +180,7 @@ def run_all(args) -> dict:
 
     timed("our plain loop bfloat16", ours(False))
     timed("lookahead bfloat16", ours(True))
-    del gen, model
+    gen = model = None  # freed before llama.cpp's runs
     peers = [("llama.cpp bf16 plain", bf16, ()), *((f"llama.cpp bf16 {m}", bf16, ("--spec-type", m)) for m in MODES),
              (f"llama.cpp {quantized.name} plain", quantized, ()), (f"llama.cpp {quantized.name} ngram-mod", quantized, ("--spec-type", "ngram-mod"))]
     for method, gguf, extra in peers:

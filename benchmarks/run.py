@@ -25,18 +25,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 import lookahead
 from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
-from lookahead import LookaheadConfig, LookaheadGenerator, kv, models, native, tuner
+from lookahead import LookaheadConfig, LookaheadGenerator, models, native, tuner
 from lookahead.cpu import cpu_name
 from lookahead.drafting import SOURCES
 from lookahead.hf import generator_for
 from lookahead.kernels import kernels_of
+from tests.oracle import is_tie
 
-TIE = 1e-4
 GREEDY, PLD, PLAIN = "hf_greedy", "hf_prompt_lookup", "plain loop (--no-lookahead)"
 COLD = "(cold state)"  # a fresh drafting state for the call, where the generator's own has learnt from the prompts before
 HF_ENTRY = "generate(custom_generate=lookahead.custom_generate)"  # the first --config through generate(): its overhead
@@ -92,25 +91,6 @@ def hf_generate(model, ids: list[int], max_new_tokens: int, **kwargs) -> tuple[l
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
     return out[0, len(ids):].tolist(), time.perf_counter() - start
-
-
-def is_tie(model, prompt: list[int], generated: list[int]) -> bool:
-    """Whether the reference's top-2 next-token logits after ``prompt + generated`` are a numerical tie.
-
-    fp32: their margin is below 1e-4. bf16/fp16: their margin is within the rounding noise of that very step,
-    measured as the largest logit difference between two computation orders of it: one forward over the
-    whole sequence, and generate()'s order (the prompt, then one generated token at a time against the cache).
-    """
-    with torch.inference_mode():
-        whole = model(input_ids=torch.tensor([prompt + generated], device=model.device), logits_to_keep=1).logits[0, -1].float()
-        top = whole.topk(2).values
-        if model.dtype == torch.float32:
-            return float(top[0] - top[1]) < TIE
-        cache = DynamicCache(config=model.config)
-        stepwise = model(input_ids=torch.tensor([prompt], device=model.device), **kv.cache_kwarg(model, cache), logits_to_keep=1).logits[0, -1]
-        for token in generated:
-            stepwise = model(input_ids=torch.tensor([[token]], device=model.device), **kv.cache_kwarg(model, cache)).logits[0, -1]
-    return float(top[0] - top[1]) <= float((whole - stepwise.float()).abs().max())
 
 
 def cost_curve(model, sizes: list[int], context: int = 128, reps: int = 5) -> dict[int, float]:

@@ -22,7 +22,7 @@ from lookahead.drafting import DraftState
 from lookahead.lane import Lane, shared_state
 from lookahead.loop import Batch
 from lookahead.passes import forward, prefill
-from lookahead.planner import Calibration, LiveCurve
+from lookahead.planner import Calibration, LiveCurve, Planner
 from lookahead.prompt import prompt_ids
 from lookahead.stats import GenerationStats
 from lookahead.tree import TokenTree
@@ -58,9 +58,8 @@ class LookaheadGenerator:
         mc = model.config.get_text_config(decoder=True)
         support.check_config(model)
         self.vocab_size = models.vocab_size(model)
-        self.max_context = support.context_length(mc)
+        self.reach = support.Reach.of(mc)
         self.windows = support.mask_windows(mc)
-        self.rotary_switches = support.rotary_switches(mc)
         TokenTree.warm_up()
         DraftState.warm_up()
         support.check_step(model, *self._probes())
@@ -72,7 +71,7 @@ class LookaheadGenerator:
     def batchable(self) -> bool:
         """Whether sequences share a step exactly (LongRoPE switches a whole forward by its largest position): probed
         when a batch first needs it, not at load (a quarter of a second a one-request start does not need)."""
-        return not self.rotary_switches and support.check_batch(self.model, *self._probes())
+        return not self.reach.switches and support.check_batch(self.model, *self._probes())
 
     @classmethod
     def from_pretrained(
@@ -202,7 +201,7 @@ class LookaheadGenerator:
         """An empty running batch over this generator's model (the cost model on where ``config.auto`` and lookahead);
         ``prefill_chunk``: see ``Batch``."""
         auto = self.config.auto and lookahead
-        return Batch(self.model, self.config, self.windows, self._limits, self.live_cost if auto else None, self._calibration, prefill_chunk)
+        return Batch(self.model, self.config, self.windows, self.reach, Planner(self.live_cost if auto else None, self._calibration), prefill_chunk)
 
     def result(self, lane: Lane) -> GenerationResult:
         """What a finished lane gives back."""
@@ -220,9 +219,9 @@ class LookaheadGenerator:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
         decoding = Decoding(self.model, self.tokenizer, len(ids), max_new_tokens, generation_config, seed, options)
-        if self.max_context is not None and len(ids) + decoding.max_new_tokens > self.max_context:
+        if self.reach.context is not None and len(ids) + decoding.max_new_tokens > self.reach.context:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({decoding.max_new_tokens}) exceeds the model's "
-                             f"context of {self.max_context} tokens")
+                             f"context of {self.reach.context} tokens")
         return ids, decoding
 
     def new_state(self) -> DraftState:
@@ -271,12 +270,3 @@ class LookaheadGenerator:
             yield self._state
         finally:
             self._state_lock.release()
-
-    def _limits(self, position: int, last_position: int) -> tuple[int, int]:
-        """How far past the current token (at ``position``) a step's rows may sit, and how many rows it may add.
-
-        No row goes past the last position generate() feeds nor across a rotary switch, and no key past the
-        context: causal-mask and ALiBi buffers (MPT, GPT-Neo) end there."""
-        room = min(last_position - position, support.rows_before_switch(position, self.rotary_switches))
-        space = self.max_context - position - 1 if self.max_context is not None else 1 << 30
-        return room, space

@@ -1,5 +1,5 @@
 """A lane: one sequence of a decode batch, with everything that is its own (prompt, options, drafting window,
-calibration, output, statistics), and the drafting state its batch shares."""
+the planner's ledger, output, statistics), and the drafting state its batch shares."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import torch
 
 from lookahead.decoding import Decoding
 from lookahead.drafting import DraftState
-from lookahead.planner import Calibration, JacobiWorth
+from lookahead.planner import Ledger
 from lookahead.stats import Clock, GenerationStats
-from lookahead.tree import TokenTree
-from lookahead.verify import accepted_after
 from lookahead.window import JacobiWindow
 from ngram_pool import SuffixDrafter
 
@@ -32,10 +30,7 @@ class Lane:
     stats: GenerationStats = field(default_factory=GenerationStats)
     suffix: SuffixDrafter | None = None
     window: JacobiWindow | None = None
-    worth: JacobiWorth | None = None  # these two with the cost model only
-    calibration: Calibration | None = None
-    declined: list[tuple[TokenTree, int]] = field(default_factory=list)  # proposals the cost model ran none of, and
-                                                                          # where in ``out`` the tokens after them start
+    ledger: Ledger | None = None  # the cost model's account of a drafting lane (``Planner``)
     clock: Clock = field(default_factory=Clock)
 
     @property
@@ -55,22 +50,6 @@ class Lane:
     @property
     def finish_reason(self) -> str:
         return "stop" if self.done else "cancelled" if self.cancelled else "length"
-
-    def hindsight(self) -> list[tuple[float, int]]:
-        """(promised, accepted) of each declined proposal that the tokens since have decided (it leaves
-        ``declined``): what verifying it would have given, so a calibration learns on plain steps too. Without
-        it a calibration that fell low (a few failed drafts of chat text) kept every later step plain, and,
-        pooled, every later request: measured (SmolLM2 bf16, Zen 4, the benchmark), the first three prompts
-        ran all plain."""
-        judged, waiting = [], []
-        for tree, start in self.declined:
-            got = accepted_after(tree, self.out[start:])
-            if got is None:
-                waiting.append((tree, start))
-            else:
-                judged.append((float(tree.scores.sum()), got))
-        self.declined = waiting
-        return judged
 
     def emit(self, tokens: list[int]) -> None:
         if self.streamer is not None and tokens:

@@ -20,14 +20,15 @@ from transformers import PreTrainedModel
 from lookahead import kv, native
 from lookahead.config import LookaheadConfig
 from lookahead.decoding import Decoding
-from lookahead.drafting import TRAJECTORY, Observed
+from lookahead.drafting import Observed
 from lookahead.lane import Lane, shared_state
-from lookahead.layout import StepLayout, build_layout, stack
+from lookahead.layout import BatchLayout, StepLayout, build_layout, stack
 from lookahead.passes import forward, prefill
+from lookahead.planner import Move, Planner
 from lookahead.stats import Clock
+from lookahead.support import Reach
 from lookahead.tree import TokenTree
 from lookahead.verify import argmax
-from lookahead.planner import DORMANT, PLAIN, Calibration, JacobiWorth, LiveCurve, plan
 from lookahead.window import JacobiWindow
 
 
@@ -42,17 +43,15 @@ def until_stop(decoding: Decoding, history: list[int], new: list[int]) -> tuple[
 class Batch:
     """The running batch: its lanes and their shared KV cache; ``step`` runs the numbered loop once."""
 
-    def __init__(self, model: PreTrainedModel, config: LookaheadConfig, windows: dict[str, int | None],
-                 limits, curve: LiveCurve | None, calibration: Calibration | None = None, prefill_chunk: int | None = None) -> None:
-        """windows: layer type -> sliding window (``support.mask_layers``); limits(position, last_position) ->
-        (room, space) as ``LookaheadGenerator._limits``; curve: the cost model (None: the fixed shape);
-        calibration: every sequence's steps so far, pooled (a joining sequence starts from its factor);
-        prefill_chunk: prompt tokens prefilled between two steps while other lanes decode (None: a joining
-        prompt is prefilled whole at once; see ``join``)."""
+    def __init__(self, model: PreTrainedModel, config: LookaheadConfig, windows: dict[str, int | None], reach: Reach,
+                 planner: Planner, prefill_chunk: int | None = None) -> None:
+        """windows: layer type -> sliding window (``support.mask_windows``); reach: the model's context and rotary
+        switches; planner: the cost model (``Planner(None)``: the fixed shape); prefill_chunk: prompt tokens
+        prefilled between two steps while other lanes decode (None: a joining prompt is prefilled whole at once;
+        see ``join``)."""
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {prefill_chunk!r}")
-        self.model, self.config, self.windows, self.limits, self.curve = model, config, windows, limits, curve
-        self.calibration = calibration or Calibration()
+        self.model, self.config, self.windows, self.reach, self.planner = model, config, windows, reach, planner
         self.prefill_chunk = prefill_chunk
         self.lanes: list[Lane] = []
         self.joining: list[tuple[Lane, kv.BatchCache]] = []  # lanes whose prompts are going in by chunks, oldest first
@@ -87,8 +86,8 @@ class Batch:
         lane.suffix = lane.state.start(lane.prompt + lane.out, cfg)
         if lane.lookahead and cfg.window:
             lane.window = JacobiWindow(cfg.window, cfg.ngram, np.asarray(lane.prompt), cfg.seed)
-        if lane.lookahead and self.curve is not None:
-            lane.worth, lane.calibration = JacobiWorth(), Calibration(self.calibration.factor)
+        if lane.lookahead:
+            lane.ledger = self.planner.ledger()
         lane.stats.prefill_s = lane.clock.lap()
         lane.emit(lane.out)
         finished = lane.finished  # read once: another thread may cancel it, a deadline may pass meanwhile
@@ -126,95 +125,94 @@ class Batch:
         finished = self._retire() + self._prefill_some()  # out of time or cancelled since the last step; joined at their first token
         if not self.lanes:
             return finished
-        cfg, lanes, clock = self.config, self.lanes, Clock()
+        lanes, clock = self.lanes, Clock()
         self._squeeze_if_costly()
-        # 1. draft: every lane's sources propose continuations of its current token, merged into one tree
-        trees, levels, spaces = [], [], []
-        dormant = self.curve is not None and self.curve.dormant
-        for lane in lanes:
-            room, space = self._limits(lane)
-            drafting = lane.lookahead and not (dormant and lane.stats.steps >= DORMANT)  # a new lane drafts its first steps
-            tree = lane.state.propose(lane.out[-1], cfg, min(cfg.tree_budget if drafting else 0, space), room, lane.suffix)
-            level = lane.window.levels_within(room) if lane.window and drafting else 0
-            trees.append(tree)
-            levels.append(level if level * cfg.window <= space else 0)
-            spaces.append(space)
-        proposed = list(trees)
-        if self.curve is not None:  # the cost model keeps only what is expected to pay (possibly nothing: plain steps)
-            choices = [PLAIN] * len(lanes)  # nothing drafted (dormant steps): plain, without pricing it
-            if any(len(tree) or level for tree, level in zip(trees, levels)):
-                choices = plan(self.curve, trees, [lv * cfg.window for lv in levels], [ln.worth.value if ln.worth else 0.0 for ln in lanes],
-                               [ln.calibration.factor if ln.calibration else 1.0 for ln in lanes], explore=self.curve.stale)
-            for b, (lane, choice) in enumerate(zip(lanes, choices)):
-                trees[b] = trees[b].best(choice.nodes)
-                levels[b] = levels[b] if lane.worth is not None and lane.worth.runs(choice.window) else 0
-        trees = [tree.best(space - level * cfg.window) for tree, level, space in zip(trees, levels, spaces)]
+        # 1. draft: every lane's sources propose a tree; the planner keeps what is expected to pay (maybe nothing)
+        moves = [self._propose(lane) for lane in lanes]
+        self.planner.choose(moves, self.config.window)
+        for move in moves:
+            move.tree = move.tree.best(move.space - move.levels * self.config.window)
         draft_s = clock.lap()
         # 2. layout and one forward: logits only for each lane's current token, last window level and tree
-        layouts = [build_layout(cfg.window, level, tree) for level, tree in zip(levels, trees)]
-        step = stack(layouts)
-        ids = np.zeros((len(lanes), step.size), np.int64)
-        for b, (lane, level, tree, layout) in enumerate(zip(lanes, levels, trees, layouts)):
-            ids[b, 0] = lane.out[-1]
-            if layout.size > 1:
-                window = lane.window.active[:level].ravel() if level else np.empty(0, np.int64)
-                ids[b, 1 : layout.size] = np.concatenate([window, tree.tokens])
-        positions = torch.tensor([lane.position for lane in lanes])
-        logits = forward(self.model, self.windows, step, self.cache, torch.from_numpy(ids), positions)
+        step, ids = self._layout(lanes, moves)
+        logits = forward(self.model, self.windows, step, self.cache, torch.from_numpy(ids), torch.tensor([lane.position for lane in lanes]))
         forward_s = clock.lap()
-        if self.curve is not None:
-            self.curve.observe(len(lanes) * step.size, forward_s, len(lanes))
         # 3. verify: per lane, the deepest branch the model agrees with, plus its own next token
-        owns = [step.logits_of(logits, b) for b in range(len(lanes))]  # each lane's (its logit_rows, V)
-        verdicts, news = [], []
-        for lane, tree, layout, own in zip(lanes, trees, layouts, owns):
-            first, _, tree_logits = layout.split_logits(own)
-            history = lane.prompt + lane.out
-            verdict = lane.decoding.verify(history, first, tree_logits, tree)
-            new, lane.done = until_stop(lane.decoding, history, verdict.tokens[: lane.decoding.max_new_tokens - len(lane.out)])
-            verdicts.append(verdict)
-            news.append(new)
+        for b, (lane, move) in enumerate(zip(lanes, moves)):
+            move.logits = step.logits_of(logits, b)
+            self._verify(lane, move)
         verify_s = clock.lap()
         # 4. keep the KV of each lane's current token and accepted branch only
-        keep = [np.array([0] + [layout.first_tree_row + n for n in v.path]) for layout, v in zip(layouts, verdicts)]
-        self.cache.compact(step.size, keep, [lane.position + layout.offsets.numpy()[k] for lane, layout, k in zip(lanes, layouts, keep)])
-        # 5. learn (not in plain decoding): the window advances; the sources take the trajectories, the new
-        #    tokens and every row's top-k (one top-k over the whole step)
-        k = min(cfg.recycle_k, logits.shape[-1]) if any(lane.lookahead for lane in lanes) else 0
-        topk = native.top_k(logits, k) if k else np.empty((*logits.shape[:2], 0), np.int64)  # (B, U, k)
-        observed = []
-        for b, (lane, tree, level, layout, verdict, new, own) in enumerate(zip(lanes, trees, levels, layouts, verdicts, news, owns)):
-            if lane.lookahead:
-                _, last_level, _ = layout.split_logits(own)
-                trajectories = lane.window.advance(argmax(last_level.float())) if level else np.empty((0, cfg.ngram), np.int64)
-                row_tokens, row_topk = ranked_rows(layout, ids[b, : layout.size], step.logits_of(topk, b), verdict.path)
-                history_tail = (lane.prompt[-(cfg.ngram - 1):] + lane.out)[-(cfg.ngram - 1):]
-                observed.append(Observed(tree, verdict.path, new, trajectories, row_tokens, row_topk, history_tail, lane.suffix))
-            if lane.worth is not None:
-                lane.worth.update(int((tree.sources[verdict.path] == 1 << TRAJECTORY).sum()), level > 0)
-            if lane.calibration is not None and not len(tree) and len(proposed[b]):  # judged once its tokens have come
-                lane.declined.append((proposed[b], len(lane.out)))
-            lane.out += new
-            if lane.calibration is not None:
-                verified = [(float(tree.scores.sum()), len(verdict.path))] if len(tree) else []
-                for promised, got in verified + lane.hindsight():
-                    for calibration in (lane.calibration, self.calibration):
-                        calibration.update(promised, got)
-            lane.stats.record(tree, level, verdict.path, len(new))
-        if observed:
-            shared_state(lanes).learn(cfg, observed)
+        keep = [np.array([0] + [move.layout.first_tree_row + n for n in move.verdict.path]) for move in moves]
+        self.cache.compact(step.size, keep, [lane.position + move.layout.offsets.numpy()[k] for lane, move, k in zip(lanes, moves, keep)])
+        # 5. learn: the drafting sources (not in plain decoding), then the lanes' outputs and the planner
+        self._teach(lanes, moves, step, ids, logits)
+        for lane, move in zip(lanes, moves):
+            lane.out += move.new
+            lane.stats.record(move.tree, move.levels, move.verdict.path, len(move.new))
+        self.planner.learn(moves, [lane.out for lane in lanes], step.size, forward_s)
         learn_s = clock.lap()
         # 6. stream what was accepted; finished lanes leave the batch
-        for lane, new in zip(lanes, news):
+        for lane, move in zip(lanes, moves):
             for phase, seconds in (("draft", draft_s), ("forward", forward_s), ("verify", verify_s), ("learn", learn_s)):
                 lane.stats.phase_s[phase] += seconds
-            lane.emit(new)
+            lane.emit(move.new)
         return finished + self._retire()
 
+    def _propose(self, lane: Lane) -> Move:
+        """What the lane's sources draft after its current token, within its room and space (nothing while the
+        planner holds it dormant, or in plain decoding)."""
+        cfg = self.config
+        room, space = self._limits(lane)
+        drafting = lane.lookahead and self.planner.proposes(lane.stats.steps)
+        tree = lane.state.propose(lane.out[-1], cfg, min(cfg.tree_budget if drafting else 0, space), room, lane.suffix)
+        levels = lane.window.levels_within(room) if lane.window and drafting else 0
+        return Move(tree, levels if levels * cfg.window <= space else 0, space, lane.ledger)
+
+    def _layout(self, lanes: list[Lane], moves: list[Move]) -> tuple[BatchLayout, np.ndarray]:
+        """The step's rows: each lane's layout, padded to the widest, and its input ids (B, width)."""
+        for move in moves:
+            move.layout = build_layout(self.config.window, move.levels, move.tree)
+        step = stack([move.layout for move in moves])
+        ids = np.zeros((len(moves), step.size), np.int64)
+        for b, (lane, move) in enumerate(zip(lanes, moves)):
+            ids[b, 0] = lane.out[-1]
+            if move.layout.size > 1:
+                window = lane.window.active[: move.levels].ravel() if move.levels else np.empty(0, np.int64)
+                ids[b, 1 : move.layout.size] = np.concatenate([window, move.tree.tokens])
+        return step, ids
+
+    @staticmethod
+    def _verify(lane: Lane, move: Move) -> None:
+        """The model's verdict on the lane's tree, and the tokens it emits (cut at a stop or the length)."""
+        first, _, tree_logits = move.layout.split_logits(move.logits)
+        history = lane.prompt + lane.out
+        move.verdict = lane.decoding.verify(history, first, tree_logits, move.tree)
+        move.new, lane.done = until_stop(lane.decoding, history, move.verdict.tokens[: lane.decoding.max_new_tokens - len(lane.out)])
+
+    def _teach(self, lanes: list[Lane], moves: list[Move], step: BatchLayout, ids: np.ndarray, logits: torch.Tensor) -> None:
+        """The drafting lanes' windows advance; the shared sources take the trajectories, the new tokens and every
+        row's top-k (one top-k over the whole step)."""
+        cfg = self.config
+        if not any(lane.lookahead for lane in lanes):
+            return
+        k = min(cfg.recycle_k, logits.shape[-1])
+        topk = native.top_k(logits, k) if k else np.empty((*logits.shape[:2], 0), np.int64)  # (B, U, k)
+        observed = []
+        for b, (lane, move) in enumerate(zip(lanes, moves)):
+            if not lane.lookahead:
+                continue
+            _, last_level, _ = move.layout.split_logits(move.logits)
+            trajectories = lane.window.advance(argmax(last_level.float())) if move.levels else np.empty((0, cfg.ngram), np.int64)
+            row_tokens, row_topk = ranked_rows(move.layout, ids[b, : move.layout.size], step.logits_of(topk, b), move.verdict.path)
+            history_tail = (lane.prompt[-(cfg.ngram - 1):] + lane.out)[-(cfg.ngram - 1):]
+            observed.append(Observed(move.tree, move.verdict.path, move.new, trajectories, row_tokens, row_topk, history_tail, lane.suffix))
+        shared_state(lanes).learn(cfg, observed)
+
     def _limits(self, lane: Lane) -> tuple[int, int]:
-        """(room, space) of ``limits`` for the lane, each hole or padding column of the cache taking a key slot
+        """(room, space) of ``Reach.limits`` for the lane, each hole or padding column of the cache taking a key slot
         from the context (the step's keys are the whole cache's length plus its rows, in every sequence)."""
-        room, space = self.limits(lane.position, lane.last_position)
+        room, space = self.reach.limits(lane.position, lane.last_position)
         return room, space - (self.cache.length - lane.position)
 
     def _squeeze_if_costly(self) -> None:

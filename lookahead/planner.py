@@ -17,12 +17,16 @@ suffix match) turns drafting back on by itself. ``plan`` is the same rule for a 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from lookahead.curve import CostCurve
+from lookahead.drafting import TRAJECTORY
+from lookahead.layout import StepLayout
 from lookahead.tree import TokenTree
+from lookahead.verify import Verdict, accepted_after
 
 JACOBI_PRIOR = 0.05  # draft tokens per step credited to the Jacobi branch before any is measured (SmolLM2: ~0)
 JACOBI_DECAY = 0.05  # weight of each step in its running estimate
@@ -200,13 +204,13 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
 
 class Calibration:
     """Draft tokens a sequence got accepted per token its trees' scores promised, over its recent proposals (a
-    proposal the cost model declined counts once the tokens after it have come: ``Lane.hindsight``).
+    proposal the cost model declined counts once the tokens after it have come: ``Ledger.hindsight``).
 
     The scores come from acceptance statistics shared by every sequence of a batch (and across requests), per
     source and depth: a sequence whose drafts fare worse than the mix (a chat answer beside a summary) would be
     planned with the mix's hopes. Measured, 8 sequences x 256 tokens: the scores promised 1.94 accepted tokens
     per drafting step and 1.41 came (one sequence alone: 0.99 promised, 1.19 came). A new sequence starts
-    from ``factor`` (what every sequence so far got: ``Batch.calibration``), not from trusting the mix."""
+    from ``factor`` (what every sequence so far got: ``Planner.calibration``), not from trusting the mix."""
 
     def __init__(self, factor: float = 1.0) -> None:
         self.promised, self.got = CALIBRATION_PRIOR, CALIBRATION_PRIOR * factor
@@ -242,6 +246,99 @@ class JacobiWorth:
         if ran:
             self.value += JACOBI_DECAY * (self.since_run - self.value)
             self.since_run = 0
+
+
+@dataclass(eq=False)
+class Ledger:
+    """What the planner keeps of one drafting lane: its calibration, its Jacobi branch's worth, and the proposals
+    it declined, each with where in the lane's output the tokens after it start, until they judge it."""
+
+    calibration: Calibration
+    worth: JacobiWorth = field(default_factory=JacobiWorth)
+    declined: list[tuple[TokenTree, int]] = field(default_factory=list)
+
+    def hindsight(self, out: list[int]) -> list[tuple[float, int]]:
+        """(promised, accepted) of each declined proposal that the tokens since have decided (it leaves
+        ``declined``): what verifying it would have given, so a calibration learns on plain steps too. Without
+        it a calibration that fell low (a few failed drafts of chat text) kept every later step plain, and,
+        pooled, every later request: measured (SmolLM2 bf16, Zen 4, the benchmark), the first three prompts
+        ran all plain."""
+        judged, waiting = [], []
+        for tree, start in self.declined:
+            got = accepted_after(tree, out[start:])
+            if got is None:
+                waiting.append((tree, start))
+            else:
+                judged.append((float(tree.scores.sum()), got))
+        self.declined = waiting
+        return judged
+
+
+@dataclass(eq=False)
+class Move:
+    """One lane's part of a step, filled in phase by phase: what its sources proposed and the room it has
+    (draft), what the planner kept of it (``tree``, ``levels``), its rows (layout), the model's verdict and the
+    tokens it emits (verify)."""
+
+    proposed: TokenTree
+    levels: int  # Jacobi levels fed (0: none)
+    space: int  # rows the step may add for the lane
+    ledger: Ledger | None  # None: a lane the cost model does not plan (plain decoding, or no cost model)
+    tree: TokenTree | None = None  # the nodes verified (``proposed`` until the planner cuts it)
+    layout: StepLayout | None = None
+    logits: torch.Tensor | None = None  # (its logit rows, V)
+    verdict: Verdict | None = None
+    new: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tree = self.proposed
+
+
+class Planner:
+    """The cost model of a batch: the live curve (None: the fixed shape, which runs whatever is proposed) and
+    the calibration every lane so far pooled; each drafting lane's own part is its ``Ledger``. ``choose``
+    before the forward, ``learn`` after it."""
+
+    def __init__(self, curve: LiveCurve | None, calibration: Calibration | None = None) -> None:
+        self.curve, self.calibration = curve, calibration or Calibration()
+
+    def ledger(self) -> Ledger | None:
+        """A new drafting lane's ledger (None without a cost model): its calibration starts from the pooled one."""
+        return None if self.curve is None else Ledger(Calibration(self.calibration.factor))
+
+    def proposes(self, steps: int) -> bool:
+        """Whether a lane ``steps`` into its decode drafts this step (``LiveCurve.dormant``: a new lane drafts its first steps)."""
+        return not (self.curve is not None and self.curve.dormant and steps >= DORMANT)
+
+    def choose(self, moves: list[Move], window: int) -> None:
+        """Each move's tree and Jacobi levels: the step expected to pay most per cost (``plan``), possibly plain."""
+        if self.curve is None:
+            return
+        choices = [PLAIN] * len(moves)  # nothing drafted (dormant steps): plain, without pricing it
+        if any(len(m.proposed) or m.levels for m in moves):
+            choices = plan(self.curve, [m.proposed for m in moves], [m.levels * window for m in moves],
+                           [m.ledger.worth.value if m.ledger else 0.0 for m in moves],
+                           [m.ledger.calibration.factor if m.ledger else 1.0 for m in moves], explore=self.curve.stale)
+        for m, choice in zip(moves, choices):
+            m.tree = m.proposed.best(choice.nodes)
+            m.levels = m.levels if m.ledger is not None and m.ledger.worth.runs(choice.window) else 0
+
+    def learn(self, moves: list[Move], outs: list[list[int]], rows: int, seconds: float) -> None:
+        """The step (``rows`` a lane) took ``seconds``; each lane's output ``outs`` now ends with its ``new`` tokens:
+        the Jacobi branch's worth, and calibrations from what was verified and what declined proposals would have got."""
+        if self.curve is None:
+            return
+        self.curve.observe(len(moves) * rows, seconds, len(moves))
+        for m, out in zip(moves, outs):
+            if m.ledger is None:
+                continue
+            m.ledger.worth.update(int((m.tree.sources[m.verdict.path] == 1 << TRAJECTORY).sum()), m.levels > 0)
+            if not len(m.tree) and len(m.proposed):  # judged once its tokens have come
+                m.ledger.declined.append((m.proposed, len(out) - len(m.new)))
+            verified = [(float(m.tree.scores.sum()), len(m.verdict.path))] if len(m.tree) else []
+            for promised, got in verified + m.ledger.hindsight(out):
+                for calibration in (m.ledger.calibration, self.calibration):
+                    calibration.update(promised, got)
 
 
 def chain_tree(p: float, length: int) -> TokenTree:

@@ -8,6 +8,7 @@ depend on the step's largest position, and buffers (causal masks, ALiBi biases) 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -94,6 +95,28 @@ def rotary_switches(config: PreTrainedConfig) -> tuple[int, ...]:
 def rows_before_switch(position: int, switches: tuple[int, ...]) -> int:
     """How far past ``position`` a row may sit and stay on the same side of every switch."""
     return min((s - 1 - position for s in switches if s > position), default=1 << 30)
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How far a model's steps may reach: its context (``context_length``; None: unbounded) and its rotary
+    switches (``rotary_switches``)."""
+
+    context: int | None
+    switches: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, config: PreTrainedConfig) -> Reach:
+        return cls(context_length(config), rotary_switches(config))
+
+    def limits(self, position: int, last_position: int) -> tuple[int, int]:
+        """How far past the current token (at ``position``) a step's rows may sit, and how many rows it may add.
+
+        No row goes past the last position generate() feeds nor across a rotary switch, and no key past the
+        context: causal-mask and ALiBi buffers (MPT, GPT-Neo) end there."""
+        room = min(last_position - position, rows_before_switch(position, self.switches))
+        space = self.context - position - 1 if self.context is not None else 1 << 30
+        return room, space
 
 
 Prefill = Callable[[list[int]], tuple[kv.BatchCache, torch.Tensor]]  # passes.prefill

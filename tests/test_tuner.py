@@ -9,11 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import hf_greedy, tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator, cpu, tuner
+from lookahead import LookaheadConfig, LookaheadGenerator, cpu
 from lookahead.tree import TokenTree
 from lookahead.drafting import DraftState
-from lookahead.lane import Lane
-from lookahead.planner import DORMANT, DORMANT_STRIDE, Calibration, JacobiWorth, LiveCurve, choose, plan
+from lookahead.planner import DORMANT, DORMANT_STRIDE, Calibration, JacobiWorth, Ledger, LiveCurve, choose, plan
 from lookahead.verify import accept, accepted_after
 from lookahead.curve import BATCH_WIDTHS, CostCurve
 from lookahead.tuner import cached_curve, curve_file, lookahead_speed, probe
@@ -267,7 +266,7 @@ def test_a_calibration_that_fell_low_recovers_on_plain_steps():
         gen._calibration = Calibration(0.01)  # every sequence so far got 1% of what its drafts promised
         with pytest.MonkeyPatch.context() as mp:
             if not judge:
-                mp.setattr(Lane, "hindsight", lambda self: [])
+                mp.setattr(Ledger, "hindsight", lambda self, out: [])
             out = gen.generate(prompt, max_new_tokens=40)
         assert out.tokens == ref
         return out.stats.tree_nodes
