@@ -33,7 +33,9 @@ class LookaheadConfig:
     first) whose successors the model predicts once, to seed a new drafting state's recycling table (0 = none;
     see ``prior.py``). auto: each step, the measured cost model (``tuner.py``, ``planner.py``)
     picks how many of the tree's best nodes to verify and whether to run the Jacobi branch, within the
-    shape above; False: always the full shape.
+    shape above; False: always the full shape. live_cost: the loop corrects the cost curve from its own forwards'
+    timings (``planner.LiveCurve``); False plans on the curve as given, so the plans do not depend on the
+    machine's timings (reproducible runs: the tests' exactness checks).
     """
 
     # small steps pay off on CPUs (see benchmarks/README.md); GPUs afford wider ones
@@ -46,6 +48,7 @@ class LookaheadConfig:
     recycle_k: int = 8
     recycle_prior: int = 16384
     auto: bool = True
+    live_cost: bool = True
     pool_slots: int = 16  # continuations kept per key; least recently used evicted
     pool_sparse: bool | None = None  # allocate pool rows on demand; None: when the vocabulary exceeds 65536
     seed_pool_from_prompt: bool = True  # harvest the prompt's n-grams before decoding (input-grounded tasks)
@@ -63,7 +66,7 @@ class LookaheadConfig:
         _check_int("recycle_prior", self.recycle_prior, 0)
         _check_int("pool_slots", self.pool_slots, 1)
         _check_int("seed", self.seed, 0)
-        for name in ("auto", "seed_pool_from_prompt", "pool_from_output"):
+        for name in ("auto", "live_cost", "seed_pool_from_prompt", "pool_from_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.pool_sparse is not None and not isinstance(self.pool_sparse, bool):

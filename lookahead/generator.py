@@ -51,8 +51,8 @@ class LookaheadGenerator:
         self._cost, self._cache_dir, self._progress = cost, cache_dir, progress
         self._live: LiveCurve | None = None
         self._calibration = Calibration()  # the drafts' promise against what came, over every sequence (kept across requests)
-        self._state: DraftState | None = None  # the drafting state requests without one of their own share (``drafting_state``)
-        self._state_lock = threading.Lock()
+        self._state: DraftState | None = None  # the drafting state requests without one of their own share (``own_state``)
+        self.state_lock = threading.Lock()  # held by whoever decodes with that state: a call, or a server's batch
         self._prior: np.ndarray | None = None  # the recycling table's prior (``prior.py``), computed at the first new state
         self._prior_lock = threading.Lock()
         mc = model.config.get_text_config(decoder=True)
@@ -108,7 +108,7 @@ class LookaheadGenerator:
     def live_cost(self) -> LiveCurve:
         """``cost`` corrected by this generator's own forward timings (kept across requests)."""
         if self._live is None:
-            self._live = LiveCurve(self.cost)
+            self._live = LiveCurve(self.cost, self.config.live_cost)
         return self._live
 
     # -- public entry point ---------------------------------------------------------------------
@@ -252,6 +252,17 @@ class LookaheadGenerator:
             state.recycle.fill_empty(self._prior)
         return state
 
+    def own_state(self, state: DraftState | None = None) -> DraftState:
+        """This generator's own drafting state, which calls without ``state=`` share and a server's batch decodes
+        with (made on first use); ``state`` (checked to fit) becomes it from now on: a server's saved one, loaded.
+        Whoever decodes with it holds ``state_lock``."""
+        if state is not None:
+            state.check_fits(self.vocab_size, self.config)
+            self._state = state
+        elif self._state is None:
+            self._state = self.new_state()
+        return self._state
+
     @contextmanager
     def drafting_state(self, state: DraftState | None = None) -> Iterator[DraftState]:
         """The drafting state a call decodes with: ``state`` when given; else this generator's own, which keeps
@@ -261,12 +272,10 @@ class LookaheadGenerator:
         if state is not None:
             yield state
             return
-        if not self._state_lock.acquire(blocking=False):
+        if not self.state_lock.acquire(blocking=False):
             yield self.new_state()
             return
         try:
-            if self._state is None:
-                self._state = self.new_state()
-            yield self._state
+            yield self.own_state()
         finally:
-            self._state_lock.release()
+            self.state_lock.release()

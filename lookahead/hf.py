@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import weakref
 from pathlib import Path
 
 import torch
@@ -43,14 +42,15 @@ UNRETURNED = ("output_scores", "output_logits", "output_attentions", "output_hid
 # criteria generate() builds from the generation config, which the loop applies itself
 BUILT_CRITERIA = (MaxLengthCriteria, MaxTimeCriteria, EosTokenCriteria)
 
-_generators: weakref.WeakKeyDictionary[PreTrainedModel, dict[LookaheadConfig, LookaheadGenerator]] = weakref.WeakKeyDictionary()
+GENERATORS = "_lookahead_generators"  # the attribute of a model that holds its generators, one per config
 
 
 def generator_for(model: PreTrainedModel, config: LookaheadConfig | None = None) -> LookaheadGenerator:
     """The model's generator, built once per (model, config), so its cost model and compiled kernels carry over
-    from call to call (a weak map: it goes with the model)."""
+    from call to call. They are kept on the model itself, so they go with it: a weak map from the model would
+    never let go, since each generator holds its model."""
     config = config or LookaheadConfig()
-    per_model = _generators.setdefault(model, {})
+    per_model = model.__dict__.setdefault(GENERATORS, {})
     if config not in per_model:
         per_model[config] = LookaheadGenerator(model, None, config)
     return per_model[config]

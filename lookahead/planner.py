@@ -61,8 +61,10 @@ class LiveCurve:
     row (``stale``, across requests) the loop drafts once whatever the prices say (``plan(explore=True)``).
     """
 
-    def __init__(self, curve: CostCurve) -> None:
-        self.curve = curve
+    def __init__(self, curve: CostCurve, corrects: bool = True) -> None:
+        """corrects: False keeps the probed curve as it is (``LookaheadConfig.live_cost``); the counts of plain
+        forwards (``stale``, ``dormant``) go on either way."""
+        self.curve, self.corrects = curve, corrects
         self.log_scale: dict[tuple[int, int], float] = {}  # (batch, probed size index) -> log(measured / probed c)
         self.samples: dict[tuple[int, int], int] = {}
         self.seen: dict[tuple[int, int], int] = {}  # the cell's last observation, counted in ``observed`` forwards
@@ -93,12 +95,14 @@ class LiveCurve:
         """One forward of ``tokens`` rows over ``batch`` sequences took ``seconds``."""
         if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 1:
             raise ValueError(f"a forward has a whole number of rows >= 1, got {tokens!r}")
+        self.observed += 1
+        self.plain_run = self.plain_run + 1 if tokens <= batch else 0
+        if not self.corrects:
+            return
         ratios, nearest = self._table(batch, tokens)
         cell = (batch, int(nearest[tokens - 1]))
         probed = self.curve.ms_at_1 * float(ratios[tokens - 1]) / 1000
         error = math.log(max(seconds, 1e-9) / probed)
-        self.observed += 1
-        self.plain_run = self.plain_run + 1 if tokens <= batch else 0
         stale = self.observed - self.seen.get(cell, self.observed) > RETRY
         self.seen[cell] = self.observed
         n = self.samples[cell] = 1 if stale else self.samples.get(cell, 0) + 1

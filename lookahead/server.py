@@ -68,7 +68,7 @@ def _settle(future: asyncio.Future, result) -> None:
 
 
 class Server:
-    """The generator, its shared drafting state, the request queue and the metrics."""
+    """The generator (its own drafting state is the one every request shares), the request queue and the metrics."""
 
     def __init__(self, gen: LookaheadGenerator, model_name: str, state: DraftState | None = None, queue_limit: int = 16,
                  state_path: Path | None = None, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
@@ -76,9 +76,8 @@ class Server:
         self.gen, self.model_name, self.queue_limit, self.state_path = gen, model_name, queue_limit, state_path
         self.max_body_bytes = max_body_bytes
         self.api_key = None if api_key is None else check_api_key(api_key).encode()  # bytes: compared in constant time
-        self.state = state or gen.new_state()
+        gen.own_state(state)  # a loaded one, else the generator's own as it is
         self.pending = 0
-        self.state_lock = threading.Lock()
         r = self.registry = CollectorRegistry()
         self.m_requests = Counter("lookahead_requests", "Requests by endpoint and status", ["endpoint", "status"], registry=r)
         self.m_tokens = Counter("lookahead_generated_tokens", "Tokens generated", registry=r)
@@ -88,7 +87,7 @@ class Server:
         self.m_batch = Gauge("lookahead_batch_size", "Requests decoding together in the running batch", registry=r)
         self.m_step_batch = Histogram("lookahead_step_batch_size", "Requests carried by each decode step", registry=r,
                                       buckets=(1, 2, 4, 8, 16, 32, 64))
-        self.scheduler = Scheduler(gen, max_batch, self.state_lock, self.m_step_batch.observe, prefill_chunk)
+        self.scheduler = Scheduler(gen, max_batch, gen.state_lock, self.m_step_batch.observe, prefill_chunk)
         self.m_latency = Histogram("lookahead_request_seconds", "Request latency", registry=r)
         self.m_tps = Gauge("lookahead_last_tokens_per_second", "Tokens/s of the last request", registry=r)
         self.m_compression = Gauge("lookahead_last_compression", "Tokens per forward of the last request", registry=r)
@@ -104,7 +103,7 @@ class Server:
                     prompt = self.gen.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
                 except Exception as e:  # a template that rejects the conversation (roles, order)
                     raise ValueError(f"the chat template rejected the messages: {e}") from None
-            return self.gen.new_lane(prompt, state=self.state, streamer=streamer, **kwargs)
+            return self.gen.new_lane(prompt, state=self.gen.own_state(), streamer=streamer, **kwargs)
         except ValueError as e:
             message = str(e).strip().splitlines()[0]
             on_prompt = any(word in message for word in ("prompt", "token id", "chat template"))
@@ -148,8 +147,8 @@ class Server:
 
     def save_state(self) -> None:
         if self.state_path is not None:
-            with self.state_lock:
-                self.state.save(self.state_path)
+            with self.gen.state_lock:
+                self.gen.own_state().save(self.state_path)
 
     def error_response(self, path: str, e: APIError, code: int | str | None = None,
                        headers: dict[str, str] | None = None) -> JSONResponse:

@@ -4,12 +4,52 @@ greedy-equality check that tolerates a divergence only at a numerical tie of the
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import Gemma3TextConfig, Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from oracle import is_tie
-from lookahead import models
+from lookahead import LookaheadConfig, LookaheadGenerator, models
+from lookahead.curve import CostCurve
+
+
+def _hermetic_cache() -> None:
+    """The session's default cache directory (``XDG_CACHE_HOME``, read by ``cpu.default_cache_dir``; subprocesses
+    inherit it): a fresh temporary one, so what the engine measures and builds (cost curves, priors, kernels) is
+    made anew and no state of the user's is read or written. Shared with the user's cache: the downloads
+    (``wheels``, ``gguf``: files of a pinned version, the GGUFs checked by sha256) and the models converted from
+    them (``converted``: a pure function of those files), so a run neither fetches a gigabyte nor converts it
+    again; pip keeps its own cache where it was. Set on import, before any test module is collected (some probe
+    the kernels at import)."""
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    os.environ.setdefault("PIP_CACHE_DIR", str(user / "pip"))
+    base = Path(tempfile.mkdtemp(prefix="lookahead-tests-"))
+    atexit.register(shutil.rmtree, base, ignore_errors=True)
+    for shared in ("wheels", "gguf", "converted"):
+        (user / "lookahead" / shared).mkdir(parents=True, exist_ok=True)
+        (base / "lookahead").mkdir(exist_ok=True)
+        (base / "lookahead" / shared).symlink_to(user / "lookahead" / shared, target_is_directory=True)
+    os.environ["XDG_CACHE_HOME"] = str(base)
+
+
+_hermetic_cache()
+
+
+FIXED_COST = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.02, 1.05, 1.1, 1.2, 1.45, 1.9), 20.0, batch_ratios=(1.3, 1.6, 2.2))
+
+
+def on_fixed_cost(model, tokenizer=None, config: LookaheadConfig = LookaheadConfig()) -> LookaheadGenerator:
+    """A generator whose cost model plans on ``FIXED_COST`` as given (no probe, no live correction): its plans do
+    not depend on this machine's timings, so an exactness test checks the same trees on every machine. (The
+    live cost model runs in the tests that build generators the default way.)"""
+    return LookaheadGenerator(model, tokenizer, dataclasses.replace(config, live_cost=False), cost=FIXED_COST)
 
 
 def tiny_llama(seed: int = 0, vocab: int = 128) -> LlamaForCausalLM:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import logging
+import weakref
 
 import pytest
 import torch
@@ -136,6 +138,17 @@ def test_generator_is_built_once_per_model_and_config_and_a_state_can_be_kept():
     generate(model, ids, max_new_tokens=12, custom_generate=custom_generate, lookahead_config=DRAFTING)
     with gen.drafting_state() as own:  # without a state of its own, the call taught the generator's
         assert own is not state and own.tried.sum() > 0
+
+
+def test_a_model_generated_with_goes_when_it_is_dropped():
+    """Its generators live on the model: a weak map from the model to them kept every model (and its weights)
+    alive for the whole process, since each generator holds its model."""
+    model = tiny_llama()
+    generate(model, torch.tensor([[1, 2, 3, 1, 2]]), max_new_tokens=4, custom_generate=custom_generate)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
 
 
 @pytest.mark.parametrize(

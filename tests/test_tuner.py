@@ -157,6 +157,23 @@ def test_live_curve_corrects_a_probe_that_overstates_the_one_token_step():
     assert live.ratio(64) >= 1.0
 
 
+def test_a_curve_that_does_not_correct_prices_as_probed_and_still_counts_plain_steps():
+    """``LookaheadConfig(live_cost=False)``: plans on the given curve alone, whatever the forwards took."""
+    live = LiveCurve(CostCurve((1, 16, 64), (1.0, 1.5, 4.0), 10.0), corrects=False)
+    for _ in range(64):
+        live.observe(1, 0.006)
+        live.observe(16, 0.015)
+    assert live.ratio(16) == pytest.approx(1.5) and live.ratio(64) == pytest.approx(4.0)
+    for _ in range(9):
+        live.observe(1, 0.006)
+    assert live.plain_run == 9 and live.dormant  # (9 plain forwards: past DORMANT, off the stride)
+    gen = LookaheadGenerator(tiny_llama(), config=LookaheadConfig(live_cost=False), cost=FLAT)
+    gen.generate([1, 2, 3, 1, 2, 3], max_new_tokens=8)
+    assert not gen.live_cost.corrects and gen.live_cost.ratio(64) == pytest.approx(1.05)
+    with pytest.raises(ValueError, match="live_cost must be True or False"):
+        LookaheadConfig(live_cost=1)
+
+
 def test_live_curve_tables_price_as_the_probed_curve():
     curve = CostCurve((1, 2, 8, 32), (1.0, 1.1, 1.4, 2.5), 10.0, batch_ratios=(1.4, 2.0, 2.6))
     live = LiveCurve(curve)
