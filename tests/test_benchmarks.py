@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from benchmarks import peers, pool_bench, run
+from benchmarks import peers, pool_bench, results_log, run
 
 
 def test_config_specs_parse_presets_and_fields():
@@ -86,3 +86,29 @@ def test_peers_server_retries_without_repacking_and_the_report_ranks_engines(tmp
     assert "| engine | tokens/s | vs llama.cpp bf16 ngram-mod |" in text and "| lookahead bfloat16 | 80.0 | 1.25x |" in text
     assert "takes 10.0 ms" in text and "| llama.cpp bf16 plain | 50.0 | 0.78x | 10.0 |" in text
     assert json.loads((tmp_path / "out" / "results.json").read_text())["runs"].keys() == results["runs"].keys()
+
+
+def test_the_results_log_indexes_every_folder_and_keeps_its_history(tmp_path):
+    results = tmp_path / "results"
+    for name, data in {
+        "run-a": {"hardware": {"commit": "abc1234", "cpu": "Some CPU (family 1; avx2)"}, "model": "m", "max_new_tokens": 64,
+                  "dtypes": ["float32", "bfloat16"],
+                  "summary": [{"set": "all", "dtype": "bfloat16", "method": results_log.OURS, "tokens_per_s": 90.0, "speedup_vs_fastest_greedy": 3.0},
+                              {"set": "all", "dtype": "bfloat16", "method": results_log.PLAIN, "tokens_per_s": 60.0, "speedup_vs_fastest_greedy": 2.0}]},
+        "peers-b": {"hardware": {"commit": "def5678", "cpu": "Other CPU"}, "model": "m", "max_new_tokens": 128,
+                    "runs": {"lookahead bfloat16": [{"tokens": [1] * 80, "seconds": 1.0}],
+                             "llama.cpp bf16 plain": [{"tokens": [1] * 50, "seconds": 1.0}]}},
+    }.items():
+        (results / name).mkdir(parents=True)
+        (results / name / "results.json").write_text(json.dumps(data))
+    (results / "batch-c").mkdir()
+    (results / "batch-c" / "batch.md").write_text("# batch\n")
+    log = tmp_path / "RESULTS.md"
+    log.write_text("# Results log\n\nIntro.\n\n**An old run** (commit 0000000): text.\n")
+    for _ in range(2):  # the second rewrite replaces the index, it does not add one
+        results_log.rewrite(log, results)
+    text = log.read_text()
+    assert text.count(results_log.BEGIN) == 1 and text.endswith("**An old run** (commit 0000000): text.\n")
+    assert "| `run-a` | abc1234 | Some CPU (family 1 | m, 64 | bfloat16: 90.0 tok/s, 3.00x fastest HF greedy, 1.50x our plain loop |" in text
+    assert "| `peers-b` | def5678 | Other CPU | m, 128 | bf16: 80.0 tok/s, 1.60x llama.cpp bf16 plain |" in text
+    assert "| `batch-c` | | | | see batch.md |" in text
