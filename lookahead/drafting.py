@@ -13,12 +13,16 @@ was the next token), over the last ~``STATS_MEMORY`` steps; suffix drafts from m
 statistics of their own, and so do the table's nodes that a chain proposes too (``AGREE``). ``DraftState``
 owns the sources and the statistics; it lives across requests (pass
 it to ``generate(state=...)``), and saves and loads as a directory of ``.npz`` files.
+
+A new source of chains shared across requests is one class (``ChainSource``: ``start``, ``propose``, ``learn``,
+and the names of its statistics rows), given to ``DraftState(extra=...)``; its chains are merged, scored and
+counted as the pool's are.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from numba import njit
@@ -65,7 +69,7 @@ STATE_FORMAT = 3  # 2: no AGREE row (loads, the row unmeasured)
 @njit(cache=True)
 def count_tried(parents: np.ndarray, sources: np.ndarray, depths: np.ndarray, path: np.ndarray, tried: np.ndarray,
                 hits: np.ndarray) -> None:
-    """Into tried/hits (STAT_ROWS, MAX_DEPTH): every node whose parent was accepted (the current token, parent
+    """Into tried/hits (rows, MAX_DEPTH): every node whose parent was accepted (the current token, parent
     -1, always is) was tried by each statistics row its source bits name (AGREE: a recycled node a chain
     proposed too; the recycling table's own row is counted by rank, in ``learn``), at its depth; the ``path``'s
     nodes were accepted. One kernel where a dozen numpy calls took ~0.035 ms a step."""
@@ -78,7 +82,7 @@ def count_tried(parents: np.ndarray, sources: np.ndarray, depths: np.ndarray, pa
         if not accepted[parents[i] if parents[i] >= 0 else k]:
             continue
         depth = min(depths[i], MAX_DEPTH) - 1
-        for row in range(STAT_ROWS):
+        for row in range(tried.shape[0]):
             if row == AGREE:
                 on = (sources[i] >> RECYCLE) & 1 == 1 and sources[i] != 1 << RECYCLE
             else:
@@ -101,6 +105,51 @@ class Observed(NamedTuple):
     suffix: SuffixDrafter  # the sequence's own suffix source
 
 
+class ChainSource(Protocol):
+    """A drafting source shared by every request of a state that proposes chains after the current token (the
+    n-gram pool is one; ``DraftState(extra=...)`` takes more). ``rows`` names its statistics rows: each chain it
+    proposes names one (an index into ``rows``), whose measured acceptance rates score the chain's nodes and
+    whose source bit they carry (``DraftState.names``)."""
+
+    rows: tuple[str, ...]
+
+    def start(self, prompt: np.ndarray, cfg: LookaheadConfig) -> None:
+        """A request begins with ``prompt``."""
+
+    def propose(self, current: int, cfg: LookaheadConfig) -> tuple[np.ndarray, np.ndarray]:
+        """Chains (C, L) of token ids after ``current`` (-1 pads a short one) and each one's row (C,)."""
+
+    def learn(self, cfg: LookaheadConfig, steps: list[Observed]) -> None:
+        """What a step of one or more sequences showed (``DraftState.learn``)."""
+
+
+class PoolSource:
+    """The n-gram pool as a chain source: a request's prompt n-grams when it starts, the Jacobi trajectories and
+    the output's n-grams as they come; its rows are where an n-gram came from."""
+
+    rows = SOURCES[: SUFFIX]  # trajectory, prompt, output, other: POOL_ROWS maps the pool's codes onto them
+
+    def __init__(self, pool: NGramPool) -> None:
+        self.pool = pool
+
+    def start(self, prompt: np.ndarray, cfg: LookaheadConfig) -> None:
+        if cfg.seed_pool_from_prompt:
+            self.pool.insert_sequence(prompt, Source.PROMPT)
+
+    def propose(self, current: int, cfg: LookaheadConfig) -> tuple[np.ndarray, np.ndarray]:
+        if not cfg.guess:
+            return np.empty((0, 0), np.int64), NONE
+        grams, codes = self.pool.lookup_with_sources(current, cfg.guess)
+        return grams, POOL_ROWS[codes]
+
+    def learn(self, cfg: LookaheadConfig, steps: list[Observed]) -> None:
+        grams = [s.trajectories for s in steps if s.trajectories.size]
+        if grams:
+            self.pool.insert_many(np.concatenate(grams), Source.TRAJECTORY)
+        if cfg.pool_from_output:
+            self.pool.insert_sequences([s.history_tail + s.emitted for s in steps], Source.OUTPUT)
+
+
 class DraftState:
     """The drafting sources and their acceptance statistics for one vocabulary and n-gram length.
 
@@ -108,12 +157,23 @@ class DraftState:
     passed to each call, so one state serves generators that differ only in those.
     """
 
-    def __init__(self, vocab_size: int, ngram: int, pool_slots: int = 16, recycle_k: int = 8, sparse: bool = False) -> None:
+    def __init__(self, vocab_size: int, ngram: int, pool_slots: int = 16, recycle_k: int = 8, sparse: bool = False,
+                 extra: tuple[ChainSource, ...] = ()) -> None:
+        """extra: chain sources beside the pool, each with statistics rows of its own after the built-in ones
+        (only the built-in sources are saved: ``save``)."""
         self.vocab_size = vocab_size
         self.pool = NGramPool(vocab_size, ngram, pool_slots, sparse=sparse)
         self.recycle = RecycleTable(vocab_size, max(recycle_k, 1))
-        self.tried = np.zeros((STAT_ROWS, MAX_DEPTH))  # nodes offered whose parent was accepted
-        self.hits = np.zeros((STAT_ROWS, MAX_DEPTH))  # ... and accepted
+        self.chains: list[tuple[ChainSource, int]] = [(PoolSource(self.pool), 0)]  # each with its first statistics row
+        for source in extra:
+            self.chains.append((source, STAT_ROWS + sum(len(s.rows) for s, _ in self.chains[1:])))
+        # bit i of a node's ``sources`` and statistics row i: its name (None: a row with no source of its own)
+        self.names = SOURCES + (None, None) + tuple(row for source in extra for row in source.rows)
+        if len(self.names) > 63:
+            raise ValueError(f"{len(self.names)} statistics rows: a node's sources are bits of an int64 (63 at most)")
+        self.prior = np.vstack([PRIOR, np.repeat(PRIOR[TRAJECTORY:TRAJECTORY + 1], len(self.names) - STAT_ROWS, 0)])  # a chain's
+        self.tried = np.zeros_like(self.prior)  # nodes offered whose parent was accepted
+        self.hits = np.zeros_like(self.prior)  # ... and accepted
         self._template, self._template_age = None, TEMPLATE_REFRESH
 
     @staticmethod
@@ -130,8 +190,9 @@ class DraftState:
     # -- per request ----------------------------------------------------------------------------
 
     @classmethod
-    def for_config(cls, vocab_size: int, config: LookaheadConfig, sparse: bool = False) -> "DraftState":
-        return cls(vocab_size, config.ngram, config.pool_slots, config.recycle_k, sparse)
+    def for_config(cls, vocab_size: int, config: LookaheadConfig, sparse: bool = False,
+                   extra: tuple[ChainSource, ...] = ()) -> "DraftState":
+        return cls(vocab_size, config.ngram, config.pool_slots, config.recycle_k, sparse, extra)
 
     def check_fits(self, vocab_size: int, config: LookaheadConfig) -> None:
         """ValueError unless this state can draft for a generator of this vocabulary and config."""
@@ -141,17 +202,17 @@ class DraftState:
                              f"and {config.recycle_k} successors")
 
     def start(self, prompt: list[int], config: LookaheadConfig) -> SuffixDrafter:
-        """A new request: the pool learns the prompt's n-grams; returns the request's own suffix source (pass it
-        to ``propose`` and ``learn``), so requests decoded together share everything else."""
-        if config.seed_pool_from_prompt:
-            self.pool.insert_sequence(np.asarray(prompt), Source.PROMPT)
+        """A new request: the chain sources see its prompt (the pool learns its n-grams); returns the request's own
+        suffix source (pass it to ``propose`` and ``learn``), so requests decoded together share everything else."""
+        for source, _ in self.chains:
+            source.start(np.asarray(prompt), config)
         suffix = SuffixDrafter(self.vocab_size)
         suffix.reset(np.asarray(prompt))
         return suffix
 
     def rates(self) -> np.ndarray:
-        """(sources, MAX_DEPTH) estimated conditional acceptance rates, shrunk towards the prior."""
-        return (self.hits + PRIOR * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
+        """(rows, MAX_DEPTH) estimated conditional acceptance rates, shrunk towards the prior."""
+        return (self.hits + self.prior * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
 
     def propose(self, current: int, cfg: LookaheadConfig, budget: int, max_depth: int, suffix: SuffixDrafter) -> TokenTree:
         """The best tree of at most ``budget`` nodes, none deeper than ``max_depth``, after ``current`` (the last
@@ -162,11 +223,12 @@ class DraftState:
             raise ValueError(f"current token {current} is outside the vocabulary [0, {self.vocab_size})")
         rates = self.rates()
         chains, rows, bits = [], [], []
-        if cfg.guess:
-            grams, codes = self.pool.lookup_with_sources(current, cfg.guess)
-            chains.append(grams)
-            rows.append(POOL_ROWS[codes])
-            bits.append(1 << rows[-1])
+        for source, first in self.chains:
+            drafts, own = source.propose(current, cfg)
+            if drafts.size:
+                chains.append(drafts)
+                rows.append(first + own)
+                bits.append(1 << rows[-1])
         if cfg.suffix_drafts:
             drafts, matched = suffix.drafts(cfg.suffix_drafts, cfg.suffix_length)
             long = (matched >= LONG_MATCH).astype(np.int64)
@@ -217,12 +279,10 @@ class DraftState:
             self.tried[RECYCLE, : successors.shape[1]] += (successors >= 0).sum(0)
             self.hits[RECYCLE, : successors.shape[1]] += (successors == emitted[:, None]).sum(0)
             self.recycle.update(np.concatenate([s.row_tokens for s in steps]), np.concatenate([s.row_topk for s in steps]))
-        # 3. the pool: finished Jacobi columns and the n-grams ending in a new token; the suffix sources: the tokens
-        grams = [s.trajectories for s in steps if s.trajectories.size]
-        if grams:
-            self.pool.insert_many(np.concatenate(grams), Source.TRAJECTORY)
-        if cfg.pool_from_output:
-            self.pool.insert_sequences([s.history_tail + s.emitted for s in steps], Source.OUTPUT)
+        # 3. the chain sources (the pool: finished Jacobi columns and the n-grams ending in a new token); the
+        #    suffix sources: the tokens
+        for source, _ in self.chains:
+            source.learn(cfg, steps)
         for step in steps:
             step.suffix.extend(np.asarray(step.emitted))
 
@@ -233,14 +293,16 @@ class DraftState:
     # -- persistence ----------------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
-        """Write ``pool.npz``, ``recycle.npz`` and ``acceptance.npz`` into ``directory`` (created if missing)."""
+        """Write ``pool.npz``, ``recycle.npz`` and ``acceptance.npz`` (the built-in sources' rows) into ``directory``
+        (created if missing)."""
         directory = Path(directory)
         if directory.exists() and not directory.is_dir():
             raise ValueError(f"{directory}: exists and is not a directory; the drafting state is saved as a directory")
         directory.mkdir(parents=True, exist_ok=True)
         self.pool.save(directory / "pool.npz")
         self.recycle.save(directory / "recycle.npz")
-        np.savez(directory / "acceptance.npz", format_version=np.int64(STATE_FORMAT), tried=self.tried, hits=self.hits)
+        np.savez(directory / "acceptance.npz", format_version=np.int64(STATE_FORMAT), tried=self.tried[:STAT_ROWS],
+                 hits=self.hits[:STAT_ROWS])
 
     @classmethod
     def load(cls, directory: str | Path, vocab_size: int | None = None) -> "DraftState":
@@ -262,4 +324,5 @@ class DraftState:
                     "a count that is negative, not finite or above its tried count")
         state = cls(pool.vocab_size, pool.n, pool.slots_per_key, recycle.k)
         state.pool, state.recycle, state.tried, state.hits = pool, recycle, tried, hits
+        state.chains[0] = (PoolSource(pool), 0)
         return state

@@ -149,7 +149,7 @@ class Batch:
         self._teach(lanes, moves, step, ids, logits)
         for lane, move in zip(lanes, moves):
             lane.out += move.new
-            lane.stats.record(move.tree, move.levels, move.verdict.path, len(move.new))
+            lane.stats.record(move.tree, move.levels, move.verdict.path, len(move.new), lane.state.names)
         self.planner.learn(moves, [lane.out for lane in lanes], step.size, forward_s)
         learn_s = clock.lap()
         # 6. stream what was accepted; finished lanes leave the batch

@@ -39,9 +39,10 @@ class GenerationStats:
     drafted_by_source: Counter = field(default_factory=Counter)  # tree nodes verified, by each source that proposed them
     phase_s: Counter = field(default_factory=Counter)  # decode time by phase: draft, forward, verify, learn
 
-    def record(self, tree: TokenTree, levels: int, path: list[int], emitted: int) -> None:
+    def record(self, tree: TokenTree, levels: int, path: list[int], emitted: int,
+               names: tuple[str | None, ...] = SOURCES) -> None:
         """One step that fed ``levels`` window levels, verified ``tree``, accepted ``path`` and emitted ``emitted`` tokens
-        (cut by stops or length)."""
+        (cut by stops or length); ``names``: of the node source bits (``DraftState.names``; None: not counted)."""
         self.steps += 1
         self.tree_nodes += len(tree)
         self.window_steps += levels > 0
@@ -50,8 +51,8 @@ class GenerationStats:
         if not len(tree):
             return
         for counter, nodes in ((self.drafted_by_source, tree.sources), (self.accepted_by_source, tree.sources[path[:emitted]])):
-            for bit, name in enumerate(SOURCES):
-                if count := int(((nodes >> bit) & 1).sum()):
+            for bit, name in enumerate(names):
+                if name is not None and (count := int(((nodes >> bit) & 1).sum())):
                     counter[name] += count
 
     @property

@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import hf_greedy, tiny_llama
+from lookahead import LookaheadGenerator
 from lookahead.config import LookaheadConfig
 from lookahead.drafting import AGREE, SOURCES, STATS_MEMORY, SUFFIX, DraftState, Observed
 from lookahead.tree import TokenTree
@@ -211,3 +213,38 @@ def test_recycle_table_fill_empty_keeps_what_was_learned():
     for bad in (np.zeros((7, 2), np.int64), np.array([[6]]), np.array([[-2]]), np.zeros(3, np.int64)):
         with pytest.raises(ValueError):
             table.fill_empty(bad)
+
+
+class Oracle:
+    """A new drafting source, written here and nowhere in the engine: it knows greedy's answer (computed
+    beforehand) and proposes the next four of its tokens after wherever the sequence has got to. What a source
+    takes is ``ChainSource``'s four members."""
+
+    rows = ("oracle",)
+
+    def __init__(self, prompt: list[int], answer: list[int]) -> None:
+        self.prompt, self.answer, self.done = prompt, answer, 0
+
+    def start(self, sequence: np.ndarray, cfg: LookaheadConfig) -> None:
+        self.done = len(sequence) - len(self.prompt)  # the prompt and the prefill's first token
+
+    def propose(self, current: int, cfg: LookaheadConfig) -> tuple[np.ndarray, np.ndarray]:
+        chains = np.array([self.answer[self.done : self.done + 4]], np.int64)  # (1, L): one chain (L = 0 at the end)
+        return chains, np.zeros(1, np.int64)  # in the source's first (only) row
+
+    def learn(self, cfg: LookaheadConfig, steps: list[Observed]) -> None:
+        self.done += sum(len(step.emitted) for step in steps)
+
+
+def test_a_new_chain_source_is_one_class_merged_scored_and_counted_as_the_pool_is():
+    model, prompt = tiny_llama(seed=3), [5, 6, 7, 8]
+    answer = hf_greedy(model, prompt, 24)
+    cfg = LookaheadConfig(auto=False, window=0, guess=0, suffix_drafts=0, recycle_k=0, tree_budget=4)  # only the oracle drafts
+    state = DraftState.for_config(model.config.vocab_size, cfg, extra=(Oracle(prompt, answer),))
+    out = LookaheadGenerator(model, config=cfg).generate(prompt, max_new_tokens=24, state=state)
+    assert out.tokens == answer and out.stats.compression > 3
+    assert out.stats.accepted_by_source["oracle"] == out.stats.drafted_by_source["oracle"] > 0
+    oracle_row = state.names.index("oracle")
+    assert state.hits[oracle_row, 0] == state.tried[oracle_row, 0] > 0 and state.rates()[oracle_row, 0] > 0.5 > state.prior[oracle_row, 0]
+    with pytest.raises(ValueError, match="63 at most"):
+        DraftState(50, 3, extra=tuple(Oracle([], []) for _ in range(60)))
