@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import datasets
+from benchmarks.profile_step import linear_bytes, stream_rate
 from benchmarks.prompts import prompt_ids
 from benchmarks.run import hardware, hf_generate
 from lookahead import LookaheadConfig, LookaheadGenerator, models, native
@@ -126,22 +127,6 @@ def llama_server(bin_dir: Path, gguf: Path, threads: int, extra: tuple[str, ...]
         proc.wait()
 
 
-def linear_bytes(model) -> int:
-    """Bytes of every linear weight of a stock model in bf16 (``lm_head`` included): what a decode step streams."""
-    return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-
-
-def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
-    """Bytes a second the process's threads read, from the fastest of ``reps`` sums over ``gib`` GiB."""
-    x = torch.ones(int(gib * 2**30) // 4)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best
-
-
 def run_all(args) -> dict:
     cache_dir = args.cache_dir or models.default_cache_dir()
     machine = hardware()
@@ -190,7 +175,7 @@ def run_all(args) -> dict:
                 return tokens, seconds, t["predicted_ms"] / max(t["predicted_n"] - 1, 1)
             timed(method + (" (--no-repack)" if "--no-repack" in flags else ""), call)
     return {"hardware": machine, "model": args.model, "isa": native.isa(), "max_new_tokens": n, "llama_cpp": LLAMA_CPP,
-            "weight_bytes": weight_bytes, "read_bytes_per_s": read_bandwidth(), "runs": rows}
+            "weight_bytes": weight_bytes, "read_bytes_per_s": stream_rate() * 1e9, "runs": rows}
 
 
 def write_report(results: dict, out: Path) -> None:

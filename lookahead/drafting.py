@@ -162,9 +162,9 @@ class DraftState:
         """extra: chain sources beside the pool, each with statistics rows of its own after the built-in ones
         (only the built-in sources are saved: ``save``)."""
         self.vocab_size = vocab_size
-        self.pool = NGramPool(vocab_size, ngram, pool_slots, sparse=sparse)
         self.recycle = RecycleTable(vocab_size, max(recycle_k, 1))
-        self.chains: list[tuple[ChainSource, int]] = [(PoolSource(self.pool), 0)]  # each with its first statistics row
+        pool = PoolSource(NGramPool(vocab_size, ngram, pool_slots, sparse=sparse))
+        self.chains: list[tuple[ChainSource, int]] = [(pool, 0)]  # each with its first statistics row
         for source in extra:
             self.chains.append((source, STAT_ROWS + sum(len(s.rows) for s, _ in self.chains[1:])))
         # bit i of a node's ``sources`` and statistics row i: its name (None: a row with no source of its own)
@@ -175,6 +175,11 @@ class DraftState:
         self.tried = np.zeros_like(self.prior)  # nodes offered whose parent was accepted
         self.hits = np.zeros_like(self.prior)  # ... and accepted
         self._template, self._template_age = None, TEMPLATE_REFRESH
+
+    @property
+    def pool(self) -> NGramPool:
+        """The n-gram pool: the first chain source's."""
+        return self.chains[0][0].pool
 
     @staticmethod
     def warm_up() -> None:
@@ -323,6 +328,5 @@ class DraftState:
             f.check("hits", np.isfinite(hits).all() and (hits >= 0).all() and (hits <= tried).all(),
                     "a count that is negative, not finite or above its tried count")
         state = cls(pool.vocab_size, pool.n, pool.slots_per_key, recycle.k)
-        state.pool, state.recycle, state.tried, state.hits = pool, recycle, tried, hits
-        state.chains[0] = (PoolSource(pool), 0)
+        state.chains[0], state.recycle, state.tried, state.hits = (PoolSource(pool), 0), recycle, tried, hits
         return state

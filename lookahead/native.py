@@ -144,10 +144,10 @@ def tier() -> str | None:
 
 def build(directory: Path, tier: str) -> ctypes.CDLL | str:
     """The kernels of ``tier``, built into ``directory`` (kept: a later call finds them), or why they cannot be."""
-    if platform.machine() in ("x86_64", "AMD64") and not runs(tier):
-        return f"this CPU cannot run the {tier} kernels"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({platform.machine()})"
+    if not runs(tier):
+        return f"this CPU cannot run the {tier} kernels"
     gcc = shutil.which("gcc")
     if gcc is None:
         return "no gcc to build it"

@@ -32,9 +32,9 @@ def _hermetic_cache() -> None:
     os.environ.setdefault("PIP_CACHE_DIR", str(user / "pip"))
     base = Path(tempfile.mkdtemp(prefix="lookahead-tests-"))
     atexit.register(shutil.rmtree, base, ignore_errors=True)
+    (base / "lookahead").mkdir()
     for shared in ("wheels", "gguf", "converted"):
         (user / "lookahead" / shared).mkdir(parents=True, exist_ok=True)
-        (base / "lookahead").mkdir(exist_ok=True)
         (base / "lookahead" / shared).symlink_to(user / "lookahead" / shared, target_is_directory=True)
     os.environ["XDG_CACHE_HOME"] = str(base)
 
