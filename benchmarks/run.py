@@ -29,7 +29,7 @@ import torch
 import lookahead
 from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
-from lookahead import LookaheadConfig, LookaheadGenerator, models, native, tuner
+from lookahead import LookaheadConfig, LookaheadGenerator, models, native, probing
 from lookahead.cpu import cpu_name
 from lookahead.drafting import SOURCES
 from lookahead.hf import generator_for
@@ -94,12 +94,12 @@ def hf_generate(model, ids: list[int], max_new_tokens: int, **kwargs) -> tuple[l
 
 
 def cost_curve(model, sizes: list[int], context: int = 128, reps: int = 5) -> dict[int, float]:
-    """c(T)/c(1): time of one forward of the loop's (``tuner.step_times``: its cache, its 4D mask, so on our kernels
+    """c(T)/c(1): time of one forward of the loop's (``probing.step_times``: its cache, its 4D mask, so on our kernels
     our attention) adding T tokens to a ``context``-token cache, relative to T=1; each size's fastest of ``reps``
     rounds over every size in turn, so a machine that slows for a while slows every size alike. (It once timed
     HF's own call without a mask, which on our kernels ran SDPA's attention under HF's bool mask: bf16 r(16) read
     1.43-1.54 where the loop's 16-row forwards took ~1.27x its one-row ones.)"""
-    times = tuner.step_times(model, tuple(sizes), context, reps)
+    times = probing.step_times(model, tuple(sizes), context, reps)
     base = times[1, sizes[0]]
     return {size: times[1, size] / base for size in sizes} | {"ms_at_1": base * 1000}
 

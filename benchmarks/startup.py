@@ -18,10 +18,10 @@ import time
 PHASES = """
 import json, time
 t0 = time.perf_counter()
-from lookahead import LookaheadConfig, LookaheadGenerator, models, tuner
+from lookahead import LookaheadConfig, LookaheadGenerator, models, probing
 marks = {"import": time.perf_counter()}
 spec, prompt = SPEC, PROMPT
-dtype, loaded = tuner.fastest_dtype(spec, "cpu", models.default_cache_dir(), kernels="packed")
+dtype, loaded = probing.fastest_dtype(spec, "cpu", models.default_cache_dir(), kernels="packed")
 marks["dtype choice"] = time.perf_counter()
 model, tok = loaded or models.load(spec, dtype=dtype, kernels="packed")
 marks["load and pack"] = time.perf_counter()

@@ -199,17 +199,17 @@ def _read_requests(prompt: str | None, prompt_file: Path | None, ids_mode: bool)
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Also draw the curves into this PNG.")
 def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
     """Measure this machine's forward cost r(T) = c(T)/c(1) anew, cache it, and print what it implies."""
-    from lookahead import planner, tuner
+    from lookahead import planner, probing
 
     cache_dir = cache_dir or models.default_cache_dir()
     if plot is not None:
         _check_plot(plot)  # before a minute of measuring
     curves = {}
     try:
-        for name in tuner.AUTO_DTYPES if dtype == "auto" else (dtype,):
+        for name in probing.AUTO_DTYPES if dtype == "auto" else (dtype,):
             model, _ = models.load(model_spec, dtype=name, device=device, cache_dir=cache_dir, progress=_progress, kernels=kernels)
-            tuner.curve_file(model, cache_dir).unlink(missing_ok=True)
-            curves[name] = tuner.cached_curve(model, cache_dir, _progress)
+            probing.curve_file(model, cache_dir).unlink(missing_ok=True)
+            curves[name] = probing.cached_curve(model, cache_dir, _progress)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     if kernels == "packed":
@@ -219,13 +219,13 @@ def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
     click.echo("dtype     ms/token(T=1)  " + "  ".join(f"r({t})" for t in curves[name].sizes))
     for name, curve in curves.items():
         click.echo(f"{name:9} {curve.ms_at_1:13.1f}  " + "  ".join(f"{r:5.2f}".rjust(len(f"r({t})")) for t, r in zip(curve.sizes, curve.ratios)))
-    fastest = max(curves, key=lambda n: tuner.lookahead_speed(curves[n]))
-    click.echo(f"fastest lookahead expected in {fastest} (~{tuner.lookahead_speed(curves[fastest]):.1f} tokens/s); --dtype auto picks it")
+    fastest = max(curves, key=lambda n: probing.lookahead_speed(curves[n]))
+    click.echo(f"fastest lookahead expected in {fastest} (~{probing.lookahead_speed(curves[fastest]):.1f} tokens/s); --dtype auto picks it")
     for p in (0.3, 0.5, 0.8):  # a chain whose every node is accepted with probability p given its parent
         nodes = planner.choose(curves[fastest], planner.chain_tree(p, 64), 0, 0.0)
         click.echo(f"drafts accepted with p={p}: verify {nodes.nodes} nodes per step, {nodes.value:.2f}x plain decoding expected")
     if plot:
-        tuner.plot_curves(curves, plot)
+        probing.plot_curves(curves, plot)
         click.echo(f"plot: {plot}")
 
 

@@ -1,4 +1,4 @@
-"""``CostCurve``: what a forward of T rows costs on this machine, relative to one row, as ``tuner`` measured it
+"""``CostCurve``: what a forward of T rows costs on this machine, relative to one row, as ``probing`` measured it
 and ``planner`` reads it. Plain data: it imports nothing of the engine."""
 
 from __future__ import annotations

@@ -29,13 +29,13 @@ from numba import njit
 
 from lookahead.config import LookaheadConfig
 from lookahead.tree import TokenTree, draft_rows
-from ngram_pool import NGramPool, RecycleTable, Source, SuffixDrafter, template
+from ngram_pool import NGramPool, RecycleTable, Origin, SuffixDrafter, template
 from ngram_pool.files import ArrayFile
 from ngram_pool.recycle import expand_template
 
 SOURCES = ("trajectory", "prompt", "output", "other", "suffix", "recycle")  # bit i of a node's ``sources``
-POOL_ROWS = np.full(256, SOURCES.index("other"), np.int64)  # pool source code -> statistics row
-POOL_ROWS[[int(s) for s in Source]] = [SOURCES.index(s.name.lower()) for s in Source]
+POOL_ROWS = np.full(256, SOURCES.index("other"), np.int64)  # pool origin code -> statistics row
+POOL_ROWS[[int(s) for s in Origin]] = [SOURCES.index(s.name.lower()) for s in Origin]
 TRAJECTORY, SUFFIX, RECYCLE = SOURCES.index("trajectory"), SOURCES.index("suffix"), SOURCES.index("recycle")
 # an extra statistics row (and source bit) for suffix drafts from long matches, which are far likelier right
 SUFFIX_LONG, LONG_MATCH = len(SOURCES), 3
@@ -43,23 +43,23 @@ SUFFIX_LONG, LONG_MATCH = len(SOURCES), 3
 AGREE = len(SOURCES) + 1
 STAT_ROWS = len(SOURCES) + 2
 MAX_DEPTH = 32  # statistics buckets: depth for chains, rank for the recycling table
-PRIOR_WEIGHT = 4.0  # the prior below is worth this many observations
+ASSUMED_WEIGHT = 4.0  # the assumed rates below are worth this many observations
 STATS_MEMORY = 1000  # steps: every step's counts weigh 1 - 1/STATS_MEMORY less, so a state kept across requests
                      # follows what it drafts for now (code after chat) instead of averaging everything it has seen
 
 
-def _prior() -> np.ndarray:
+def _assumed_rates() -> np.ndarray:
     """(sources, MAX_DEPTH) acceptance rates assumed before any are measured, as measured with SmolLM2-135M on
     the benchmark's four sets: a chain's first node is accepted about 1 time in 5 and a node whose parent was
     accepted about half the time, whatever the source; the recycling table's rank-r successor is the next
     token with probability about 0.4 / (r + 1)^2 (0.44, 0.09, 0.04, 0.02 measured)."""
-    prior = np.full((STAT_ROWS, MAX_DEPTH), 0.5)
-    prior[:, 0] = 0.2
-    prior[SUFFIX_LONG] = 0.7  # a copy of 3+ matched tokens goes on more often than not
-    prior[SUFFIX_LONG, 0] = 0.4
-    prior[RECYCLE] = 0.4 / (1.0 + np.arange(MAX_DEPTH)) ** 2
-    return prior  # AGREE: as a chain's until measured (0.2 at depth 1, one half deeper; measured 0.45-0.53)
-PRIOR = _prior()
+    assumed = np.full((STAT_ROWS, MAX_DEPTH), 0.5)
+    assumed[:, 0] = 0.2
+    assumed[SUFFIX_LONG] = 0.7  # a copy of 3+ matched tokens goes on more often than not
+    assumed[SUFFIX_LONG, 0] = 0.4
+    assumed[RECYCLE] = 0.4 / (1.0 + np.arange(MAX_DEPTH)) ** 2
+    return assumed  # AGREE: as a chain's until measured (0.2 at depth 1, one half deeper; measured 0.45-0.53)
+ASSUMED_RATES = _assumed_rates()
 NONE = np.empty(0, np.int64)
 NO_TEMPLATE = (NONE, NONE, np.empty(0))  # parents, ranks, scores of no recycling expansion
 TEMPLATE_REFRESH = 16  # steps between re-derivations of the recycling template from the measured rank rates
@@ -127,27 +127,27 @@ class PoolSource:
     """The n-gram pool as a chain source: a request's prompt n-grams when it starts, the Jacobi trajectories and
     the output's n-grams as they come; its rows are where an n-gram came from."""
 
-    rows = SOURCES[: SUFFIX]  # trajectory, prompt, output, other: POOL_ROWS maps the pool's codes onto them
+    rows = SOURCES[: SUFFIX]  # trajectory, prompt, output, other: POOL_ROWS maps the pool's origin codes onto them
 
     def __init__(self, pool: NGramPool) -> None:
         self.pool = pool
 
     def start(self, prompt: np.ndarray, cfg: LookaheadConfig) -> None:
         if cfg.seed_pool_from_prompt:
-            self.pool.insert_sequence(prompt, Source.PROMPT)
+            self.pool.insert_sequence(prompt, Origin.PROMPT)
 
     def propose(self, current: int, cfg: LookaheadConfig) -> tuple[np.ndarray, np.ndarray]:
         if not cfg.guess:
             return np.empty((0, 0), np.int64), NONE
-        grams, codes = self.pool.lookup_with_sources(current, cfg.guess)
+        grams, codes = self.pool.lookup_with_origins(current, cfg.guess)
         return grams, POOL_ROWS[codes]
 
     def learn(self, cfg: LookaheadConfig, steps: list[Observed]) -> None:
         grams = [s.trajectories for s in steps if s.trajectories.size]
         if grams:
-            self.pool.insert_many(np.concatenate(grams), Source.TRAJECTORY)
+            self.pool.insert_many(np.concatenate(grams), Origin.TRAJECTORY)
         if cfg.pool_from_output:
-            self.pool.insert_sequences([s.history_tail + s.emitted for s in steps], Source.OUTPUT)
+            self.pool.insert_sequences([s.history_tail + s.emitted for s in steps], Origin.OUTPUT)
 
 
 class DraftState:
@@ -171,9 +171,9 @@ class DraftState:
         self.names = SOURCES + (None, None) + tuple(row for source in extra for row in source.rows)
         if len(self.names) > 63:
             raise ValueError(f"{len(self.names)} statistics rows: a node's sources are bits of an int64 (63 at most)")
-        self.prior = np.vstack([PRIOR, np.repeat(PRIOR[TRAJECTORY:TRAJECTORY + 1], len(self.names) - STAT_ROWS, 0)])  # a chain's
-        self.tried = np.zeros_like(self.prior)  # nodes offered whose parent was accepted
-        self.hits = np.zeros_like(self.prior)  # ... and accepted
+        self.assumed = np.vstack([ASSUMED_RATES, np.repeat(ASSUMED_RATES[TRAJECTORY:TRAJECTORY + 1], len(self.names) - STAT_ROWS, 0)])  # a chain's
+        self.tried = np.zeros_like(self.assumed)  # nodes offered whose parent was accepted
+        self.hits = np.zeros_like(self.assumed)  # ... and accepted
         self._template, self._template_age = None, TEMPLATE_REFRESH
 
     @property
@@ -216,8 +216,8 @@ class DraftState:
         return suffix
 
     def rates(self) -> np.ndarray:
-        """(rows, MAX_DEPTH) estimated conditional acceptance rates, shrunk towards the prior."""
-        return (self.hits + self.prior * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
+        """(rows, MAX_DEPTH) estimated conditional acceptance rates, shrunk towards the assumed ones."""
+        return (self.hits + self.assumed * ASSUMED_WEIGHT) / (self.tried + ASSUMED_WEIGHT)
 
     def propose(self, current: int, cfg: LookaheadConfig, budget: int, max_depth: int, suffix: SuffixDrafter) -> TokenTree:
         """The best tree of at most ``budget`` nodes, none deeper than ``max_depth``, after ``current`` (the last

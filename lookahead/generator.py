@@ -14,19 +14,19 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from lookahead import models, prior, support
+from lookahead import capability, models, prior
 from lookahead.config import LookaheadConfig
 from lookahead.curve import CostCurve
-from lookahead.decoding import Decoding
+from lookahead.rules import Rules
 from lookahead.drafting import DraftState
 from lookahead.lane import Lane, shared_state
 from lookahead.loop import Batch
-from lookahead.passes import forward, prefill
+from lookahead.model_forward import forward, prefill
 from lookahead.planner import Calibration, LiveCurve, Planner
 from lookahead.prompt import prompt_ids
 from lookahead.stats import GenerationStats
 from lookahead.tree import TokenTree
-from lookahead.tuner import cached_curve, fastest_dtype
+from lookahead.probing import cached_curve, fastest_dtype
 
 SPARSE_POOL_VOCAB = 65536
 
@@ -45,7 +45,7 @@ class LookaheadGenerator:
     def __init__(self, model: PreTrainedModel, tokenizer=None, config: LookaheadConfig | None = None, *,
                  cost: CostCurve | None = None, cache_dir: Path | None = None, progress: models.Progress = models._quiet) -> None:
         """``cost``: this machine's forward-cost curve for ``config.auto`` (default: measured at first use and
-        cached under ``cache_dir``, see ``tuner.py``)."""
+        cached under ``cache_dir``, see ``probing.py``)."""
         self.model, self.tokenizer = model, tokenizer
         self.config = config or LookaheadConfig()
         self._cost, self._cache_dir, self._progress = cost, cache_dir, progress
@@ -56,22 +56,22 @@ class LookaheadGenerator:
         self._prior: np.ndarray | None = None  # the recycling table's prior (``prior.py``), computed at the first new state
         self._prior_lock = threading.Lock()
         mc = model.config.get_text_config(decoder=True)
-        support.check_config(model)
+        capability.check_config(model)
         self.vocab_size = models.vocab_size(model)
-        self.reach = support.Reach.of(mc)
-        self.windows = support.mask_windows(mc)
+        self.reach = capability.Reach.of(mc)
+        self.windows = capability.mask_windows(mc)
         TokenTree.warm_up()
         DraftState.warm_up()
-        support.check_step(model, *self._probes())
+        capability.check_step(model, *self._probes())
 
-    def _probes(self) -> tuple[support.Prefill, support.Forward]:
+    def _probes(self) -> tuple[capability.Prefill, capability.Forward]:
         return (lambda prompt: prefill(self.model, prompt), lambda *step: forward(self.model, self.windows, *step))
 
     @functools.cached_property
     def batchable(self) -> bool:
         """Whether sequences share a step exactly (LongRoPE switches a whole forward by its largest position): probed
         when a batch first needs it, not at load (a quarter of a second a one-request start does not need)."""
-        return not self.reach.switches and support.check_batch(self.model, *self._probes())
+        return not self.reach.switches and capability.check_batch(self.model, *self._probes())
 
     @classmethod
     def from_pretrained(
@@ -194,8 +194,8 @@ class LookaheadGenerator:
                  streamer=None, lookahead: bool = True, **options) -> Lane:
         """One request, checked and ready to join a batch (``new_batch``); ``options`` as ``prepare`` takes them."""
         state.check_fits(self.vocab_size, self.config)
-        ids, decoding = self.prepare(prompt, max_new_tokens, **options)
-        return Lane(ids, decoding, state, streamer, lookahead)
+        ids, rules = self.prepare(prompt, max_new_tokens, **options)
+        return Lane(ids, rules, state, streamer, lookahead)
 
     def new_batch(self, lookahead: bool = True, prefill_chunk: int | None = None) -> Batch:
         """An empty running batch over this generator's model (the cost model on where ``config.auto`` and lookahead);
@@ -210,7 +210,7 @@ class LookaheadGenerator:
 
     def prepare(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int | None = None, *, chat: bool = False,
                 system: str | None = None, generation_config: GenerationConfig | None = None, seed: int | None = None,
-                **options) -> tuple[list[int], Decoding]:
+                **options) -> tuple[list[int], Rules]:
         """The prompt's token ids and the resolved options: every check ``generate()`` makes before decoding
         (a ValueError), so a server can refuse bad input before it starts a stream."""
         ids = prompt_ids(prompt, self.tokenizer, self.vocab_size, chat, system)
@@ -218,11 +218,11 @@ class LookaheadGenerator:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
-        decoding = Decoding(self.model, self.tokenizer, len(ids), max_new_tokens, generation_config, seed, options)
-        if self.reach.context is not None and len(ids) + decoding.max_new_tokens > self.reach.context:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({decoding.max_new_tokens}) exceeds the model's "
+        rules = Rules(self.model, self.tokenizer, len(ids), max_new_tokens, generation_config, seed, options)
+        if self.reach.context is not None and len(ids) + rules.max_new_tokens > self.reach.context:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({rules.max_new_tokens}) exceeds the model's "
                              f"context of {self.reach.context} tokens")
-        return ids, decoding
+        return ids, rules
 
     def new_state(self) -> DraftState:
         """A drafting state for this generator, empty but for the recycling table's prior (``prior.py``); pass it

@@ -160,7 +160,7 @@ def _padded(rows: list[list[int]], config: GenerationConfig, like: torch.Tensor)
 def _refuse_unhonoured(model: PreTrainedModel, input_ids: torch.Tensor, logits_processor: LogitsProcessorList,
                        stopping_criteria: StoppingCriteriaList, config: GenerationConfig, model_kwargs: dict) -> None:
     """ValueError naming what generate() was given that the loop cannot honour (the generation config's own
-    options are checked per row by ``Decoding``, as for ``LookaheadGenerator.generate``)."""
+    options are checked per row by ``Rules``, as for ``LookaheadGenerator.generate``)."""
     for name in UNRETURNED:
         if getattr(config, name, False):
             raise ValueError(f"generation option {name}=True is not supported by lookahead decoding "

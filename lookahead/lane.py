@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lookahead.decoding import Decoding
+from lookahead.rules import Rules
 from lookahead.drafting import DraftState
 from lookahead.planner import Ledger
 from lookahead.stats import Clock, GenerationStats
@@ -20,7 +20,7 @@ class Lane:
     """One sequence of the batch: its prompt and options, its drafting, and what it has emitted so far."""
 
     prompt: list[int]
-    decoding: Decoding
+    rules: Rules
     state: DraftState  # shared by the lanes of a batch; ``suffix`` is this lane's own
     streamer: object | None = None
     lookahead: bool = True
@@ -41,11 +41,11 @@ class Lane:
     @property
     def last_position(self) -> int:
         """The last position generate() feeds; no row goes beyond."""
-        return len(self.prompt) + self.decoding.max_new_tokens - 2
+        return len(self.prompt) + self.rules.max_new_tokens - 2
 
     @property
     def finished(self) -> bool:
-        return self.done or self.cancelled or len(self.out) >= self.decoding.max_new_tokens or self.decoding.out_of_time()
+        return self.done or self.cancelled or len(self.out) >= self.rules.max_new_tokens or self.rules.out_of_time()
 
     @property
     def finish_reason(self) -> str:

@@ -19,23 +19,23 @@ from transformers import PreTrainedModel
 
 from lookahead import kv, native
 from lookahead.config import LookaheadConfig
-from lookahead.decoding import Decoding
+from lookahead.rules import Rules
 from lookahead.drafting import Observed
 from lookahead.lane import Lane, shared_state
 from lookahead.layout import BatchLayout, StepLayout, build_layout, stack
-from lookahead.passes import forward, prefill
+from lookahead.model_forward import forward, prefill
 from lookahead.planner import Move, Planner
 from lookahead.stats import Clock
-from lookahead.support import Reach
+from lookahead.capability import Reach
 from lookahead.tree import TokenTree
 from lookahead.verify import argmax
 from lookahead.window import JacobiWindow
 
 
-def until_stop(decoding: Decoding, history: list[int], new: list[int]) -> tuple[list[int], bool]:
+def until_stop(rules: Rules, history: list[int], new: list[int]) -> tuple[list[int], bool]:
     """``new`` up to and including the first token that ends generation, and whether one did."""
     for i in range(len(new)):
-        if decoding.stops(history + new[: i + 1]):
+        if rules.stops(history + new[: i + 1]):
             return new[: i + 1], True
     return new, False
 
@@ -45,7 +45,7 @@ class Batch:
 
     def __init__(self, model: PreTrainedModel, config: LookaheadConfig, windows: dict[str, int | None], reach: Reach,
                  planner: Planner, prefill_chunk: int | None = None) -> None:
-        """windows: layer type -> sliding window (``support.mask_windows``); reach: the model's context and rotary
+        """windows: layer type -> sliding window (``capability.mask_windows``); reach: the model's context and rotary
         switches; planner: the cost model (``Planner(None)``: the fixed shape); prefill_chunk: prompt tokens
         prefilled between two steps while other lanes decode (None: a joining prompt is prefilled whole at once;
         see ``join``)."""
@@ -81,8 +81,8 @@ class Batch:
         """The lane's first token from its prompt's ``logits`` (V,); it joins the batch (its ``cache``) unless
         that finished it; returns whether it did."""
         cfg = self.config
-        first = lane.decoding.verify(lane.prompt, logits, None, TokenTree.empty()).tokens
-        lane.out, lane.done = until_stop(lane.decoding, lane.prompt, first)
+        first = lane.rules.verify(lane.prompt, logits, None, TokenTree.empty()).tokens
+        lane.out, lane.done = until_stop(lane.rules, lane.prompt, first)
         lane.suffix = lane.state.start(lane.prompt + lane.out, cfg)
         if lane.lookahead and cfg.window:
             lane.window = JacobiWindow(cfg.window, cfg.ngram, np.asarray(lane.prompt), cfg.seed)
@@ -187,8 +187,8 @@ class Batch:
         """The model's verdict on the lane's tree, and the tokens it emits (cut at a stop or the length)."""
         first, _, tree_logits = move.layout.split_logits(move.logits)
         history = lane.prompt + lane.out
-        move.verdict = lane.decoding.verify(history, first, tree_logits, move.tree)
-        move.new, lane.done = until_stop(lane.decoding, history, move.verdict.tokens[: lane.decoding.max_new_tokens - len(lane.out)])
+        move.verdict = lane.rules.verify(history, first, tree_logits, move.tree)
+        move.new, lane.done = until_stop(lane.rules, history, move.verdict.tokens[: lane.rules.max_new_tokens - len(lane.out)])
 
     def _teach(self, lanes: list[Lane], moves: list[Move], step: BatchLayout, ids: np.ndarray, logits: torch.Tensor) -> None:
         """The drafting lanes' windows advance; the shared sources take the trajectories, the new tokens and every

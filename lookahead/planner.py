@@ -1,5 +1,5 @@
 """Each step, what to run: the tree size and the Jacobi branch that maximise expected tokens per unit of cost,
-on the measured curve (``tuner``) as the loop's own timings correct it, with gains the loop has checked.
+on the measured curve (``probing``) as the loop's own timings correct it, with gains the loop has checked.
 
 For one sequence, ``choose`` takes the drafted tree and the estimated value of the Jacobi branch and picks
 the tree size k and whether to feed the window:
@@ -28,7 +28,7 @@ from lookahead.layout import StepLayout
 from lookahead.tree import TokenTree
 from lookahead.verify import Verdict, accepted_after
 
-JACOBI_PRIOR = 0.05  # draft tokens per step credited to the Jacobi branch before any is measured (SmolLM2: ~0)
+JACOBI_ASSUMED = 0.05  # draft tokens per step credited to the Jacobi branch before any is measured (SmolLM2: ~0)
 JACOBI_DECAY = 0.05  # weight of each step in its running estimate
 RETRY = 64  # steps after which what the planner left off (drafting, the Jacobi branch) runs once more, to re-measure it
 DORMANT = 8  # plain forwards in a row after which the loop proposes drafts only every DORMANT_STRIDE-th step
@@ -36,7 +36,7 @@ DORMANT_STRIDE = 4
 LIVE_WEIGHT = 0.1  # weight of each of the loop's own forward timings in the curve's online correction
 LIVE_CLIP = 0.5  # most one timing moves a correction, in log units (a one-off stall must not price a width out)
 CALIBRATION_DECAY = 0.95  # a sequence's calibration remembers its last ~20 drafting steps
-CALIBRATION_PRIOR = 1.0  # ... and starts as if one promised draft token had come (factor 1)
+CALIBRATION_ASSUMED = 1.0  # ... and starts as if one promised draft token had come (factor 1)
 
 
 class LiveCurve:
@@ -217,7 +217,7 @@ class Calibration:
     from ``factor`` (what every sequence so far got: ``Planner.calibration``), not from trusting the mix."""
 
     def __init__(self, factor: float = 1.0) -> None:
-        self.promised, self.got = CALIBRATION_PRIOR, CALIBRATION_PRIOR * factor
+        self.promised, self.got = CALIBRATION_ASSUMED, CALIBRATION_ASSUMED * factor
 
     @property
     def factor(self) -> float:
@@ -236,7 +236,7 @@ class JacobiWorth:
     with a step's share of them, and so never ran). A branch left off is retried now and then."""
 
     def __init__(self) -> None:
-        self.value, self.idle, self.since_run = JACOBI_PRIOR, 0, 0
+        self.value, self.idle, self.since_run = JACOBI_ASSUMED, 0, 0
 
     def runs(self, chosen: bool) -> bool:
         """Whether the branch runs this step: when chosen, or after ``RETRY`` steps without."""

@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from lookahead import kv, models, native
-from lookahead.tuner import model_name
+from lookahead.probing import model_name
 
 FORMAT = 1
 BATCH = 512  # one-token sequences a forward

@@ -5,7 +5,7 @@ array (possibly empty), never ``None``. The buffers they work on are owned by ``
 
     table   (rows, slots, n)  int32  per key row: its stored n-grams, most recently used first;
                                      columns 0..n-2 are the continuation (the n-gram minus its key),
-                                     column n-1 is the source code of the last insertion
+                                     column n-1 is the origin code of the last insertion
     counts  (rows,)           int32  how many slots of each row are filled
     row_of  (vocab,)          int32  key token -> row of ``table`` (-1: no row yet, sparse pools only)
 
@@ -56,7 +56,7 @@ def missing_keys(row_of: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 @njit(cache=True)
 def insert_ngrams(
-    table: np.ndarray, counts: np.ndarray, row_of: np.ndarray, ngrams: np.ndarray, source: int
+    table: np.ndarray, counts: np.ndarray, row_of: np.ndarray, ngrams: np.ndarray, origin: int
 ) -> np.ndarray:
     """Insert a (k, n) batch in order; returns a (k,) int8 status array (NEW or REFRESHED).
 
@@ -93,13 +93,13 @@ def insert_ngrams(
                 table[row, s, t] = table[row, s - 1, t]
         for t in range(n - 1):
             table[row, 0, t] = ngrams[i, t + 1]
-        table[row, 0, n - 1] = source
+        table[row, 0, n - 1] = origin
     return status
 
 
 @njit(cache=True)
 def lookup_row(table: np.ndarray, counts: np.ndarray, row_of: np.ndarray, key: int, max_candidates: int) -> np.ndarray:
-    """The stored n-grams of ``key``, most recent first: an (m, n) array of continuation + source column."""
+    """The stored n-grams of ``key``, most recent first: an (m, n) array of continuation + origin column."""
     if key < 0 or key >= row_of.size:
         raise ValueError("key " + str(key) + " is outside the vocabulary [0, " + str(row_of.size) + ")")
     row = row_of[key]
@@ -111,8 +111,8 @@ def lookup_row(table: np.ndarray, counts: np.ndarray, row_of: np.ndarray, key: i
 
 @njit(cache=True)
 def insert_then_lookup(
-    table: np.ndarray, counts: np.ndarray, row_of: np.ndarray, ngrams: np.ndarray, source: int, key: int, max_candidates: int
+    table: np.ndarray, counts: np.ndarray, row_of: np.ndarray, ngrams: np.ndarray, origin: int, key: int, max_candidates: int
 ) -> np.ndarray:
     """One decode step's pool work in one call: insert a batch, then look up the next key."""
-    insert_ngrams(table, counts, row_of, ngrams, source)
+    insert_ngrams(table, counts, row_of, ngrams, origin)
     return lookup_row(table, counts, row_of, key, max_candidates)

@@ -15,8 +15,8 @@ FORMAT_VERSION = 1
 _INITIAL_SPARSE_ROWS = 256
 
 
-class Source(enum.IntEnum):
-    """Where a stored n-gram came from; kept per n-gram so an engine can report acceptance by source."""
+class Origin(enum.IntEnum):
+    """Where a stored n-gram came from; kept per n-gram so an engine can report acceptance by origin."""
 
     TRAJECTORY = 0  # harvested from the Jacobi (lookahead) trajectories
     PROMPT = 1  # an n-gram of the prompt
@@ -92,36 +92,36 @@ class NGramPool:
 
     # -- inserting ------------------------------------------------------------------------------
 
-    def insert_many(self, ngrams: np.ndarray, source: int = Source.TRAJECTORY) -> int:
+    def insert_many(self, ngrams: np.ndarray, origin: int = Origin.TRAJECTORY) -> int:
         """Insert a (k, n) batch of n-grams in order (later rows end up more recent); returns how many were new."""
-        grams = self._prepare(ngrams, source)
-        status = kernels.insert_ngrams(self._table, self._counts, self._row_of, grams, int(source))
+        grams = self._prepare(ngrams, origin)
+        status = kernels.insert_ngrams(self._table, self._counts, self._row_of, grams, int(origin))
         return int(np.count_nonzero(status))
 
     def insert_and_lookup(
-        self, ngrams: np.ndarray, key: int, max_candidates: int, source: int = Source.TRAJECTORY
+        self, ngrams: np.ndarray, key: int, max_candidates: int, origin: int = Origin.TRAJECTORY
     ) -> tuple[np.ndarray, np.ndarray]:
-        """``insert_many`` then ``lookup_with_sources`` in one kernel call: a decode step's pool work."""
-        grams = self._prepare(ngrams, source)
+        """``insert_many`` then ``lookup_with_origins`` in one kernel call: a decode step's pool work."""
+        grams = self._prepare(ngrams, origin)
         self._check_lookup(key, max_candidates)
-        rows = kernels.insert_then_lookup(self._table, self._counts, self._row_of, grams, int(source), key, max_candidates)
+        rows = kernels.insert_then_lookup(self._table, self._counts, self._row_of, grams, int(origin), key, max_candidates)
         return self._split(rows)
 
-    def _prepare(self, ngrams: np.ndarray, source: int) -> np.ndarray:
+    def _prepare(self, ngrams: np.ndarray, origin: int) -> np.ndarray:
         grams = _as_ids("ngrams", ngrams, 2)
         if grams.shape[1] != self.n:
             raise ValueError(f"ngrams must have shape (k, {self.n}), got {grams.shape}")
-        if not 0 <= source <= 255:
-            raise ValueError(f"source must be in [0, 255], got {source}")
+        if not 0 <= origin <= 255:
+            raise ValueError(f"origin must be in [0, 255], got {origin}")
         if self.sparse:
             self._add_rows(kernels.missing_keys(self._row_of, grams[:, 0].copy()))
         return grams
 
-    def insert_sequence(self, tokens: np.ndarray | list[int], source: int = Source.PROMPT) -> int:
+    def insert_sequence(self, tokens: np.ndarray | list[int], origin: int = Origin.PROMPT) -> int:
         """Insert every n-gram of a token sequence (shorter than n: nothing); returns how many were new."""
-        return self.insert_sequences([tokens], source)
+        return self.insert_sequences([tokens], origin)
 
-    def insert_sequences(self, sequences: list[np.ndarray | list[int]], source: int = Source.PROMPT) -> int:
+    def insert_sequences(self, sequences: list[np.ndarray | list[int]], origin: int = Origin.PROMPT) -> int:
         """Insert every n-gram of each sequence, in order, in one kernel call; returns how many were new."""
         grams = []
         for tokens in sequences:
@@ -130,7 +130,7 @@ class NGramPool:
                 kernels.check_ids(seq, self.vocab_size)
             else:  # (size - n + 1, n) windows, contiguous: a decode step's call, ~2x cheaper than sliding_window_view's
                 grams.append(seq[np.arange(seq.size - self.n + 1)[:, None] + np.arange(self.n)])
-        return self.insert_many(grams[0] if len(grams) == 1 else np.concatenate(grams), source) if grams else 0
+        return self.insert_many(grams[0] if len(grams) == 1 else np.concatenate(grams), origin) if grams else 0
 
     def _add_rows(self, keys: np.ndarray) -> None:
         """Give each key a row of its own, doubling the table when it is full (sparse pools only)."""
@@ -146,8 +146,8 @@ class NGramPool:
 
     # -- looking up -----------------------------------------------------------------------------
 
-    def lookup_with_sources(self, key: int, max_candidates: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Candidates for ``key`` most recent first: an (m, n-1) int32 array and their (m,) sources."""
+    def lookup_with_origins(self, key: int, max_candidates: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Candidates for ``key`` most recent first: an (m, n-1) int32 array and their (m,) origins."""
         limit = self.slots_per_key if max_candidates is None else max_candidates
         self._check_lookup(key, limit)
         return self._split(kernels.lookup_row(self._table, self._counts, self._row_of, key, limit))
@@ -161,7 +161,7 @@ class NGramPool:
             raise ValueError(f"max_candidates must be an integer >= 0, got {max_candidates!r}")
 
     def _split(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Kernel rows (m, n) -> continuations (m, n-1) and sources (m,); counts the hit or miss."""
+        """Kernel rows (m, n) -> continuations (m, n-1) and origins (m,); counts the hit or miss."""
         if rows.shape[0]:
             self.hits += 1
         else:
@@ -170,7 +170,7 @@ class NGramPool:
 
     def lookup(self, key: int, max_candidates: int | None = None) -> np.ndarray:
         """Candidates for ``key`` (the n-1 tokens after it), most recent first, as an (m, n-1) int32 array."""
-        return self.lookup_with_sources(key, max_candidates)[0]
+        return self.lookup_with_origins(key, max_candidates)[0]
 
     @property
     def stats(self) -> PoolStats:
@@ -217,7 +217,7 @@ class NGramPool:
             table = f.array("table", np.int32, (used, slots, file_n))
             f.check("counts", used <= file_vocab and ((counts >= 0) & (counts <= slots)).all(), f"outside [0, {slots}]")
             f.check("table", ((table[..., :-1] >= 0) & (table[..., :-1] < file_vocab)).all(), f"a token id outside [0, {file_vocab})")
-            f.check("table", ((table[..., -1] >= 0) & (table[..., -1] <= 255)).all(), "a source code outside [0, 255]")
+            f.check("table", ((table[..., -1] >= 0) & (table[..., -1] <= 255)).all(), "an origin code outside [0, 255]")
             if sparse:
                 keyed = row_of[row_of >= 0]
                 f.check("row_of", ((row_of >= -1) & (row_of < used)).all() and np.unique(keyed).size == keyed.size,

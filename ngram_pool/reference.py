@@ -10,9 +10,9 @@ class PyNGramPool:
     def __init__(self, n: int, slots_per_key: int) -> None:
         self.n, self.slots_per_key = n, slots_per_key
         self.rows: dict[int, list[tuple[int, ...]]] = {}
-        self.sources: dict[tuple[int, ...], int] = {}
+        self.origins: dict[tuple[int, ...], int] = {}
 
-    def insert_many(self, ngrams, source: int = 0) -> int:
+    def insert_many(self, ngrams, origin: int = 0) -> int:
         new = 0
         for gram in ngrams:
             key, cont = int(gram[0]), tuple(int(t) for t in gram[1:])
@@ -24,7 +24,7 @@ class PyNGramPool:
                 if len(row) == self.slots_per_key:
                     row.pop()
             row.insert(0, cont)
-            self.sources[(key,) + cont] = source
+            self.origins[(key,) + cont] = origin
         return new
 
     def lookup(self, key: int, max_candidates: int) -> list[tuple[int, ...]]:

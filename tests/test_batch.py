@@ -429,7 +429,7 @@ def test_a_joining_row_whose_deadline_passes_between_two_reads_is_returned_once(
     state, streamers = gen.new_state(), recorders(2)
     lanes = [gen.new_lane(p, 12, state=state, streamer=r) for p, r in zip([first, short], streamers)]
     reads = itertools.count()
-    lanes[1].decoding.out_of_time = lambda: next(reads) >= flip  # the flip-th read on sees the deadline passed
+    lanes[1].rules.out_of_time = lambda: next(reads) >= flip  # the flip-th read on sees the deadline passed
     batch, returned = gen.new_batch(prefill_chunk=16), []
     with torch.inference_mode():
         batch.join(lanes[0])

@@ -245,6 +245,6 @@ def test_a_new_chain_source_is_one_class_merged_scored_and_counted_as_the_pool_i
     assert out.tokens == answer and out.stats.compression > 3
     assert out.stats.accepted_by_source["oracle"] == out.stats.drafted_by_source["oracle"] > 0
     oracle_row = state.names.index("oracle")
-    assert state.hits[oracle_row, 0] == state.tried[oracle_row, 0] > 0 and state.rates()[oracle_row, 0] > 0.5 > state.prior[oracle_row, 0]
+    assert state.hits[oracle_row, 0] == state.tried[oracle_row, 0] > 0 and state.rates()[oracle_row, 0] > 0.5 > state.assumed[oracle_row, 0]
     with pytest.raises(ValueError, match="63 at most"):
         DraftState(50, 3, extra=tuple(Oracle([], []) for _ in range(60)))

@@ -10,7 +10,7 @@ import torch
 from conftest import assert_greedy_equal, hf_greedy, tiny_gemma3, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator, native
 from lookahead.layout import build_layout, stack
-from lookahead.passes import forward, prefill
+from lookahead.model_forward import forward, prefill
 from lookahead.tree import TokenTree
 from lookahead.window import JacobiWindow
 
@@ -72,7 +72,7 @@ def test_a_kept_state_seeds_the_prompt_and_tolerates_foreign_pool_sources():
     model = tiny_llama(seed=3)
     gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False, window=4, ngram=4, guess=8))
     state = gen.new_state()
-    state.pool.insert_many(np.array([[5, 6, 7, 8]]), source=7)  # a source code the engine does not name
+    state.pool.insert_many(np.array([[5, 6, 7, 8]]), origin=7)  # an origin code the engine does not name
     prompt = repetitive_prompt(60)
     out = gen.generate(prompt, max_new_tokens=32, state=state)
     assert_greedy_equal(model, prompt, out.tokens, hf_greedy(model, prompt, 32))

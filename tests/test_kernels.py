@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator, cpu, kernels, native
 from lookahead.cli import main
-from lookahead.tuner import curve_file
+from lookahead.probing import curve_file
 
 needs_onednn = pytest.mark.skipif(kernels.available(torch.float32) is not None, reason="no oneDNN packed linear here")
 OWN = kernels.own_kernel(torch.bfloat16) is None  # this machine runs our own kernels (AVX-512 BF16, gcc): bf16 and fp32

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ngram_pool import NGramPool, Source
+from ngram_pool import NGramPool, Origin
 from ngram_pool.reference import PyNGramPool
 
 
@@ -44,13 +44,13 @@ def test_empty_lookups_return_empty_arrays(sparse):
     assert pool.lookup(7).shape == (1, 3) and pool.stats.hits == 1
 
 
-def test_sources_follow_the_latest_insertion(sparse):
+def test_origins_follow_the_latest_insertion(sparse):
     pool = NGramPool(vocab_size=20, n=3, sparse=sparse)
-    pool.insert_sequence([5, 6, 7, 5, 6, 8], source=Source.PROMPT)  # (5,6,7) (6,7,5) (7,5,6) (5,6,8)
-    pool.insert_many(np.array([[5, 6, 7]]), source=Source.TRAJECTORY)  # (5,6,7) is seen again by the window
-    cands, sources = pool.lookup_with_sources(5)
+    pool.insert_sequence([5, 6, 7, 5, 6, 8], origin=Origin.PROMPT)  # (5,6,7) (6,7,5) (7,5,6) (5,6,8)
+    pool.insert_many(np.array([[5, 6, 7]]), origin=Origin.TRAJECTORY)  # (5,6,7) is seen again by the window
+    cands, origins = pool.lookup_with_origins(5)
     assert cands.tolist() == [[6, 7], [6, 8]]
-    assert sources.tolist() == [Source.TRAJECTORY, Source.PROMPT]
+    assert origins.tolist() == [Origin.TRAJECTORY, Origin.PROMPT]
 
 
 def test_insert_sequence_shorter_than_n_inserts_nothing():
@@ -65,7 +65,7 @@ def test_insert_and_lookup_equals_the_two_calls():
     a.insert_many(grams)
     fused, fused_src = b.insert_and_lookup(grams, 1, 5)
     assert fused.tolist() == a.lookup(1, 5).tolist() == [[9, 9], [2, 3]]
-    assert fused_src.tolist() == [Source.TRAJECTORY] * 2
+    assert fused_src.tolist() == [Origin.TRAJECTORY] * 2
 
 
 def test_sparse_pool_grows_beyond_its_first_allocation():
@@ -80,13 +80,13 @@ def test_sparse_pool_grows_beyond_its_first_allocation():
 
 def test_save_load_round_trip(tmp_path, sparse):
     pool = NGramPool(vocab_size=50, n=3, slots_per_key=4, sparse=sparse)
-    pool.insert_sequence(np.arange(20) % 7, source=Source.OUTPUT)
+    pool.insert_sequence(np.arange(20) % 7, origin=Origin.OUTPUT)
     pool.lookup(3)
     pool.save(tmp_path / "pool.npz")
     back = NGramPool.load(tmp_path / "pool.npz", vocab_size=50, n=3)
     assert back.stats == pool.stats and back.sparse == sparse
     for key in range(50):
-        assert back.lookup_with_sources(key)[0].tolist() == pool.lookup_with_sources(key)[0].tolist()
+        assert back.lookup_with_origins(key)[0].tolist() == pool.lookup_with_origins(key)[0].tolist()
     # the loaded pool keeps working: same semantics as the original
     back.insert_many(np.array([[3, 1, 1]]))
     assert back.lookup(3)[0].tolist() == [1, 1]
@@ -163,8 +163,8 @@ def test_bad_inputs_raise_clear_errors(sparse):
         pool.lookup(1.5)
     with pytest.raises(ValueError, match="max_candidates must be an integer >= 0"):
         pool.lookup(1, max_candidates=-1)
-    with pytest.raises(ValueError, match="source must be in"):
-        pool.insert_many(np.array([[1, 2, 3]]), source=300)
+    with pytest.raises(ValueError, match="origin must be in"):
+        pool.insert_many(np.array([[1, 2, 3]]), origin=300)
 
 
 def test_import_leaves_torch_and_transformers_out():
@@ -184,11 +184,11 @@ token = st.integers(0, 7)
 )
 def test_matches_the_pure_python_reference(n, slots, batches, sparse):
     pool, ref = NGramPool(8, n, slots, sparse=sparse), PyNGramPool(n, slots)
-    for source, batch in enumerate(batches):
+    for origin, batch in enumerate(batches):
         grams = np.array([g[:n] for g in batch], dtype=np.int64).reshape(-1, n)
-        assert pool.insert_many(grams, source=source) == ref.insert_many(grams.tolist(), source=source)
+        assert pool.insert_many(grams, origin=origin) == ref.insert_many(grams.tolist(), origin=origin)
         for key in range(8):
-            cands, sources = pool.lookup_with_sources(key, slots)
+            cands, origins = pool.lookup_with_origins(key, slots)
             expected = ref.lookup(key, slots)
             assert [tuple(c) for c in cands.tolist()] == expected
-            assert sources.tolist() == [ref.sources[(key,) + c] for c in expected]
+            assert origins.tolist() == [ref.origins[(key,) + c] for c in expected]

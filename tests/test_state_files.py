@@ -104,7 +104,7 @@ def test_every_mutated_field_is_a_named_value_error_or_a_state_that_generates_ex
     assert refused > 100 and loaded > 0  # most mutations are refused; some (a hit count lowered) are harmless
 
 
-def test_a_source_code_outside_a_byte_is_refused_not_an_index_error_later(setting, tmp_path):
+def test_an_origin_code_outside_a_byte_is_refused_not_an_index_error_later(setting, tmp_path):
     gen, reference, saved = setting
     shutil.copytree(saved, tmp_path / "state")
     arrays = arrays_of(saved / "pool.npz")
@@ -112,7 +112,7 @@ def test_a_source_code_outside_a_byte_is_refused_not_an_index_error_later(settin
         table = arrays["table"].copy()
         table[np.nonzero(arrays["counts"])[0][0], 0, -1] = code
         np.savez_compressed(tmp_path / "state" / "pool.npz", **arrays | {"table": table})
-        with pytest.raises(ValueError, match="pool.npz: n-gram pool: table: a source code outside"):
+        with pytest.raises(ValueError, match="pool.npz: n-gram pool: table: an origin code outside"):
             gen.load_state(tmp_path / "state")
 
 

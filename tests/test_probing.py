@@ -15,7 +15,7 @@ from lookahead.drafting import DraftState
 from lookahead.planner import DORMANT, DORMANT_STRIDE, Calibration, JacobiWorth, Ledger, LiveCurve, choose, plan
 from lookahead.verify import accept, accepted_after
 from lookahead.curve import BATCH_WIDTHS, CostCurve
-from lookahead.tuner import cached_curve, curve_file, lookahead_speed, probe
+from lookahead.probing import cached_curve, curve_file, lookahead_speed, probe
 
 FLAT = CostCurve((1, 64), (1.0, 1.05), 10.0)
 STEEP = CostCurve((1, 2, 64), (1.0, 3.0, 60.0), 10.0)  # a row costs more than a step: no draft can pay, however sure

@@ -12,10 +12,10 @@ from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconFor
                           xLSTMForCausalLM)
 
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator, support
+from lookahead import LookaheadConfig, LookaheadGenerator, capability
 from lookahead.cli import main
-from lookahead.passes import forward, prefill
-from lookahead.tuner import probe
+from lookahead.model_forward import forward, prefill
+from lookahead.probing import probe
 
 NO_SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
 LLAMA = dict(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -150,9 +150,9 @@ def test_the_batch_probe_catches_rows_that_leak_between_sequences():
     model = tiny_llama(seed=2)
     gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False))
     probes = (lambda prompt: prefill(model, prompt), lambda *step: forward(model, gen.windows, *step))
-    assert gen.batchable and support.check_batch(model, *probes)
+    assert gen.batchable and capability.check_batch(model, *probes)
     leaky = lambda *step: probes[1](*step).mean(0, keepdim=True).expand(2, -1, -1)  # noqa: E731 -- rows mixed across the batch
-    assert not support.check_batch(model, probes[0], leaky)
+    assert not capability.check_batch(model, probes[0], leaky)
     gen.batchable = False  # as for such a model: a batch's sequences decode in turn, each still exact
     prompts = [[5, 6, 5, 6, 5], [9, 10, 11] * 4]
     for prompt, out in zip(prompts, gen.decode([gen.new_lane(p, 12, state=gen.new_state()) for p in prompts])):

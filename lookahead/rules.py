@@ -1,4 +1,4 @@
-"""How tokens are chosen: a ``GenerationConfig`` turned into the very logits processors, stop rules and
+"""A request's decoding rules: its ``GenerationConfig`` turned into the very logits processors, stop rules and
 sampling that ``model.generate()`` would use, plus the acceptance rule that matches them."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ UNSUPPORTED = {
 }
 
 
-class Decoding:
+class Rules:
     """The generation options of one request, resolved once: processors, acceptance rule, stops, RNG.
 
     ``seed=None`` samples from torch's global RNG, as ``generate()`` does (``torch.manual_seed`` before the

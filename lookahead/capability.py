@@ -119,8 +119,8 @@ class Reach:
         return room, space
 
 
-Prefill = Callable[[list[int]], tuple[kv.BatchCache, torch.Tensor]]  # passes.prefill
-Forward = Callable[[BatchLayout, kv.BatchCache, torch.Tensor, torch.Tensor], torch.Tensor]  # passes.forward
+Prefill = Callable[[list[int]], tuple[kv.BatchCache, torch.Tensor]]  # model_forward.prefill
+Forward = Callable[[BatchLayout, kv.BatchCache, torch.Tensor, torch.Tensor], torch.Tensor]  # model_forward.forward
 
 
 def check_step(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> None:

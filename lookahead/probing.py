@@ -19,12 +19,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from lookahead import models, native, support
+from lookahead import capability, models, native
 from lookahead.cpu import cpu_name
 from lookahead.curve import BATCH, BATCH_WIDTHS, CostCurve
 from lookahead.kernels import available, kernels_of, own_kernel
 from lookahead.layout import build_layout, stack
-from lookahead.passes import forward, prefill
+from lookahead.model_forward import forward, prefill
 from lookahead.planner import chain_tree, choose
 
 PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -46,7 +46,7 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
     otherwise keep every two-token step off for good).
     """
     start = time.perf_counter()
-    limit = support.context_length(model.config.get_text_config(decoder=True)) or 1 << 20
+    limit = capability.context_length(model.config.get_text_config(decoder=True)) or 1 << 20
     sizes = tuple(s for s in sizes if s <= limit // 2) or sizes[:2]  # a tiny context: the sizes it can hold
     context = max(1, min(context, limit - max(sizes)))
     progress(f"measuring forward cost for {len(sizes)} step sizes (once for this machine, model and dtype)")
@@ -66,7 +66,7 @@ def step_times(model: PreTrainedModel, sizes: tuple[int, ...], context: int, rou
     taking w rows each, for w in ``widths``: each the fastest of ``rounds`` interleaved passes."""
     vocab = models.vocab_size(model)
     rng = torch.Generator().manual_seed(0)  # private: the global RNG (unseeded sampling) is the user's
-    windows = support.mask_windows(model.config.get_text_config(decoder=True))
+    windows = capability.mask_windows(model.config.get_text_config(decoder=True))
     with torch.inference_mode():
         prompt = torch.randint(0, vocab, (context,), generator=rng).tolist()
         cache, _ = prefill(model, prompt)
