@@ -25,15 +25,15 @@ def _hermetic_cache() -> None:
     inherit it): a fresh temporary one, so what the engine measures and builds (cost curves, priors, kernels) is
     made anew and no state of the user's is read or written. Shared with the user's cache: the downloads
     (``wheels``, ``gguf``: files of a pinned version, the GGUFs checked by sha256) and the models converted from
-    them (``converted``: a pure function of those files), so a run neither fetches a gigabyte nor converts it
-    again; pip keeps its own cache where it was. Set on import, before any test module is collected (some probe
+    them (``converted``: a pure function of those files), and vLLM's virtual environment (``vllm``: a pinned
+    version), so a run neither fetches gigabytes nor converts them again; pip keeps its own cache where it was. Set on import, before any test module is collected (some probe
     the kernels at import)."""
     user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     os.environ.setdefault("PIP_CACHE_DIR", str(user / "pip"))
     base = Path(tempfile.mkdtemp(prefix="lookahead-tests-"))
     atexit.register(shutil.rmtree, base, ignore_errors=True)
     (base / "lookahead").mkdir()
-    for shared in ("wheels", "gguf", "converted"):
+    for shared in ("wheels", "gguf", "converted", "vllm"):
         (user / "lookahead" / shared).mkdir(parents=True, exist_ok=True)
         (base / "lookahead" / shared).symlink_to(user / "lookahead" / shared, target_is_directory=True)
     os.environ["XDG_CACHE_HOME"] = str(base)

