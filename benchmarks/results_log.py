@@ -1,5 +1,5 @@
 """The index of ``benchmarks/results/``: one row per folder (commit, CPU, model, tokens, headline ratios), read
-from each folder's ``results.json`` (``benchmarks.run`` or ``benchmarks.peers``); written between the index
+from each folder's ``results.json`` (``benchmarks.run``, ``benchmarks.peers`` or ``benchmarks.vllm_bench``); written between the index
 markers of ``RESULTS.md``, whose hand-written history follows it.
 
     python -m benchmarks.results_log            # rewrite the index in benchmarks/RESULTS.md
@@ -26,6 +26,14 @@ def headline(results: dict) -> str:
             return "no default lookahead row"
         line = f"{dtype}: {ours['tokens_per_s']:.1f} tok/s, {ours['speedup_vs_fastest_greedy']:.2f}x fastest HF greedy"
         return line + (f", {ours['tokens_per_s'] / plain['tokens_per_s']:.2f}x our plain loop" if plain else "")
+    if "methods" in results:  # benchmarks.vllm_bench
+        def tps(method: str, run: str) -> float:
+            r = results["methods"][method]["runs"][run]
+            return r["tokens"] / r["seconds"]
+        ours, ngram, plain = "lookahead proposer", "vLLM ngram", "vLLM plain"
+        return (f"in vLLM, {results['dtype']}: {tps(ours, 'one at a time'):.1f} tok/s one at a time, "
+                f"{tps(ours, 'one at a time') / tps(ngram, 'one at a time'):.2f}x vLLM ngram; all at once "
+                f"{tps(ours, 'all at once') / tps(plain, 'all at once'):.2f}x vLLM plain")
     runs = results.get("runs", {})  # benchmarks.peers
     tps = {m: sum(len(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
     peers = {m: v for m, v in tps.items() if m.startswith("llama.cpp")}

@@ -105,14 +105,15 @@ def best_chain(tree: TokenTree, longest: int) -> TokenTree:
     return TokenTree(tree.tokens[path], np.arange(len(path)) - 1, np.arange(1, len(path) + 1), tree.scores[path], tree.sources[path])
 
 
-def kept_tokens(scores: list[np.ndarray], a: float, b: float) -> int:
-    """How many draft tokens, best first across every request's chain, maximise the expected tokens per second of
-    one step: (requests + accepted) / (a + b x (requests + drafted)). Each chain's scores never rise along it, so
-    the best ones are always chain prefixes."""
+def price_floor(scores: list[np.ndarray], a: float, b: float) -> float:
+    """The lowest acceptance probability worth drafting this step (inf: none is): the draft tokens kept, best first
+    across every request's chain, maximise the step's expected tokens per second, (requests + accepted) /
+    (a + b x (requests + drafted)). Each chain's scores never rise along it, so what is kept is chain prefixes."""
     best = np.sort(np.concatenate(scores or [np.empty(0)]))[::-1]
     requests = len(scores)
     rate = (requests + np.concatenate([[0.0], np.cumsum(best)])) / (a + b * (requests + np.arange(best.size + 1)))
-    return int(np.argmax(rate))
+    keep = int(np.argmax(rate))
+    return best[keep - 1] if keep else np.inf
 
 
 class LookaheadProposer:
@@ -141,7 +142,7 @@ class LookaheadProposer:
         self.requests: list[_Request | None] = []  # by row, as of the last call
         self.cost = StepCost()
         self.last_call: float | None = None
-        self.last_tokens = 0  # tokens the step after the last call verified (None: not a steady step)
+        self.last_tokens = 0  # tokens the step after the last call verifies (0: unknown, a prefill's rows among them)
         self.saved = time.monotonic()
 
     def load_model(self, *args, **kwargs) -> None:
@@ -172,21 +173,14 @@ class LookaheadProposer:
         if steady and self.last_tokens:
             self.cost.observe(self.last_tokens, now - self.last_call)
         # 3. propose: each row's best chain, then the draft tokens that pay across all rows
-        for row, request in enumerate(self.requests):
-            if request is not None:
-                room = min(self.longest, self.max_len - len(request.suffix) - 1)
-                tree = self.state.propose(int(request.suffix.tokens[-1]), self.cfg, self.cfg.tree_budget, room, request.suffix)
-                request.draft = best_chain(tree, room)
         live = [r for r in self.requests if r is not None]
-        a, b = self.cost.line()
-        keep = kept_tokens([r.draft.scores for r in live], a, b)
-        if keep:
-            floor = np.sort(np.concatenate([r.draft.scores for r in live]))[::-1][keep - 1]
-            for r in live:
-                r.draft = _cut(r.draft, int((r.draft.scores >= floor).sum()))
-        else:
-            for r in live:
-                r.draft = TokenTree.empty()
+        for request in live:
+            room = min(self.longest, self.max_len - len(request.suffix) - 1)
+            tree = self.state.propose(int(request.suffix.tokens[-1]), self.cfg, self.cfg.tree_budget, room, request.suffix)
+            request.draft = best_chain(tree, room)
+        floor = price_floor([r.draft.scores for r in live], *self.cost.line())
+        for request in live:
+            request.draft = _cut(request.draft, int((request.draft.scores >= floor).sum()))
         self.last_tokens = 0 if None in self.requests else sum(1 + len(r.draft) for r in live)  # 0: a prefill's unknown rows
         self.last_call = time.perf_counter()
         self._save_now_and_then()
@@ -228,4 +222,6 @@ def _cut(chain: TokenTree, nodes: int) -> TokenTree:
     """A chain's first ``nodes`` nodes."""
     if nodes >= len(chain):
         return chain
+    if nodes <= 0:
+        return TokenTree.empty()
     return TokenTree(chain.tokens[:nodes], chain.parents[:nodes], chain.depths[:nodes], chain.scores[:nodes], chain.sources[:nodes])

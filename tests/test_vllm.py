@@ -12,7 +12,7 @@ import pytest
 from lookahead import models
 from lookahead.config import LookaheadConfig
 from lookahead.drafting import SUFFIX_LONG
-from lookahead.vllm import FIT_STEPS, LookaheadProposer, StepCost, kept_tokens
+from lookahead.vllm import FIT_STEPS, LookaheadProposer, StepCost, price_floor
 
 VOCAB, LONGEST, MAX_LEN = 64, 4, 256
 
@@ -91,6 +91,11 @@ def test_acceptance_is_learned_from_what_vllm_kept():
     engine.step({0: draft[:2] + [63]})  # vLLM kept two of the draft's tokens, then its own
     assert proposer.state.tried[SUFFIX_LONG, :4].tolist() == [1, 1, 1, 0]  # the third node's parent was accepted
     assert proposer.state.hits[SUFFIX_LONG, :4].tolist() == [1, 1, 0, 0]
+
+
+def kept_tokens(scores: list[np.ndarray], a: float, b: float) -> int:
+    floor = price_floor(scores, a, b)
+    return sum(int((s >= floor).sum()) for s in scores)
 
 
 def test_drafts_shrink_as_the_step_gets_dear():
