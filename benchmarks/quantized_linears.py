@@ -32,12 +32,6 @@ def microseconds(module: nn.Module, x: torch.Tensor, reps: int) -> float:
     return (time.perf_counter() - start) / reps * 1e6
 
 
-def row_invariant(module: nn.Module, k: int, rows: int = 16) -> bool:
-    x = torch.randn(rows, k).to(torch.bfloat16)
-    full = module(x)
-    return all(torch.equal(full[i], module(x[i : i + 1])[0]) for i in range(rows))
-
-
 def variants(base: nn.Linear) -> dict[str, nn.Module]:
     """The linears to compare, each a copy of ``base``; a library that is missing or fails is named, not run."""
     out: dict[str, nn.Module] = {"bf16 stock": base}
@@ -70,7 +64,7 @@ def main(argv=None) -> None:
             for name, module in variants(nn.Linear(k, n, bias=False).to(torch.bfloat16).eval()).items():
                 one = microseconds(module, torch.randn(1, k).to(torch.bfloat16), args.reps)
                 sixteen = microseconds(module, torch.randn(16, k).to(torch.bfloat16), args.reps)
-                lines.append(f"| {k} x {n} | {name} | {one:.1f} | {sixteen:.1f} | {row_invariant(module, k)} |")
+                lines.append(f"| {k} x {n} | {name} | {one:.1f} | {sixteen:.1f} | {kernels.row_invariant(module, torch.bfloat16)} |")
                 print(lines[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text("\n".join(lines) + "\n")

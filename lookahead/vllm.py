@@ -101,8 +101,7 @@ def best_chain(tree: TokenTree, longest: int) -> TokenTree:
     for i, p in enumerate(tree.parents):  # parents come before their children
         value[i] = tree.scores[i] + (value[p] if p >= 0 else 0.0)
     value[tree.depths > longest] = -1.0
-    path = tree.path(int(np.argmax(value)))
-    return TokenTree(tree.tokens[path], np.arange(len(path)) - 1, np.arange(1, len(path) + 1), tree.scores[path], tree.sources[path])
+    return _chain(tree, tree.path(int(np.argmax(value))))
 
 
 def price_floor(scores: list[np.ndarray], a: float, b: float) -> float:
@@ -180,7 +179,7 @@ class LookaheadProposer:
             request.draft = best_chain(tree, room)
         floor = price_floor([r.draft.scores for r in live], *self.cost.line())
         for request in live:
-            request.draft = _cut(request.draft, int((request.draft.scores >= floor).sum()))
+            request.draft = _chain(request.draft, np.flatnonzero(request.draft.scores >= floor))  # a prefix: scores fall along it
         self.last_tokens = 0 if None in self.requests else sum(1 + len(r.draft) for r in live)  # 0: a prefill's unknown rows
         self.last_call = time.perf_counter()
         self._save_now_and_then()
@@ -191,11 +190,11 @@ class LookaheadProposer:
         where more tokens came than the last step sampled: calls were missed, the draft is not what was verified)."""
         known = len(request.suffix)
         emitted = tokens[known:].tolist()
-        draft = request.draft.tokens if len(emitted) == sampled else TokenTree.empty().tokens
+        verified = request.draft if len(emitted) == sampled else TokenTree.empty()
         accepted = 0
-        while accepted < min(len(draft), len(emitted)) and draft[accepted] == emitted[accepted]:
+        while accepted < min(len(verified), len(emitted)) and verified.tokens[accepted] == emitted[accepted]:
             accepted += 1
-        return Observed(tree=request.draft if len(emitted) == sampled else TokenTree.empty(), path=list(range(accepted)), emitted=emitted,
+        return Observed(tree=verified, path=list(range(accepted)), emitted=emitted,
                         trajectories=np.empty((0, self.cfg.ngram), np.int64), row_tokens=np.empty(0, np.int64),
                         row_topk=np.empty((0, 1), np.int64), history_tail=tokens[max(known - self.cfg.ngram + 1, 0) : known].tolist(),
                         suffix=request.suffix)
@@ -218,10 +217,6 @@ def _claim(earlier: list[_Request | None], row: int, tokens: np.ndarray) -> _Req
     return None
 
 
-def _cut(chain: TokenTree, nodes: int) -> TokenTree:
-    """A chain's first ``nodes`` nodes."""
-    if nodes >= len(chain):
-        return chain
-    if nodes <= 0:
-        return TokenTree.empty()
-    return TokenTree(chain.tokens[:nodes], chain.parents[:nodes], chain.depths[:nodes], chain.scores[:nodes], chain.sources[:nodes])
+def _chain(tree: TokenTree, nodes: list[int] | np.ndarray) -> TokenTree:
+    """The chain of ``tree``'s ``nodes`` (a path, top down), as a tree of its own."""
+    return TokenTree(tree.tokens[nodes], np.arange(len(nodes)) - 1, np.arange(1, len(nodes) + 1), tree.scores[nodes], tree.sources[nodes])
