@@ -50,6 +50,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lookahead import native, norms
+from lookahead.quants import Quantized
 
 KERNELS = ("packed", "stock")
 GROUPED_SDPA = "lookahead_grouped_sdpa"  # the attention implementation ``pack`` switches sdpa models to
@@ -66,16 +67,26 @@ class Product:
     oneDNN's call overhead is ~14 us, a one-token product of a 576-wide q, k or v a few us (Zen 5, bf16:
     q, k, v 48 -> 24 us, gate and up 52 -> 41 us a layer, ~1 ms of SmolLM2's ~15 ms forward)."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], quantized: list[Quantized] | None = None) -> None:
+        """``quantized``: the linears' weights as ``Quantized`` (one kind), run on our quantized kernel."""
         weights = [linear.weight.detach() for linear in linears]
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-        self.own = own_kernel(weight.dtype) is None and native.fits(*weight.shape, weight.dtype)  # ours, else oneDNN's
-        self.packed = native.pack(weight) if self.own else _pack(weight)  # native's layout, or opaque oneDNN
+        if quantized:
+            self.own = True
+            q = Quantized.cat(quantized) if len(quantized) > 1 else quantized[0]
+            self.packed = native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, weight.dtype)
+        else:
+            self.own = own_kernel(weight.dtype) is None and native.fits(*weight.shape, weight.dtype)  # ours, else oneDNN's
+            self.packed = native.pack(weight) if self.own else _pack(weight)  # native's layout, or opaque oneDNN
         bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
         self.bias = bias.float() if self.own and bias is not None else bias  # ours adds it to the fp32 sums
         self.native = native.Linear(self.packed, self.bias) if self.own else None
         self.splits = [linear.out_features for linear in linears]
         self.held = threading.local()  # per thread (two threads may run one model): input, outputs, taken
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.packed, native.QuantLayout)
 
     def __call__(self, x: torch.Tensor, part: int) -> torch.Tensor:  # (..., in) -> (..., splits[part])
         if len(self.splits) == 1:
@@ -105,7 +116,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.product, self.part = product or Product([linear]), part
-        self.register_buffer("packed_weight", self.product.packed, persistent=False)
+        layout = self.product.packed
+        self.register_buffer("packed_weight", layout.packed if self.product.quantized else layout, persistent=False)
         self.bias = linear.bias  # for code that reads it (the product holds its own copy, stacked with the siblings')
 
     @property
@@ -113,7 +125,12 @@ class PackedLinear(nn.Module):
         """A dense copy of the weight, for code that reads it (writing to it changes nothing: use a stock model
         for a modelling code that rescales its weights in place)."""
         start = sum(self.product.splits[: self.part])
-        dense = native.unpack(self.packed_weight) if self.product.own else self.packed_weight.to_dense()
+        if self.product.quantized:
+            q, scale, offset = native.unpack_quantized(self.product.packed)
+            layout = self.product.packed
+            dense = Quantized(q, scale, offset, layout.group, layout.bits).dequantize().to(layout.dtype)
+        else:
+            dense = native.unpack(self.packed_weight) if self.product.own else self.packed_weight.to_dense()
         return dense[start : start + self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
@@ -121,8 +138,9 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         shared = f", one product with {len(self.product.splits) - 1} sibling(s)" if len(self.product.splits) > 1 else ""
+        packed = f"quantized {weight_kind(self.product.packed)}" if self.product.quantized else "own" if self.product.own else "oneDNN"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"packed={'own' if self.product.own else 'oneDNN'}{shared}")
+                f"packed={packed}{shared}")
 
 
 def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -190,6 +208,7 @@ class KernelReport:
     shared: int = 0  # products that serve several sibling linears (``Product``)
     norms: int = 0  # RMSNorm modules swapped for our kernel's (``norms.fuse``)
     notice: str | None = None  # why packing was skipped, or why a bf16 model's products are not on our kernel
+    weights: str = "dense"  # what the linears' weights are (``weights_of``)
 
 
 def own_kernel(dtype: torch.dtype) -> str | None:
@@ -210,11 +229,33 @@ def kernels_of(model: nn.Module) -> str:
     return "stock" if not products else "packed-own" if any(p.own for p in products) else "packed"
 
 
-def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = None) -> KernelReport:
+def weight_kind(layout: native.QuantLayout) -> str:
+    """A quantized layout's kind in a few characters: "q8/32", "q4/32+offsets" ..."""
+    return f"q{layout.bits}/{layout.group}{'+offsets' if layout.offsets else ''}"
+
+
+def weights_of(model: nn.Module) -> str:
+    """What ``model``'s linears multiply (the cost curve's cache key says it): "dense", or the quantized kinds and
+    how many linears each ("q4/32+offsets x 210, q8/32 x 1"), "+ dense x N" for any left dense."""
+    kinds: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, nn.Linear) or isinstance(m, PackedLinear):
+            kind = weight_kind(m.product.packed) if isinstance(m, PackedLinear) and m.product.quantized else "dense"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    if set(kinds) <= {"dense"}:
+        return "dense"
+    return ", ".join(f"{kind} x {n}" for kind, n in sorted(kinds.items(), key=lambda kv: (kv[0] == "dense", kv[0])))
+
+
+def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = None,
+         quantized: dict[str, Quantized] | None = None) -> KernelReport:
     """Replace every plain CPU ``nn.Linear`` of ``model`` (in place) with a ``PackedLinear``; see the module doc.
 
     ``kernels="stock"`` leaves the model as it is. Off CPU, or where ``available`` says no, the model stays
-    stock and the report's ``notice`` says why. Our kernels are built into ``cache_dir`` (``native.library``)."""
+    stock and the report's ``notice`` says why. Our kernels are built into ``cache_dir`` (``native.library``).
+    ``quantized``: {module name: its weight quantized}, run on our quantized kernel (``csrc/quant_linear.c``: the
+    same outputs as the dense weight's ``dequantize()``); where that kernel cannot run, the dense weights do and
+    the notice says why."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if kernels == "stock":
@@ -225,34 +266,51 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
     native.library(cache_dir)  # built (or found) where the caller keeps its cache, before anything asks for it
     if reason := available(dtype):
         return KernelReport("stock", notice=f"packed kernels unavailable ({reason}); running stock kernels")
+    quantized, why_dense = _runnable(quantized or {}, dtype)
     tied = _shared_weights(model)
     packed = kept = extra = products = 0
-    for parent in list(model.modules()):
+    for prefix, parent in list(model.named_modules()):
         linears = {name: child for name, child in parent.named_children() if isinstance(child, nn.Linear)}
         packable = {name: child for name, child in linears.items()
                     if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == dtype}
         kept += len(linears) - len(packable)
-        for names in _products(packable, tied):
-            product = Product([packable[name] for name in names])
+        mine = {name: quantized.get(f"{prefix}.{name}" if prefix else name) for name in packable}
+        for names in _products(packable, tied, mine):
+            product = Product([packable[name] for name in names], [mine[name] for name in names] if mine[names[0]] else None)
             for part, name in enumerate(names):
                 if id(packable[name].weight) in tied:
-                    extra += packable[name].weight.numel() * packable[name].weight.element_size()
+                    weight = packable[name].weight
+                    extra += mine[name].nbytes() if mine[name] else weight.numel() * weight.element_size()
                 setattr(parent, name, PackedLinear(packable[name], product, part))  # the original weight is freed unless tied
             packed += len(names)
             products += len(names) > 1
     if packed and getattr(model, "config", None) is not None and model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(GROUPED_SDPA)
     why_not_own = own_kernel(dtype) if packed and dtype == torch.bfloat16 else None  # fp32 on oneDNN is as before: no notice
-    notice = f"own bf16 kernel unavailable ({why_not_own}); packed products run on oneDNN" if why_not_own else None
+    notice = f"own bf16 kernel unavailable ({why_not_own}); packed products run on oneDNN" if why_not_own else why_dense
     fused = norms.fuse(model, dtype) if packed and own_kernel(dtype) is None and native.has("rms_norm") else 0
-    return KernelReport(kernels_of(model), packed, kept, extra, products, fused, notice)
+    return KernelReport(kernels_of(model), packed, kept, extra, products, fused, notice, weights_of(model))
 
 
-def _products(linears: dict[str, nn.Linear], tied: set[int]) -> list[tuple[str, ...]]:
+def _runnable(quantized: dict[str, Quantized], dtype: torch.dtype) -> tuple[dict[str, Quantized], str | None]:
+    """(the quantized weights our kernel runs here, in ``dtype``; why any run dense instead, or None)."""
+    if not quantized:
+        return {}, None
+    kernel = f"quant_{'bf16' if dtype == torch.bfloat16 else 'fp32'}_linear"
+    if reason := own_kernel(dtype) or (None if native.has(kernel) else f"the {native.tier()} kernels have no quantized linear"):
+        return {}, f"quantized kernels unavailable ({reason}); running the dequantized weights"
+    runnable = {name: q for name, q in quantized.items() if native.quant_fits(*q.shape, q.group)}
+    left = len(quantized) - len(runnable)
+    return runnable, f"{left} quantized weight(s) of a shape the kernel does not take run dequantized" if left else None
+
+
+def _products(linears: dict[str, nn.Linear], tied: set[int], quantized: dict[str, Quantized | None]) -> list[tuple[str, ...]]:
     """One module's packable linears, by name, grouped into products: each group of ``SIBLINGS`` that is all there,
-    of one input width, all biased or none and with no tied weight shares one; every other linear has its own."""
+    of one input width, all biased or none, all dense or all quantized of one kind, and with no tied weight shares
+    one; every other linear has its own."""
     groups = [names for names in SIBLINGS if all(name in linears for name in names)
               and len({(linears[name].in_features, linears[name].bias is None) for name in names}) == 1
+              and len({quantized[name].kind if quantized[name] else None for name in names}) == 1
               and not any(id(linears[name].weight) in tied for name in names)]
     grouped = {name for names in groups for name in names}
     return groups + [(name,) for name in linears if name not in grouped]

@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 import torch
+from torch import nn
 
 from lookahead.cpu import default_cache_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHTS = ("auto", "gguf", "q8", "dense")  # "auto": a GGUF's own blocks where the model came from one, else dense
 DEFAULT_MODEL = "smollm2-135m"
 Progress = Callable[[str], None]
 
@@ -186,6 +188,14 @@ def _one_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
+def gguf_file(spec: str, cache_dir: Path, progress: Progress = _quiet) -> Path | None:
+    """The GGUF file ``spec`` names (an embedded model's, assembled again if it was removed), or None."""
+    if spec in EMBEDDED:
+        return fetch_embedded(spec, cache_dir, progress)
+    path = Path(spec).expanduser()
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
 def resolve(spec: str, cache_dir: Path, progress: Progress = _quiet) -> str:
     """A loadable directory or hub id for ``spec`` (embedded name, GGUF file, directory or hub id)."""
     if spec in EMBEDDED:
@@ -216,24 +226,44 @@ def load(
     cache_dir: Path | None = None,
     progress: Progress = _quiet,
     kernels: str = "stock",
+    weights: str = "dense",
 ):
     """(model, tokenizer or None) for ``spec``; any failure is a one-line ``ModelLoadError``.
 
     ``kernels="packed"``: the model's linears run on weights packed once for small-M products (CPU; see
-    ``lookahead.kernels``), else as loaded."""
-    from lookahead import kernels as kernel_layer
+    ``lookahead.kernels``), else as loaded. ``weights`` (``WEIGHTS``; needs packed kernels unless "dense"):
+    "gguf" keeps a GGUF file's quantized blocks for the linears (``lookahead.quants``: its integers and scales,
+    nothing re-quantized), "q8" quantizes every linear to Q8_0 once, "auto" is "gguf" for a GGUF model and
+    "dense" otherwise; ``dtype`` is then the activations'."""
+    from lookahead import kernels as kernel_layer, quants
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    source = resolve(spec, cache_dir or default_cache_dir(), progress)
+    if weights not in WEIGHTS:
+        raise ModelLoadError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    cache_dir = cache_dir or default_cache_dir()
+    source = resolve(spec, cache_dir, progress)
+    gguf = gguf_file(spec, cache_dir, progress) if weights in ("auto", "gguf") else None
+    weights = weights if weights != "auto" else "gguf" if gguf and kernels == "packed" else "dense"
+    if weights != "dense" and kernels != "packed":
+        raise ModelLoadError(f"--weights {weights} runs on our packed kernels: use --kernels packed")
+    if weights == "gguf" and gguf is None:
+        raise ModelLoadError(f"--weights gguf needs a GGUF model (an embedded name or a .gguf file), not {spec}")
     progress(f"loading {spec} ({dtype}, {device})")
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device).eval()
     except Exception as e:
         raise ModelLoadError(f"cannot load model {spec}: {_one_line(e)}") from None
-    report = kernel_layer.pack(model, kernels, cache_dir or default_cache_dir())
+    quantized = {}
+    if weights == "gguf":
+        quantized, left = quants.gguf_linears(gguf, model)
+        for line in left:
+            progress(f"kept dense: {line}")
+    elif weights == "q8":
+        quantized = {name: quants.quantize_q8_0(m.weight) for name, m in model.named_modules() if type(m) is nn.Linear}
+    report = kernel_layer.pack(model, kernels, cache_dir, quantized)
     if report.notice:
         progress(report.notice)
     try:

@@ -55,9 +55,11 @@ class Tier:
 # AVX2 one (Haswell and later, Zen 1-3) the fp32 linear (linear_avx2.c: the same bits) and the KV moves
 TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-                        ("linear.c", "amx_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c", "move_columns.c"),
+                        ("linear.c", "amx_linear.c", "quant_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c",
+                         "move_columns.c"),
                         BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
-    "avx512f": Tier(("avx512f", "avx512bw", "avx512vl"), ("linear.c", "rms_norm.c", "top_k.c", "move_columns.c"), BASE_FLAGS),
+    "avx512f": Tier(("avx512f", "avx512bw", "avx512vl"), ("linear.c", "quant_linear.c", "rms_norm.c", "top_k.c", "move_columns.c"),
+                    BASE_FLAGS),
     "avx2": Tier(("avx2", "fma"), ("linear_avx2.c", "move_columns.c"), ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")),
 }
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
@@ -171,6 +173,8 @@ def build(directory: Path, tier: str) -> ctypes.CDLL | str:
         "bf16_linear": (linear, None),
         "amx_bf16_linear": (linear, None),
         "amx_init": ([], ctypes.c_int),
+        "quant_fp32_linear": (linear + [ctypes.c_int] * 3, None),  # ... k, bits, group, offsets, threads, l2
+        "quant_bf16_linear": (linear + [ctypes.c_int] * 3, None),
         "tree_attention": ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
                            + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "rms_norm": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),
@@ -204,6 +208,56 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 2, 1).reshape(packed.shape[0] * BLOCK, packed.shape[1])
 
 
+@dataclass(frozen=True)
+class QuantLayout:
+    """A quantized weight in ``csrc/quant_linear.c``'s blocks: the bytes and what the kernel must be told of them."""
+
+    packed: torch.Tensor  # (N / 16, bytes a block) uint8
+    n: int
+    k: int
+    bits: int  # 8: int8 q, 4: nibbles
+    group: int  # k's a scale covers
+    offsets: bool  # whether each group has an offset too
+    dtype: torch.dtype  # the activations' dtype the steps are laid out for
+
+
+def quant_fits(n: int, k: int, group: int) -> bool:
+    """Whether an (n, k) quantized weight with groups of ``group`` k's can be laid out for the kernel."""
+    return n % BLOCK == 0 and n > 0 and k > 0 and group % 2 == 0 and k % group == 0
+
+
+def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int, bits: int,
+                   dtype: torch.dtype) -> QuantLayout:
+    """q (N, K) int8 (0 .. 15 where ``bits`` is 4), scale and offset (N, K / group) fp32 -> the kernel's blocks for
+    ``dtype`` activations: per block of 16 rows and group, the 16 scales, the 16 offsets, then steps of 32 values
+    (bf16: a pair of k's a column, column-major; fp32: k's 16 columns, then k + 1's)."""
+    n, k = q.shape
+    groups = k // group
+    steps = q.view(n // BLOCK, BLOCK, groups, group // 2, 2)
+    steps = steps.permute(0, 2, 3, 1, 4) if dtype == torch.bfloat16 else steps.permute(0, 2, 3, 4, 1)  # (NB, G, S, 32)
+    steps = steps.reshape(n // BLOCK, groups, group // 2, 32).view(torch.uint8)
+    if bits == 4:
+        steps = steps[..., :16] | (steps[..., 16:] << 4)
+    heads = [t.float().view(n // BLOCK, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
+             for t in (scale, offset) if t is not None]  # (NB, G, 64) each
+    packed = torch.cat([*heads, steps.reshape(n // BLOCK, groups, -1)], dim=-1).reshape(n // BLOCK, -1).contiguous()
+    return QuantLayout(packed, n, k, bits, group, offset is not None, dtype)
+
+
+def unpack_quantized(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``pack_quantized``'s inverse: (q, scale, offset)."""
+    n, k, group = layout.n, layout.k, layout.group
+    blocks = layout.packed.view(n // BLOCK, k // group, -1)
+    heads = 2 if layout.offsets else 1
+    floats = [blocks[..., 64 * i:64 * (i + 1)].contiguous().view(torch.float32).transpose(1, 2).reshape(n, -1) for i in range(heads)]
+    steps = blocks[..., 64 * heads:].reshape(n // BLOCK, k // group, group // 2, -1)
+    if layout.bits == 4:
+        steps = torch.cat([steps & 15, steps >> 4], dim=-1)
+    steps = steps.view(torch.int8).view(n // BLOCK, k // group, group // 2, *((BLOCK, 2) if layout.dtype == torch.bfloat16 else (2, BLOCK)))
+    q = (steps.permute(0, 3, 1, 2, 4) if layout.dtype == torch.bfloat16 else steps.permute(0, 4, 1, 2, 3)).reshape(n, k)
+    return q, floats[0], floats[1] if layout.offsets else None
+
+
 NON_TEMPORAL = ("Zen 5",)  # the CPUs whose loop ran fastest with the weights prefetched non-temporally (linear.c)
 
 
@@ -229,19 +283,27 @@ def isa() -> str:
 
 
 class Linear:
-    """(..., K) -> (..., N) in the weight's dtype (bf16 or fp32): x W^T (+ bias, fp32), W packed by ``pack``; the
-    sizes, pointers and kernel looked up once (a forward makes 121 calls: ~1 us each less than doing it per call).
-    Holds ``packed`` and ``bias``, so the pointers stay valid."""
+    """(..., K) -> (..., N) in the weight's dtype (bf16 or fp32): x W^T (+ bias, fp32), W packed by ``pack`` (or by
+    ``pack_quantized``: a ``QuantLayout``); the sizes, pointers and kernel looked up once (a forward makes 121 calls:
+    ~1 us each less than doing it per call). Holds ``packed`` and ``bias``, so the pointers stay valid."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, tiles: bool | None = None) -> None:
+    def __init__(self, packed: torch.Tensor | QuantLayout, bias: torch.Tensor | None, tiles: bool | None = None) -> None:
         """``tiles``: bf16 on AMX tiles (None: where ``amx()``; True where they are not is a ValueError)."""
-        self.packed, self.bias, self.dtype = packed, bias, packed.dtype
-        self.n, self.k = packed.shape[0] * BLOCK, packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
+        self.packed, self.bias = packed, bias
         if tiles and not amx():
             raise ValueError("this CPU or process cannot use AMX tiles")
-        on_tiles = packed.dtype == torch.bfloat16 and self.k % 32 == 0 and (amx() if tiles is None else tiles)
-        self.run = library().amx_bf16_linear if on_tiles else library().bf16_linear if packed.dtype == torch.bfloat16 else library().fp32_linear
-        self.pointers = packed.data_ptr(), None if bias is None else bias.data_ptr()
+        if isinstance(packed, QuantLayout):
+            self.dtype, self.n, self.k = packed.dtype, packed.n, packed.k
+            self.run = library().quant_bf16_linear if packed.dtype == torch.bfloat16 else library().quant_fp32_linear
+            self.format = (packed.bits, packed.group, int(packed.offsets))  # the quantized kernel's extra arguments
+            weights = packed.packed
+        else:
+            self.dtype = packed.dtype
+            self.n, self.k = packed.shape[0] * BLOCK, packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
+            on_tiles = packed.dtype == torch.bfloat16 and self.k % 32 == 0 and (amx() if tiles is None else tiles)
+            self.run = library().amx_bf16_linear if on_tiles else library().bf16_linear if packed.dtype == torch.bfloat16 else library().fp32_linear
+            self.format, weights = (), packed
+        self.pointers = weights.data_ptr(), None if bias is None else bias.data_ptr()
         self.l2 = prefetch_into_l2()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,7 +314,7 @@ class Linear:
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], self.n, dtype=self.dtype)
         if rows := x.numel() // self.k:
-            self.run(x.data_ptr(), *self.pointers, y.data_ptr(), rows, self.n, self.k, torch.get_num_threads(), self.l2)
+            self.run(x.data_ptr(), *self.pointers, y.data_ptr(), rows, self.n, self.k, *self.format, torch.get_num_threads(), self.l2)
         return y
 
 

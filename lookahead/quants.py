@@ -1,0 +1,211 @@
+"""Weight-only quantized linears: a GGUF file's blocks as integers with a scale (and an offset) per group, and
+which of a loaded model's linears they are.
+
+Every GGUF type kept here dequantizes as ``W = s q (+ o)`` per output row and group of ``group`` k's, in fp32, a
+product and then a sum (gguf-py's numpy does exactly this; its dequantized weights are the model transformers
+loads from the file): Q8_0, Q5_0, Q4_0 (``d q``, q signed), Q6_K (``(d sc) q``, groups of 16), Q4_1 (``d q + m``)
+and Q4_K (``(d sc) q - dmin m``). ``Quantized`` holds q as int8 (nibbles once packed, for the 4-bit types), s and
+o in fp32, so nothing is re-quantized: the kernels' weights are the dequantized model's, bit for bit. The types
+with five or six bits are widened to 8 in the kernels' layout (a Q5_0 weight streams 9 bits instead of 5.5).
+
+``gguf_linears`` finds each block tensor's module by the names llama.cpp gives its tensors (``blk.N.attn_q`` ->
+``model.layers.N.self_attn.q_proj`` ...), and keeps a match only where its dequantized weight equals the dense
+model's weight exactly (llama.cpp stores Llama's q and k rows interleaved per head: the reverse order is tried
+too). A tensor that matches no module, or whose type is not here, leaves its module dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+QK = 32  # k's a block of the legacy types (Q4_0 ... Q8_0)
+QK_K = 256  # k's a super-block of the K types
+# llama.cpp's leaf names -> transformers' module names (decoder-only models)
+LEAVES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+@dataclass
+class Quantized:
+    """One linear's weight (N, K) as ``scale * q (+ offset)`` per row and group of ``group`` k's."""
+
+    q: torch.Tensor  # (N, K) int8
+    scale: torch.Tensor  # (N, K / group) fp32
+    offset: torch.Tensor | None  # (N, K / group) fp32, or None
+    group: int
+    bits: int  # 8, or 4 (q in 0 .. 15: packed as nibbles)
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        if self.q.dtype != torch.int8 or k % self.group or self.scale.shape != (n, k // self.group) or self.bits not in (4, 8):
+            raise ValueError(f"not a quantized weight: q {self.q.dtype} {tuple(self.q.shape)}, scale {tuple(self.scale.shape)}, "
+                             f"group {self.group}, bits {self.bits}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def kind(self) -> tuple[int, int, bool]:
+        """What must agree for weights to share one product: bits, group, offset or not."""
+        return self.bits, self.group, self.offset is not None
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) fp32, as gguf-py computes it: the product rounded, then the offset added."""
+        w = self.q.float().view(self.q.shape[0], -1, self.group) * self.scale.unsqueeze(-1)
+        return (w if self.offset is None else w + self.offset.unsqueeze(-1)).view(self.q.shape)
+
+    def rows(self, index: torch.Tensor | slice) -> "Quantized":
+        return Quantized(self.q[index], self.scale[index], None if self.offset is None else self.offset[index], self.group, self.bits)
+
+    @staticmethod
+    def cat(parts: list["Quantized"]) -> "Quantized":
+        """The weights stacked by rows (one ``kind``)."""
+        if len({p.kind for p in parts}) != 1:
+            raise ValueError("quantized weights of different kinds cannot be stacked")
+        offsets = None if parts[0].offset is None else torch.cat([p.offset for p in parts])
+        return Quantized(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offsets, parts[0].group, parts[0].bits)
+
+    def nbytes(self) -> int:
+        """Bytes in the kernels' layout."""
+        n, k = self.shape
+        return n * k * self.bits // 8 + self.scale.numel() * 4 * (1 if self.offset is None else 2)
+
+
+# -- GGUF blocks -> Quantized --------------------------------------------------------------------
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, span: int) -> np.ndarray:
+    """Bytes (..., span / 2) -> (..., span) values: the low nibbles first, then the high ones (llama.cpp's order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _legacy(raw: np.ndarray, n: int, k: int, kind: str) -> Quantized:
+    """Q4_0, Q4_1, Q5_0, Q8_0: blocks of 32 k's, an fp16 d (and m) first."""
+    sizes = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
+    b = raw.reshape(n, k // QK, sizes[kind])
+    d = _f16(b[..., 0:2]).reshape(n, -1)
+    offset = None
+    if kind == "Q8_0":
+        q, bits = b[..., 2:].view(np.int8), 8
+    elif kind == "Q4_0":
+        q, bits = _nibbles(b[..., 2:], QK).astype(np.int8) - 8, 8
+    elif kind == "Q4_1":
+        offset, q, bits = _f16(b[..., 2:4]).reshape(n, -1), _nibbles(b[..., 4:], QK).astype(np.int8), 4
+    else:  # Q5_0: the fifth bits in a little-endian 32-bit word
+        high = (b[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+        q, bits = (_nibbles(b[..., 6:], QK) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16, 8
+    return Quantized(torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)), torch.from_numpy(d),
+                     None if offset is None else torch.from_numpy(offset), QK, bits)
+
+
+def _q4_k(raw: np.ndarray, n: int, k: int) -> Quantized:
+    """Q4_K: super-blocks of 256 k's, eight groups of 32 with 6-bit scales and mins."""
+    b = raw.reshape(n, k // QK_K, 144)
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    s = b[..., 4:16].reshape(n, -1, 3, 4)
+    ds, ms, mix = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = np.concatenate([ds & 0x3F, (mix & 0x0F) | ((ds >> 2) & 0x30)], axis=-1).astype(np.float32)
+    mn = np.concatenate([ms & 0x3F, (mix >> 4) | ((ms >> 2) & 0x30)], axis=-1).astype(np.float32)
+    qs = b[..., 16:].reshape(n, -1, 4, 32)  # four chunks of 32 bytes: groups 2c (low nibbles), 2c + 1 (high)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k).astype(np.int8)
+    return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), torch.from_numpy(-(dmin * mn).reshape(n, -1)), QK, 4)
+
+
+def _q6_k(raw: np.ndarray, n: int, k: int) -> Quantized:
+    """Q6_K: super-blocks of 256 k's, sixteen groups of 16 with int8 scales, q in 6 bits."""
+    b = raw.reshape(n, k // QK_K, 210)
+    ql, qh, sc, d = b[..., :128], b[..., 128:192], b[..., 192:208].view(np.int8).astype(np.float32), _f16(b[..., 208:210])
+    low = np.stack([ql.reshape(n, -1, 2, 64) & 0x0F, ql.reshape(n, -1, 2, 64) >> 4], axis=3).reshape(n, -1, 2, 4, 32)
+    high = (qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    q = ((low | (high << 4)).astype(np.int8) - 32).reshape(n, k)
+    return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), None, 16, 8)
+
+
+DECODERS = {"Q8_0": _legacy, "Q5_0": _legacy, "Q4_0": _legacy, "Q4_1": _legacy, "Q4_K": _q4_k, "Q6_K": _q6_k}
+
+
+def from_blocks(raw: np.ndarray, kind: str, n: int, k: int) -> Quantized:
+    """A GGUF tensor's blocks (any shape of ``n`` rows' bytes) of type ``kind`` ("Q8_0" ...) -> ``Quantized``."""
+    if kind not in DECODERS:
+        raise ValueError(f"GGUF type {kind} is not one the quantized kernels run (they run {', '.join(DECODERS)})")
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
+    return DECODERS[kind](raw, n, k, kind) if DECODERS[kind] is _legacy else DECODERS[kind](raw, n, k)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> Quantized:
+    """A dense (N, K) weight as Q8_0 (llama.cpp's rounding, through gguf-py), for ``--weights q8``."""
+    import gguf
+
+    n, k = weight.shape
+    blocks = gguf.quants.quantize(weight.detach().float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    return from_blocks(blocks, "Q8_0", n, k)
+
+
+# -- GGUF tensors -> a model's linears -------------------------------------------------------------
+
+
+def module_name(tensor: str) -> str | None:
+    """The transformers module of a llama.cpp tensor name (``blk.3.ffn_up.weight`` -> ``model.layers.3.mlp.up_proj``)."""
+    parts = tensor.split(".")
+    if tensor == "output.weight":
+        return "lm_head"
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in LEAVES:
+        return f"model.layers.{parts[1]}.{LEAVES[parts[2]]}"
+    return None
+
+
+def _head_order(rows: int, heads: int) -> torch.Tensor:
+    """transformers' reverse of llama.cpp's per-head interleave of Llama's q and k rows, as a row index."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def gguf_linears(path: Path, model: nn.Module) -> tuple[dict[str, Quantized], list[str]]:
+    """({module name: weight} for each of ``model``'s ``nn.Linear`` whose GGUF tensor in ``path`` has a type here and
+    dequantizes to exactly its weight, [one line for each block tensor left dense, and why])."""
+    import gguf
+
+    modules = dict(model.named_modules())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    reader = gguf.GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    config = model.config.get_text_config()
+    heads = {"q_proj": config.num_attention_heads, "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
+    found, left = {}, []
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind in ("F32", "F16", "BF16"):
+            continue
+        name = module_name(tensor.name)
+        if tensor.name == "token_embd.weight" and tied and "output.weight" not in names:
+            name = "lm_head"  # the output layer is the embedding's table
+        if name is None:
+            continue  # the embedding itself: looked up, not multiplied (kept dense)
+        linear = modules.get(name)
+        if type(linear) is not nn.Linear:
+            left.append(f"{tensor.name}: no linear {name} in the model")
+            continue
+        if kind not in DECODERS:
+            left.append(f"{tensor.name}: type {kind} not run quantized")
+            continue
+        n, k = linear.out_features, linear.in_features
+        quantized = from_blocks(tensor.data, kind, n, k)
+        dense = linear.weight.detach()
+        leaf = name.rsplit(".", 1)[-1]
+        candidates = [None] + ([_head_order(n, heads[leaf])] if leaf in heads and n % (2 * heads[leaf]) == 0 else [])
+        match = next((order for order in candidates
+                      if torch.equal((quantized if order is None else quantized.rows(order)).dequantize().to(dense.dtype), dense)), False)
+        if match is False:
+            left.append(f"{tensor.name}: its dequantized weight differs from {name}'s")
+            continue
+        found[name] = quantized if match is None else quantized.rows(match)
+    return found, left
