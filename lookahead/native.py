@@ -174,7 +174,7 @@ def build(directory: Path, tier: str) -> ctypes.CDLL | str:
         "amx_bf16_linear": (linear, None),
         "amx_init": ([], ctypes.c_int),
         "quant_fp32_linear": (linear + [ctypes.c_int] * 3, None),  # ... k, bits, group, offsets, threads, l2
-        "quant_bf16_linear": (linear + [ctypes.c_int] * 3, None),
+        "quant_bf16_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
         "tree_attention": ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
                            + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "rms_norm": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),
@@ -228,14 +228,13 @@ def quant_fits(n: int, k: int, group: int) -> bool:
 
 def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int, bits: int,
                    dtype: torch.dtype) -> QuantLayout:
-    """q (N, K) int8 (0 .. 15 where ``bits`` is 4), scale and offset (N, K / group) fp32 -> the kernel's blocks for
+    """q (N, K) int8 (0 .. 15 where ``bits`` is 4), scale and offset (N, K / group) fp32 -> the kernel's blocks, for
     ``dtype`` activations: per block of 16 rows and group, the 16 scales, the 16 offsets, then steps of 32 values
-    (bf16: a pair of k's a column, column-major; fp32: k's 16 columns, then k + 1's)."""
+    (k's 16 columns, then k + 1's; nibbles: value i in byte i % 16, the high nibble from i = 16)."""
     n, k = q.shape
     groups = k // group
-    steps = q.view(n // BLOCK, BLOCK, groups, group // 2, 2)
-    steps = steps.permute(0, 2, 3, 1, 4) if dtype == torch.bfloat16 else steps.permute(0, 2, 3, 4, 1)  # (NB, G, S, 32)
-    steps = steps.reshape(n // BLOCK, groups, group // 2, 32).view(torch.uint8)
+    steps = q.view(n // BLOCK, BLOCK, groups, group // 2, 2).permute(0, 2, 3, 4, 1).reshape(n // BLOCK, groups, group // 2, 32)
+    steps = steps.contiguous().view(torch.uint8)
     if bits == 4:
         steps = steps[..., :16] | (steps[..., 16:] << 4)
     heads = [t.float().view(n // BLOCK, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
@@ -253,9 +252,8 @@ def unpack_quantized(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, t
     steps = blocks[..., 64 * heads:].reshape(n // BLOCK, k // group, group // 2, -1)
     if layout.bits == 4:
         steps = torch.cat([steps & 15, steps >> 4], dim=-1)
-    steps = steps.view(torch.int8).view(n // BLOCK, k // group, group // 2, *((BLOCK, 2) if layout.dtype == torch.bfloat16 else (2, BLOCK)))
-    q = (steps.permute(0, 3, 1, 2, 4) if layout.dtype == torch.bfloat16 else steps.permute(0, 4, 1, 2, 3)).reshape(n, k)
-    return q, floats[0], floats[1] if layout.offsets else None
+    steps = steps.contiguous().view(torch.int8).view(n // BLOCK, k // group, group // 2, 2, BLOCK)
+    return steps.permute(0, 4, 1, 2, 3).reshape(n, k), floats[0], floats[1] if layout.offsets else None
 
 
 NON_TEMPORAL = ("Zen 5",)  # the CPUs whose loop ran fastest with the weights prefetched non-temporally (linear.c)
@@ -313,8 +311,9 @@ class Linear:
             raise ValueError(f"input has {x.shape[-1]} features, the weight {self.k}")
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], self.n, dtype=self.dtype)
-        if rows := x.numel() // self.k:
-            self.run(x.data_ptr(), *self.pointers, y.data_ptr(), rows, self.n, self.k, *self.format, torch.get_num_threads(), self.l2)
+        if (rows := x.numel() // self.k) and self.run(x.data_ptr(), *self.pointers, y.data_ptr(), rows, self.n, self.k, *self.format,
+                                                      torch.get_num_threads(), self.l2):
+            raise MemoryError(f"the quantized linear could not allocate {rows} x {self.k} floats")
         return y
 
 
