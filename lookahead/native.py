@@ -175,6 +175,7 @@ def build(directory: Path, tier: str) -> ctypes.CDLL | str:
         "amx_init": ([], ctypes.c_int),
         "quant_fp32_linear": (linear + [ctypes.c_int] * 3, None),  # ... k, bits, group, offsets, threads, l2
         "quant_bf16_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
+        "amx_quant_linear": (linear + [ctypes.c_int] * 3, None),
         "tree_attention": ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
                            + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "rms_norm": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),
@@ -290,17 +291,19 @@ class Linear:
         self.packed, self.bias = packed, bias
         if tiles and not amx():
             raise ValueError("this CPU or process cannot use AMX tiles")
-        if isinstance(packed, QuantLayout):
+        quantized = isinstance(packed, QuantLayout)
+        if quantized:
             self.dtype, self.n, self.k = packed.dtype, packed.n, packed.k
-            self.run = library().quant_bf16_linear if packed.dtype == torch.bfloat16 else library().quant_fp32_linear
-            self.format = (packed.bits, packed.group, int(packed.offsets))  # the quantized kernel's extra arguments
+            self.format = (packed.bits, packed.group, int(packed.offsets))  # the quantized kernels' extra arguments
             weights = packed.packed
         else:
             self.dtype = packed.dtype
             self.n, self.k = packed.shape[0] * BLOCK, packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
-            on_tiles = packed.dtype == torch.bfloat16 and self.k % 32 == 0 and (amx() if tiles is None else tiles)
-            self.run = library().amx_bf16_linear if on_tiles else library().bf16_linear if packed.dtype == torch.bfloat16 else library().fp32_linear
             self.format, weights = (), packed
+        bf16 = self.dtype == torch.bfloat16
+        on_tiles = bf16 and self.k % 32 == 0 and (amx() if tiles is None else tiles)
+        name = f"amx_{'quant' if quantized else 'bf16'}_linear" if on_tiles else f"{'quant_' if quantized else ''}{'bf16' if bf16 else 'fp32'}_linear"
+        self.run = getattr(library(), name)
         self.pointers = weights.data_ptr(), None if bias is None else bias.data_ptr()
         self.l2 = prefetch_into_l2()
 

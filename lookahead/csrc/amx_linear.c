@@ -56,18 +56,27 @@ static void put(uint16_t *y, const float *c, const float *bias, int rows, int n)
     }
 }
 
-/* C tile `t` += A x the k chunk `ch` of block `b` of the quad at `w` (if the quad has that block) */
+void quant_bf16_chunk(const char *w, int chunk, int bits, int group, int offsets, uint16_t *tile); /* quant_linear.c */
+
+/* C tile `t` += A x the k chunk `ch` of block `b` of the quad at `w` (if the quad has that block): the block's
+   lines in place, or a quantized block's chunk dequantized into `tile` first */
 #define STEP(t, b, bt)                                                                                            \
     if (b < count) {                                                                                              \
-        _tile_loadd(bt, w + (size_t)b * block + (size_t)ch * 1024, 64);                                          \
+        if (bits) {                                                                                               \
+            quant_bf16_chunk(w + (size_t)b * block, ch, bits, group, offsets, tile[b]);                          \
+            _tile_loadd(bt, tile[b], 64);                                                                         \
+        } else                                                                                                    \
+            _tile_loadd(bt, w + (size_t)b * block + (size_t)ch * 1024, 64);                                      \
         _tile_dpbf16ps(t, 4, bt);                                                                                 \
     }
 
-void amx_bf16_linear(const uint16_t *x, const char *packed, const float *bias, uint16_t *y, int m, int n, int k,
-                     int threads, int l2) {
-    const int lines = k / 2, chunks = k / 32, blocks = n / 16, quads = (blocks + 3) / 4, tiles = (m + 15) / 16;
+/* bits 0: packed as linear.c's blocks; 8 or 4: quant_linear.c's (groups of `group` k's, `offsets` or not) */
+static void amx_linear(const uint16_t *x, const char *packed, const float *bias, uint16_t *y, int m, int n, int k,
+                       int bits, int group, int offsets, int threads, int l2) {
+    const int chunks = k / 32, blocks = n / 16, quads = (blocks + 3) / 4, tiles = (m + 15) / 16;
     const int rows_a_tile = m < 16 ? m : 16; /* up to 16 rows: tiles of exactly m rows; more: 16, zero-padded */
-    const size_t block = (size_t)lines * 64; /* bytes */
+    const size_t block = bits ? (size_t)(k / group) * ((offsets ? 128 : 64) + (size_t)group * 16 * bits / 8) : (size_t)k * 32;
+    const size_t chunk_bytes = block / chunks; /* bytes */
     const uint16_t *a = x;
     uint16_t *padded = 0;
     if (m > 16) {
@@ -80,6 +89,7 @@ void amx_bf16_linear(const uint16_t *x, const char *packed, const float *bias, u
     _Pragma("omp parallel num_threads(threads)") {
         configure(rows_a_tile);
         float c[256] __attribute__((aligned(64)));
+        uint16_t tile[4][512] __attribute__((aligned(64))); /* one a block: a block's B tile is written while the last loads */
         _Pragma("omp for schedule(static)") for (int q = 0; q < quads; q++) {
             const char *w = packed + 4 * q * block, *next = q + 1 < quads ? w + 4 * block : 0;
             const int count = blocks - 4 * q < 4 ? blocks - 4 * q : 4, after = q + 1 < quads ? (blocks - 4 * q - 4 < 4 ? blocks - 4 * q - 4 : 4) : 0;
@@ -91,7 +101,8 @@ void amx_bf16_linear(const uint16_t *x, const char *packed, const float *bias, u
                 _tile_zero(3);
                 for (int ch = 0; ch < chunks; ch++) {
                     if (next && t == 0)
-                        for (int p = 0; p < 16 * after; p++) prefetch(next + (size_t)(p >> 4) * block + (size_t)ch * 1024 + (p & 15) * 64, l2);
+                        for (int b = 0; b < after; b++)
+                            for (size_t line = 0; line < chunk_bytes; line += 64) prefetch(next + (size_t)b * block + ch * chunk_bytes + line, l2);
                     _tile_loadd(4, at + 32 * ch, k * 2);
                     STEP(0, 0, 5) STEP(1, 1, 6) STEP(2, 2, 5) STEP(3, 3, 6)
                 }
@@ -109,4 +120,15 @@ void amx_bf16_linear(const uint16_t *x, const char *packed, const float *bias, u
         _tile_release();
     }
     free(padded);
+}
+
+void amx_bf16_linear(const uint16_t *x, const char *packed, const float *bias, uint16_t *y, int m, int n, int k,
+                     int threads, int l2) {
+    amx_linear(x, packed, bias, y, m, n, k, 0, 0, 0, threads, l2);
+}
+
+/* quant_linear.c's weights on AMX tiles: each chunk of 32 k's dequantized to bf16 (rounded once) into a B tile */
+void amx_quant_linear(const uint16_t *x, const char *packed, const float *bias, uint16_t *y, int m, int n, int k,
+                      int bits, int group, int offsets, int threads, int l2) {
+    amx_linear(x, packed, bias, y, m, n, k, bits, group, offsets, threads, l2);
 }
