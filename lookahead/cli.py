@@ -67,6 +67,9 @@ def _summary(stats) -> str:
 
 KERNELS_OPTION = click.option("--kernels", type=click.Choice(["packed", "stock"]), default="packed", show_default=True,
                               help="CPU linears on weights packed once (cheap wide steps), or PyTorch's stock kernels.")
+WEIGHTS_OPTION = click.option("--weights", type=click.Choice(models.WEIGHTS), default="auto", show_default=True,
+                              help="auto: a GGUF model's own quantized blocks (packed kernels), else dense; q8: any model "
+                                   "quantized to Q8_0 once; dense: the dequantized weights.")
 
 
 @click.group(context_settings=CONTEXT)
@@ -85,6 +88,7 @@ def main() -> None:
               help="auto: float32 or bfloat16, whichever decodes fastest on this machine (measured once, cached).")
 @click.option("--device", default="cpu", show_default=True)
 @KERNELS_OPTION
+@WEIGHTS_OPTION
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
 @click.option("-W", "--window", type=int, help=f"Jacobi window width W [default: {LookaheadConfig.window}].")
 @click.option("-N", "--ngram", type=int, help=f"N-gram size N [default: {LookaheadConfig.ngram}].")
@@ -114,7 +118,7 @@ def main() -> None:
 @click.option("--top-p", type=float, help="Nucleus sampling: the smallest set with this probability mass.")
 @click.option("--repetition-penalty", type=float, help="Penalise tokens already present (as in generate()).")
 @click.option("--stop", multiple=True, help="Stop after this string (repeatable; needs a tokenizer).")
-def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kernels, cache_dir, window, ngram, guess, tree_budget,
+def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kernels, weights, cache_dir, window, ngram, guess, tree_budget,
              suffix_drafts, suffix_length, recycle_k, recycle_prior, auto, state_dir, max_new_tokens, seed, no_lookahead, ids_mode, as_json,
              sample, temperature, top_k, top_p, repetition_penalty, stop) -> None:
     """Generate a continuation of PROMPT (an argument, --file, or standard input)."""
@@ -131,10 +135,10 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kerne
         requests = _read_requests(prompt, prompt_file, ids_mode)
         from lookahead import native
         from lookahead.generator import LookaheadGenerator
-        from lookahead.kernels import kernels_of
+        from lookahead.kernels import kernels_of, weights_of
 
         gen = LookaheadGenerator.from_pretrained(model_spec, config, dtype=dtype, device=device, cache_dir=cache_dir, progress=_progress,
-                                                 kernels=kernels)
+                                                 kernels=kernels, weights=weights)
         state = gen.load_state(state_dir)
         if chat is None:
             chat = not ids_mode and gen.tokenizer is not None and bool(gen.tokenizer.chat_template)
@@ -151,7 +155,8 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kerne
             if as_json:
                 click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
                                        "stats": out.stats.as_dict(), "dtype": str(gen.model.dtype).split(".")[-1],
-                                       "kernels": kernels_of(gen.model), "isa": native.isa() if kernels == "packed" else None,
+                                       "kernels": kernels_of(gen.model), "weights": weights_of(gen.model),
+                                       "isa": native.isa() if kernels == "packed" else None,
                                        "config": dataclasses.asdict(config)}))
             elif ids_mode:
                 click.echo(",".join(map(str, out.tokens)))
@@ -195,9 +200,10 @@ def _read_requests(prompt: str | None, prompt_file: Path | None, ids_mode: bool)
               help="auto: float32 and bfloat16 both.")
 @click.option("--device", default="cpu", show_default=True)
 @KERNELS_OPTION
+@WEIGHTS_OPTION
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models and curves live.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Also draw the curves into this PNG.")
-def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
+def tune(model_spec, dtype, device, kernels, weights, cache_dir, plot) -> None:
     """Measure this machine's forward cost r(T) = c(T)/c(1) anew, cache it, and print what it implies."""
     from lookahead import planner, probing
 
@@ -207,7 +213,8 @@ def tune(model_spec, dtype, device, kernels, cache_dir, plot) -> None:
     curves = {}
     try:
         for name in probing.AUTO_DTYPES if dtype == "auto" else (dtype,):
-            model, _ = models.load(model_spec, dtype=name, device=device, cache_dir=cache_dir, progress=_progress, kernels=kernels)
+            model, _ = models.load(model_spec, dtype=name, device=device, cache_dir=cache_dir, progress=_progress, kernels=kernels,
+                                   weights=weights)
             probing.curve_file(model, cache_dir).unlink(missing_ok=True)
             curves[name] = probing.cached_curve(model, cache_dir, _progress)
     except (ValueError, OSError) as e:
@@ -249,6 +256,7 @@ def _check_plot(path: Path) -> None:
 @click.option("--dtype", type=click.Choice(["auto", *models.DTYPES]), default="auto", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @KERNELS_OPTION
+@WEIGHTS_OPTION
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
 @click.option("--state", "state_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Warm drafting state directory: loaded at start if it exists, saved on shutdown.")
@@ -265,7 +273,7 @@ def _check_plot(path: Path) -> None:
                                 "in the process list: prefer --api-key-file).")
 @click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Read the API key from this file (surrounding whitespace stripped).")
-def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, queue_limit, max_body_bytes, max_batch, prefill_chunk,
+def serve(model_spec, host, port, dtype, device, kernels, weights, cache_dir, state_dir, queue_limit, max_body_bytes, max_batch, prefill_chunk,
           api_key, api_key_file) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (needs the [serve] extra)."""
     try:
@@ -278,7 +286,7 @@ def serve(model_spec, host, port, dtype, device, kernels, cache_dir, state_dir, 
     api_key = _read_api_key(api_key, api_key_file)  # before the model loads: a bad key fails fast
     try:
         gen = LookaheadGenerator.from_pretrained(model_spec, LookaheadConfig(), dtype=dtype, device=device, cache_dir=cache_dir,
-                                                 progress=_progress, kernels=kernels)
+                                                 progress=_progress, kernels=kernels, weights=weights)
         if api_key is None and not is_loopback(host):
             click.echo(f"[lookahead] warning: serving on {host} without an API key: anyone who can reach it can use it "
                        "(--api-key-file)", err=True)

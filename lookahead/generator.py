@@ -83,18 +83,22 @@ class LookaheadGenerator:
         cache_dir: Path | None = None,
         progress: models.Progress = models._quiet,
         kernels: str = "packed",
+        weights: str = "auto",
     ) -> "LookaheadGenerator":
         """Load a hub id, model directory, GGUF file or embedded model name (see ``lookahead.models``).
 
         ``dtype="auto"``: float32 or bfloat16, whichever lookahead is expected to run fastest in on this
         machine (its measured cost curve, cached); bfloat16 output equals bfloat16 ``generate()`` up to its
         rounding ties. ``kernels="packed"``: on CPU the linears run on weights packed once (``lookahead.kernels``;
-        stock kernels with a notice where unavailable); ``"stock"``: as loaded."""
+        stock kernels with a notice where unavailable); ``"stock"``: as loaded. ``weights`` (``models.WEIGHTS``):
+        "auto" runs a GGUF model on its own quantized blocks (with packed kernels; ``dtype`` is then the
+        activations'), "q8" quantizes any model's linears to Q8_0 once, "dense" runs the dequantized weights."""
         cache_dir = cache_dir or models.default_cache_dir()
         loaded = None
         if dtype == "auto":
-            dtype, loaded = fastest_dtype(spec, device, cache_dir, progress, kernels)
-        model, tokenizer = loaded or models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress, kernels=kernels)
+            dtype, loaded = fastest_dtype(spec, device, cache_dir, progress, kernels, weights)
+        model, tokenizer = loaded or models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress,
+                                                 kernels=kernels, weights=weights)
         return cls(model, tokenizer, config, cache_dir=cache_dir, progress=progress)
 
     @property

@@ -39,6 +39,7 @@ and the packed copy of it is the one extra (SmolLM2-135M fp32: 113 MB for its 49
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lookahead import native, norms
+from lookahead import native, norms, quants
 from lookahead.quants import Quantized
 
 KERNELS = ("packed", "stock")
@@ -138,7 +139,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         shared = f", one product with {len(self.product.splits) - 1} sibling(s)" if len(self.product.splits) > 1 else ""
-        packed = f"quantized {weight_kind(self.product.packed)}" if self.product.quantized else "own" if self.product.own else "oneDNN"
+        packed = f"quantized {_kind(self)}" if self.product.quantized else "own" if self.product.own else "oneDNN"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"packed={packed}{shared}")
 
@@ -229,22 +230,25 @@ def kernels_of(model: nn.Module) -> str:
     return "stock" if not products else "packed-own" if any(p.own for p in products) else "packed"
 
 
-def weight_kind(layout: native.QuantLayout) -> str:
-    """A quantized layout's kind in a few characters: "q8/32", "q4/32+offsets" ..."""
-    return f"q{layout.bits}/{layout.group}{'+offsets' if layout.offsets else ''}"
+def _kind(module: nn.Module) -> str:
+    """A linear's weight kind: ``quants.kind`` of a quantized product's, else "dense"."""
+    if isinstance(module, PackedLinear) and module.product.quantized:
+        layout = module.product.packed
+        return quants.kind(layout.bits, layout.group, layout.offsets)
+    return "dense"
 
 
 def weights_of(model: nn.Module) -> str:
-    """What ``model``'s linears multiply (the cost curve's cache key says it): "dense", or the quantized kinds and
-    how many linears each ("q4/32+offsets x 210, q8/32 x 1"), "+ dense x N" for any left dense."""
-    kinds: dict[str, int] = {}
-    for m in model.modules():
-        if isinstance(m, nn.Linear) or isinstance(m, PackedLinear):
-            kind = weight_kind(m.product.packed) if isinstance(m, PackedLinear) and m.product.quantized else "dense"
-            kinds[kind] = kinds.get(kind, 0) + 1
-    if set(kinds) <= {"dense"}:
-        return "dense"
-    return ", ".join(f"{kind} x {n}" for kind, n in sorted(kinds.items(), key=lambda kv: (kv[0] == "dense", kv[0])))
+    """What ``model``'s linears multiply, for people: "dense", or each kind and how many linears have it
+    ("q4/32+offsets x 210, q8/32 x 1")."""
+    kinds = Counter(_kind(m) for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear)))
+    return "dense" if set(kinds) <= {"dense"} else ", ".join(f"{kind} x {n}" for kind, n in sorted(kinds.items()))
+
+
+def weight_kinds(model: nn.Module) -> str:
+    """The kinds alone ("q4/32+offsets, q8/32"): what the cost curve's cache key says (``quants.gguf_kinds`` tells
+    it from a GGUF's header before loading)."""
+    return ", ".join(sorted({_kind(m) for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))})) or "dense"
 
 
 def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = None,

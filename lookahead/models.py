@@ -219,6 +219,20 @@ def resolve(spec: str, cache_dir: Path, progress: Progress = _quiet) -> str:
     return spec
 
 
+def weights_mode(spec: str, weights: str, kernels: str, cache_dir: Path, progress: Progress = _quiet) -> tuple[str, Path | None]:
+    """(the ``WEIGHTS`` mode ``load`` runs ``spec`` with, other than "auto"; its GGUF file where that is "gguf"), or a
+    ``ModelLoadError`` for a mode that cannot run."""
+    if weights not in WEIGHTS:
+        raise ModelLoadError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    gguf = gguf_file(spec, cache_dir, progress) if weights in ("auto", "gguf") else None
+    weights = weights if weights != "auto" else "gguf" if gguf and kernels == "packed" else "dense"
+    if weights != "dense" and kernels != "packed":
+        raise ModelLoadError(f"--weights {weights} runs on our packed kernels: use --kernels packed")
+    if weights == "gguf" and gguf is None:
+        raise ModelLoadError(f"--weights gguf needs a GGUF model (an embedded name or a .gguf file), not {spec}")
+    return weights, gguf
+
+
 def load(
     spec: str = DEFAULT_MODEL,
     dtype: str = "float32",
@@ -241,17 +255,10 @@ def load(
 
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if weights not in WEIGHTS:
-        raise ModelLoadError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     cache_dir = cache_dir or default_cache_dir()
     source = resolve(spec, cache_dir, progress)
-    gguf = gguf_file(spec, cache_dir, progress) if weights in ("auto", "gguf") else None
-    weights = weights if weights != "auto" else "gguf" if gguf and kernels == "packed" else "dense"
-    if weights != "dense" and kernels != "packed":
-        raise ModelLoadError(f"--weights {weights} runs on our packed kernels: use --kernels packed")
-    if weights == "gguf" and gguf is None:
-        raise ModelLoadError(f"--weights gguf needs a GGUF model (an embedded name or a .gguf file), not {spec}")
-    progress(f"loading {spec} ({dtype}, {device})")
+    weights, gguf = weights_mode(spec, weights, kernels, cache_dir, progress)
+    progress(f"loading {spec} ({dtype}, {device}, {weights} weights)")
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device).eval()
     except Exception as e:
@@ -261,11 +268,14 @@ def load(
         quantized, left = quants.gguf_linears(gguf, model)
         for line in left:
             progress(f"kept dense: {line}")
-    elif weights == "q8":
-        quantized = {name: quants.quantize_q8_0(m.weight) for name, m in model.named_modules() if type(m) is nn.Linear}
+    elif weights == "q8":  # every linear whose shape Q8_0 takes (K a multiple of its blocks of 32)
+        quantized = {name: quants.quantize_q8_0(m.weight) for name, m in model.named_modules()
+                     if type(m) is nn.Linear and m.in_features % quants.QK == 0}
     report = kernel_layer.pack(model, kernels, cache_dir, quantized)
     if report.notice:
         progress(report.notice)
+    if report.weights != "dense":
+        progress(f"quantized weights: {report.weights}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except Exception:  # a token-id-only deployment has no tokenizer files at all

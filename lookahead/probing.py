@@ -17,12 +17,12 @@ from typing import Callable
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
-from lookahead import capability, models, native
+from lookahead import capability, models, native, quants
 from lookahead.cpu import cpu_name
 from lookahead.curve import BATCH, BATCH_WIDTHS, CostCurve
-from lookahead.kernels import available, kernels_of, own_kernel
+from lookahead.kernels import available, kernels_of, own_kernel, weight_kinds
 from lookahead.layout import build_layout, stack
 from lookahead.model_forward import forward, prefill
 from lookahead.planner import chain_tree, choose
@@ -92,14 +92,16 @@ def model_name(model: PreTrainedModel) -> str:
 
 
 def curve_file(model: PreTrainedModel, cache_dir: Path) -> Path:
-    """Where this (model, dtype, device, kernels, threads, CPU, torch)'s curve is cached."""
-    return curve_path(model_name(model), model.dtype, model.device.type, cache_dir, kernels_of(model))
+    """Where this (model, dtype, device, kernels, weights, threads, CPU, torch)'s curve is cached."""
+    return curve_path(model_name(model), model.dtype, model.device.type, cache_dir, kernels_of(model), weight_kinds(model))
 
 
-def curve_path(name: str, dtype: torch.dtype, device: str, cache_dir: Path, kernels: str = "stock") -> Path:
-    """``curve_file`` before loading: ``name`` is the directory the model is loaded from."""
+def curve_path(name: str, dtype: torch.dtype, device: str, cache_dir: Path, kernels: str = "stock", weights: str = "dense") -> Path:
+    """``curve_file`` before loading: ``name`` is the directory the model is loaded from, ``weights`` its
+    ``weight_kinds``."""
     build = [native.isa(), native.build_id(native.tier()), native.prefetch_into_l2()] if kernels == "packed-own" else None  # ours, as run
-    key = json.dumps([name, str(dtype), torch.device(device).type, torch.get_num_threads(), cpu_name(), torch.__version__, kernels, build])
+    key = json.dumps([name, str(dtype), torch.device(device).type, torch.get_num_threads(), cpu_name(), torch.__version__, kernels, build]
+                     + ([weights] if weights != "dense" else []))  # a dense model's key as before: its curves stay found
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir / "costs" / f"{Path(name).name or 'model'}-{str(dtype).split('.')[-1]}-{kernels}-{digest}.json"
 
@@ -110,19 +112,23 @@ def lookahead_speed(curve: CostCurve) -> float:
 
 
 def fastest_dtype(spec: str, device: str, cache_dir: Path, progress: Callable[[str], None] = lambda _: None,
-                  kernels: str = "stock"):
+                  kernels: str = "stock", weights: str = "dense"):
     """(dtype name, (model, tokenizer) if it had to be loaded for measuring, else None): the dtype among
     ``AUTO_DTYPES`` where lookahead is expected to be fastest here (``lookahead_speed``: the plain step's cost
-    and how cheap wide steps are), from the cached curves (probed where missing)."""
+    and how cheap wide steps are), from the cached curves (probed where missing); ``weights`` as ``models.load``'s."""
     source = models.resolve(spec, cache_dir, progress)
+    mode, gguf = models.weights_mode(spec, weights, kernels, cache_dir, progress)
     best = None
     for dtype in AUTO_DTYPES:
         loaded = None
         try:
-            path = curve_path(source, models.DTYPES[dtype], device, cache_dir, _kernels_for(kernels, dtype, device, cache_dir))
+            runs_on = _kernels_for(kernels, dtype, device, cache_dir)
+            kinds = "dense" if mode == "dense" or runs_on != "packed-own" else "q8/32" if mode == "q8" else \
+                quants.gguf_kinds(gguf, AutoConfig.from_pretrained(source).tie_word_embeddings)
+            path = curve_path(source, models.DTYPES[dtype], device, cache_dir, runs_on, kinds)
             curve = CostCurve.from_json(path.read_text())
         except (OSError, UnicodeDecodeError, ValueError):
-            loaded = models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress, kernels=kernels)
+            loaded = models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress, kernels=kernels, weights=weights)
             curve = cached_curve(loaded[0], cache_dir, progress)
         if best is None or lookahead_speed(curve) > best[1]:
             best = (dtype, lookahead_speed(curve), loaded, curve)

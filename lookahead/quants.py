@@ -30,6 +30,16 @@ LEAVES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": 
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
+def kind(bits: int, group: int, offsets: bool) -> str:
+    """A quantized weight's kind in a few characters: "q8/32" (int8, groups of 32), "q4/32+offsets" ..."""
+    return f"q{bits}/{group}{'+offsets' if offsets else ''}"
+
+
+# each GGUF type's kind once kept here (``from_blocks``)
+KINDS = {"Q8_0": kind(8, 32, False), "Q5_0": kind(8, 32, False), "Q4_0": kind(8, 32, False), "Q6_K": kind(8, 16, False),
+         "Q4_1": kind(4, 32, True), "Q4_K": kind(4, 32, True)}
+
+
 @dataclass
 class Quantized:
     """One linear's weight (N, K) as ``scale * q (+ offset)`` per row and group of ``group`` k's."""
@@ -51,9 +61,9 @@ class Quantized:
         return tuple(self.q.shape)
 
     @property
-    def kind(self) -> tuple[int, int, bool]:
-        """What must agree for weights to share one product: bits, group, offset or not."""
-        return self.bits, self.group, self.offset is not None
+    def kind(self) -> str:
+        """What must agree for weights to share one product (``kind``)."""
+        return kind(self.bits, self.group, self.offset is not None)
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) fp32, as gguf-py computes it: the product rounded, then the offset added."""
@@ -131,7 +141,7 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Quantized:
     return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), None, 16, 8)
 
 
-DECODERS = {"Q8_0": _legacy, "Q5_0": _legacy, "Q4_0": _legacy, "Q4_1": _legacy, "Q4_K": _q4_k, "Q6_K": _q6_k}
+DECODERS = {"Q8_0": _legacy, "Q5_0": _legacy, "Q4_0": _legacy, "Q4_1": _legacy, "Q4_K": _q4_k, "Q6_K": _q6_k}  # KINDS' keys
 
 
 def from_blocks(raw: np.ndarray, kind: str, n: int, k: int) -> Quantized:
@@ -169,36 +179,49 @@ def _head_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
+def _linear_tensors(reader, tied: bool) -> list[tuple[object, str]]:
+    """(tensor, module name) for each of a GGUF file's block tensors that a linear multiplies by."""
+    names = {t.name for t in reader.tensors}
+    found = []
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name in ("F32", "F16", "BF16"):
+            continue
+        name = module_name(tensor.name)
+        if tensor.name == "token_embd.weight" and tied and "output.weight" not in names:
+            name = "lm_head"  # the output layer is the embedding's table
+        if name is not None:  # else the embedding itself: looked up, not multiplied (kept dense)
+            found.append((tensor, name))
+    return found
+
+
+def gguf_kinds(path: Path, tied: bool) -> str:
+    """``weight_kinds`` of a model loaded from ``path`` with its GGUF weights, read from the file's header alone
+    (where a tensor also fails ``gguf_linears``' check, the loaded model says "dense" too: its curve is probed)."""
+    import gguf
+
+    return ", ".join(sorted({KINDS.get(t.tensor_type.name, "dense") for t, _ in _linear_tensors(gguf.GGUFReader(path), tied)}))
+
+
 def gguf_linears(path: Path, model: nn.Module) -> tuple[dict[str, Quantized], list[str]]:
     """({module name: weight} for each of ``model``'s ``nn.Linear`` whose GGUF tensor in ``path`` has a type here and
     dequantizes to exactly its weight, [one line for each block tensor left dense, and why])."""
     import gguf
 
     modules = dict(model.named_modules())
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    reader = gguf.GGUFReader(path)
-    names = {t.name for t in reader.tensors}
     config = model.config.get_text_config()
     heads = {"q_proj": config.num_attention_heads, "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
     found, left = {}, []
-    for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        if kind in ("F32", "F16", "BF16"):
-            continue
-        name = module_name(tensor.name)
-        if tensor.name == "token_embd.weight" and tied and "output.weight" not in names:
-            name = "lm_head"  # the output layer is the embedding's table
-        if name is None:
-            continue  # the embedding itself: looked up, not multiplied (kept dense)
+    for tensor, name in _linear_tensors(gguf.GGUFReader(path), getattr(model.config, "tie_word_embeddings", False)):
+        ggml_type = tensor.tensor_type.name
         linear = modules.get(name)
         if type(linear) is not nn.Linear:
             left.append(f"{tensor.name}: no linear {name} in the model")
             continue
-        if kind not in DECODERS:
-            left.append(f"{tensor.name}: type {kind} not run quantized")
+        if ggml_type not in DECODERS:
+            left.append(f"{tensor.name}: type {ggml_type} not run quantized")
             continue
         n, k = linear.out_features, linear.in_features
-        quantized = from_blocks(tensor.data, kind, n, k)
+        quantized = from_blocks(tensor.data, ggml_type, n, k)
         dense = linear.weight.detach()
         leaf = name.rsplit(".", 1)[-1]
         candidates = [None] + ([_head_order(n, heads[leaf])] if leaf in heads and n % (2 * heads[leaf]) == 0 else [])
