@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 import torch
-from torch import nn
 
 from lookahead.cpu import default_cache_dir
 
@@ -268,9 +267,8 @@ def load(
         quantized, left = quants.gguf_linears(gguf, model)
         for line in left:
             progress(f"kept dense: {line}")
-    elif weights == "q8":  # every linear whose shape Q8_0 takes (K a multiple of its blocks of 32)
-        quantized = {name: quants.quantize_q8_0(m.weight) for name, m in model.named_modules()
-                     if type(m) is nn.Linear and m.in_features % quants.QK == 0}
+    elif weights == "q8":
+        quantized = quants.q8_linears(model)
     report = kernel_layer.pack(model, kernels, cache_dir, quantized)
     if report.notice:
         progress(report.notice)

@@ -161,6 +161,12 @@ def quantize_q8_0(weight: torch.Tensor) -> Quantized:
     return from_blocks(blocks, "Q8_0", n, k)
 
 
+def q8_linears(model: nn.Module) -> dict[str, Quantized]:
+    """{module name: weight as Q8_0} for each of ``model``'s ``nn.Linear`` whose width Q8_0 takes (a multiple of its
+    blocks of 32): ``--weights q8``."""
+    return {name: quantize_q8_0(m.weight) for name, m in model.named_modules() if type(m) is nn.Linear and m.in_features % QK == 0}
+
+
 # -- GGUF tensors -> a model's linears -------------------------------------------------------------
 
 

