@@ -1,6 +1,7 @@
-"""Lookahead side by side with the engine CPU users already run: llama.cpp's ``llama-server`` (plain, each of its
-n-gram speculation modes, and the original quantized GGUF), beside stock HF greedy, HF prompt lookup, our plain
-loop and lookahead, on the same prompts given as token ids (chat template applied), greedy, one request at a time.
+"""Lookahead side by side with the engine CPU users already run: llama.cpp's ``llama-server`` (plain and each of
+its n-gram speculation modes, on bf16 weights and on the original quantized GGUF), beside stock HF greedy, HF
+prompt lookup, our plain loop and lookahead (bf16 weights, and the GGUF's own blocks with bf16 and fp32
+activations), on the same prompts given as token ids (chat template applied), greedy, one request at a time.
 
     python -m benchmarks.peers                                # SmolLM2-135M, 3 prompts a set, 128 new tokens
     python -m benchmarks.peers --model qwen2.5-coder-0.5b
@@ -165,9 +166,17 @@ def run_all(args) -> dict:
 
     timed("our plain loop bfloat16", ours(False))
     timed("lookahead bfloat16", ours(True))
+    quantized_bytes = {}
+    for dtype in ("bfloat16", "float32"):  # the GGUF's own blocks (``--weights gguf``), bf16 or fp32 activations
+        gen = model = None
+        model, tok = models.load(args.model, dtype=dtype, cache_dir=cache_dir, kernels="packed", weights="gguf")
+        gen = LookaheadGenerator(model, tok, LookaheadConfig(), cache_dir=cache_dir)
+        quantized_bytes[dtype] = linear_bytes(model)
+        timed(f"our plain loop gguf {dtype}", ours(False))
+        timed(f"lookahead gguf {dtype}", ours(True))
     gen = model = None  # freed before llama.cpp's runs
-    peers = [("llama.cpp bf16 plain", bf16, ()), *((f"llama.cpp bf16 {m}", bf16, ("--spec-type", m)) for m in MODES),
-             (f"llama.cpp {quantized.name} plain", quantized, ()), (f"llama.cpp {quantized.name} ngram-mod", quantized, ("--spec-type", "ngram-mod"))]
+    peers = [(f"llama.cpp {name} {mode}", gguf, ("--spec-type", mode) if mode != "plain" else ())
+             for name, gguf in (("bf16", bf16), (quantized.name, quantized)) for mode in ("plain", *MODES)]
     for method, gguf, extra in peers:
         with llama_server(bin_dir, gguf, torch.get_num_threads(), extra) as (complete, flags):
             def call(prompt, k):
@@ -175,7 +184,8 @@ def run_all(args) -> dict:
                 return tokens, seconds, t["predicted_ms"] / max(t["predicted_n"] - 1, 1)
             timed(method + (" (--no-repack)" if "--no-repack" in flags else ""), call)
     return {"hardware": machine, "model": args.model, "isa": native.isa(), "max_new_tokens": n, "llama_cpp": LLAMA_CPP,
-            "weight_bytes": weight_bytes, "read_bytes_per_s": stream_rate() * 1e9, "runs": rows}
+            "weight_bytes": weight_bytes, "quantized_bytes": quantized_bytes["bfloat16"], "gguf": quantized.name,
+            "read_bytes_per_s": stream_rate() * 1e9, "runs": rows}
 
 
 def write_report(results: dict, out: Path) -> None:
@@ -187,24 +197,43 @@ def write_report(results: dict, out: Path) -> None:
     best_peer = max(peers, key=peers.get)
     plain = runs["our plain loop bfloat16"]
     stream_ms = results["weight_bytes"] / results["read_bytes_per_s"] * 1000
+    gguf = results.get("gguf")  # runs of the GGUF's own blocks (ours and llama.cpp's), where this run has them
+    on_gguf = {m: v for m, v in peers.items() if gguf and gguf in m}
+
+    def reference(method: str) -> list[dict]:
+        """Our plain loop on the same weights: on the GGUF's blocks for runs on them (llama.cpp's: bf16 activations)."""
+        if " gguf " in method:
+            return runs[f"our plain loop gguf {method.rsplit(' ', 1)[-1]}"]
+        return runs["our plain loop gguf bfloat16"] if gguf and gguf in method else plain
     lines = [f"# {results['model']}: lookahead beside llama.cpp and HF", "",
              f"{hw['cpu']}, {hw['cores']} cores ({hw['torch_threads']} threads for every engine); torch {hw['torch']}, transformers "
              f"{hw['transformers']}; commit {hw['commit']}; our kernels' ISA {results['isa']}; llama.cpp from {results['llama_cpp']}'s sdist. "
              f"{len(plain)} prompts as token ids, {results['max_new_tokens']} new tokens, greedy, one request at a time; each request timed "
              "whole (prefill included).", "",
              f"Streaming the {results['weight_bytes'] / 1e6:.0f} MB of bf16 linear weights once at the measured "
-             f"{results['read_bytes_per_s'] / 1e9:.1f} GB/s takes {stream_ms:.1f} ms: a plain decode step's floor.", "",
-             f"| engine | tokens/s | vs {best_peer} | plain decode step (ms) | same tokens as our plain loop |", "|---|---|---|---|---|"]
+             f"{results['read_bytes_per_s'] / 1e9:.1f} GB/s takes {stream_ms:.1f} ms: a plain decode step's floor"
+             + (f"; the {results['quantized_bytes'] / 1e6:.0f} MB of {gguf}'s blocks in our layout, "
+                f"{results['quantized_bytes'] / results['read_bytes_per_s'] * 1000:.1f} ms." if gguf else "."), "",
+             f"| engine | tokens/s | vs {best_peer} | plain decode step (ms) | same tokens as our plain loop on the same weights |",
+             "|---|---|---|---|---|"]
     for method, rs in runs.items():
         steps = [r["step_ms"] for r in rs if r["step_ms"] is not None]
         step = f"{sorted(steps)[len(steps) // 2]:.1f}" if steps and ("plain" in method) else "–"
-        same = sum(r["tokens"] == q["tokens"] for r, q in zip(rs, plain)) / len(rs)
+        same = sum(r["tokens"] == q["tokens"] for r, q in zip(rs, reference(method))) / len(rs)
         lines.append(f"| {method} | {tps[method]:.1f} | {tps[method] / peers[best_peer]:.2f}x | {step} | {same:.0%} |")
     worst = min((sum(len(r["tokens"]) for r in ps) / sum(r["seconds"] for r in ps) / (sum(len(q["tokens"]) for q in qs) / sum(q["seconds"] for q in qs)), s)
                 for s in sorted({r["set"] for r in plain})
                 for ps, qs in [([r for r in runs["lookahead bfloat16"] if r["set"] == s], [r for r in runs[best_peer] if r["set"] == s])])
     lines += ["", f"Plain decode step: the median over prompts of decode time per forward. Lookahead's worst prompt set against "
                   f"{best_peer}: {worst[1]} at {worst[0]:.2f}x."]
+    if on_gguf:
+        best_on = max(on_gguf, key=on_gguf.get)
+        ours_on = max((m for m in tps if m.startswith("lookahead gguf")), key=tps.get)
+        theirs = next(m for m in on_gguf if m.startswith(f"llama.cpp {gguf} plain"))  # its name may say --no-repack
+        step = {m: sorted(r["step_ms"] for r in runs[m])[len(runs[m]) // 2] for m in (theirs, "our plain loop gguf bfloat16")}
+        lines += ["", f"On {gguf}'s own blocks: {ours_on} {tps[ours_on]:.1f} tokens/s, {tps[ours_on] / on_gguf[best_on]:.2f}x {best_on}; "
+                      f"our plain step {step['our plain loop gguf bfloat16']:.1f} ms (bf16 activations) against llama.cpp's "
+                      f"{step[theirs]:.1f} ms."]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 

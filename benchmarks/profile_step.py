@@ -1,7 +1,7 @@
 """Where a forward's time goes: one plain (T = 1) and one wide (T = 16) forward over a 256-token cache, per op
 class (linears, attention, norms, the rest), plus what the engine adds around the model (the step's 4D masks).
 
-    python -m benchmarks.profile_step [--model smollm2-135m --dtypes float32,bfloat16 --kernels packed --sizes 1,16]
+    python -m benchmarks.profile_step [--model smollm2-135m --dtypes float32,bfloat16 --kernels packed --weights dense --sizes 1,16]
 
 Op times are torch.profiler's self CPU times (the profiler's own cost included, so they overstate slightly);
 "outside ops" is the wall time of an unprofiled forward minus the ops' sum: Python, module dispatch and what
@@ -114,8 +114,12 @@ def attention_flops(model, size: int, context: int) -> float:
 
 
 def linear_bytes(model) -> int:
-    """Bytes of every linear projection's weight (what a forward streams from memory at least once)."""
-    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))) * model.dtype.itemsize
+    """Bytes of every linear projection's weight (what a forward streams from memory at least once): a quantized
+    product's layout (integers, scales, offsets) counted once for its siblings."""
+    dense = sum(m.in_features * m.out_features for m in model.modules()
+                if isinstance(m, torch.nn.Linear) or isinstance(m, PackedLinear) and not m.product.quantized)
+    quantized = {id(m.product): m.product.packed.packed.nbytes for m in model.modules() if isinstance(m, PackedLinear) and m.product.quantized}
+    return dense * model.dtype.itemsize + sum(quantized.values())
 
 
 def stream_rate(megabytes: int = 512, reps: int = 5) -> float:
@@ -153,6 +157,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--kernels", choices=["packed", "stock"], default="packed")
+    parser.add_argument("--weights", choices=models.WEIGHTS, default="dense")
     parser.add_argument("--sizes", default="1,16")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5)
@@ -164,7 +169,7 @@ def main(argv=None) -> None:
     stream = stream_rate()  # GB/s
     rows, bounds = [], []
     for dtype in args.dtypes.split(","):
-        model = models.load(args.model, dtype=dtype, kernels=args.kernels)[0]
+        model = models.load(args.model, dtype=dtype, kernels=args.kernels, weights=args.weights)[0]
         name, peak = f"{dtype} {kernels_of(model)}", peak_rate(model, args.kernels)  # GFLOP/s
         by_size = {size: profile_size(model, size, args.context, args.reps) for size in sizes}
         for size, r in by_size.items():
