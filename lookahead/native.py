@@ -175,7 +175,7 @@ def build(directory: Path, tier: str) -> ctypes.CDLL | str:
         "amx_init": ([], ctypes.c_int),
         "quant_fp32_linear": (linear + [ctypes.c_int] * 3, None),  # ... k, bits, group, offsets, threads, l2
         "quant_bf16_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
-        "amx_quant_linear": (linear + [ctypes.c_int] * 3, None),
+        "amx_quant_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
         "tree_attention": ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
                            + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "rms_norm": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),

@@ -85,8 +85,9 @@ def test_quantized_products_equal_the_dense_kernels_and_are_row_invariant(kind, 
     w = q.dequantize()
     if dtype == torch.float32:  # the dense fp32 kernel on the dequantized weights, bit for bit
         assert torch.equal(wide, native.Linear(native.pack(w), bias)(x))
-    elif native.amx():  # on AMX tiles: the dense bf16 kernel on the weights rounded to bf16, bit for bit
-        assert torch.equal(wide, native.Linear(native.pack(w.bfloat16()), bias)(x))
+    elif native.amx():  # on AMX tiles, each group's integer sums scaled in fp32: the fp32 product, to bf16's rounding
+        want = native.Linear(native.pack(w), bias)(x.float())
+        assert ((wide.float() - want).abs() <= want.abs() / 128 + 1e-3).all()
     else:  # fp32 arithmetic on the exact weights, rounded once
         assert torch.equal(wide, native.Linear(native.pack(w), bias)(x.float()).bfloat16())
 

@@ -24,7 +24,10 @@
    split the blocks two at a time, prefetching the next two while the tiles run (into L2 or non-temporally, as
    linear.c).
 
-   Every row is summed in the same order whatever M is: row-invariant. */
+   Every row is summed in the same order whatever M is: row-invariant. Where a process runs bf16 on AMX tiles
+   (native.amx), its bf16 quantized products run on them too (amx_linear.c's amx_quant_linear, another arithmetic:
+   each group's integer sums scaled), for every row count: one kernel a product, so rows never depend on M.
+   SmolLM2's Q4_1 forward, Xeon, bf16: 12.4 ms at one row here against 13.6 there, 30.3 against 18.7 at 16. */
 
 #include <immintrin.h>
 #include <stddef.h>
@@ -139,27 +142,6 @@ void quant_fp32_linear(const float *x, const char *packed, const float *bias, fl
 }
 
 #ifdef __AVX512BF16__
-/* the weights of a block's k's 32c .. 32c + 31 as bf16 in linear.c's lines of pairs (16 lines of 64 bytes: an AMX B
-   tile), dequantized as the tiles do and rounded to bf16 once, for amx_linear.c */
-void quant_bf16_chunk(const char *w, int chunk, int bits, int group, int offsets, uint16_t *tile) {
-    const size_t head = offsets ? 128 : 64, step_bytes = bits == 8 ? 32 : 16, group_bytes = head + (size_t)group / 2 * step_bytes;
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
-                                           20, 4, 19, 3, 18, 2, 17, 1, 16, 0); /* k's column c and k + 1's, side by side */
-    for (int kk = 32 * chunk, line = 0; line < 16; kk += group) { /* each group of the chunk (one, or two of 16) */
-        const char *at = w + kk / group * group_bytes;
-        const __m512 s = _mm512_loadu_ps((const float *)at), o = offsets ? _mm512_loadu_ps((const float *)at + 16) : s;
-        for (int step = 0; step < (group < 32 ? group : 32) / 2; step++, line++) {
-            __m512 a, b;
-            if (bits == 8)
-                widen_int8(at + head + (size_t)(kk % group / 2 + step) * step_bytes, &a, &b);
-            else
-                widen_nibbles(at + head + (size_t)(kk % group / 2 + step) * step_bytes, &a, &b);
-            a = dequantize(a, s, offsets ? &o : 0), b = dequantize(b, s, offsets ? &o : 0);
-            _mm512_store_si512(tile + 32 * line, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(b, a)));
-        }
-    }
-}
-
 TILES(bf16, int8, 32)
 TILES(bf16, nibbles, 16)
 LINEAR(bf16)
