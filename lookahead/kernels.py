@@ -68,15 +68,15 @@ class Product:
     oneDNN's call overhead is ~14 us, a one-token product of a 576-wide q, k or v a few us (Zen 5, bf16:
     q, k, v 48 -> 24 us, gate and up 52 -> 41 us a layer, ~1 ms of SmolLM2's ~15 ms forward)."""
 
-    def __init__(self, linears: list[nn.Linear], quantized: list[Quantized] | None = None) -> None:
-        """``quantized``: the linears' weights as ``Quantized`` (one kind), run on our quantized kernel."""
-        weights = [linear.weight.detach() for linear in linears]
-        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+    def __init__(self, linears: list[nn.Module], quantized: list[Quantized] | None = None, dtype: torch.dtype | None = None) -> None:
+        """``quantized``: the linears' weights as ``Quantized`` (one kind), run on our quantized kernel with ``dtype``
+        activations (their own weights are then not read: a ``GgufLinear``'s are blocks)."""
         if quantized:
-            self.own = True
             q = Quantized.cat(quantized) if len(quantized) > 1 else quantized[0]
-            self.packed = native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, weight.dtype)
+            self.own, self.packed = True, native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype)
         else:
+            weights = [linear.weight.detach() for linear in linears]
+            weight = torch.cat(weights) if len(weights) > 1 else weights[0]
             self.own = own_kernel(weight.dtype) is None and native.fits(*weight.shape, weight.dtype)  # ours, else oneDNN's
             self.packed = native.pack(weight) if self.own else _pack(weight)  # native's layout, or opaque oneDNN
         bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
@@ -253,7 +253,9 @@ def weight_kinds(model: nn.Module) -> str:
 
 def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = None,
          quantized: dict[str, Quantized] | None = None) -> KernelReport:
-    """Replace every plain CPU ``nn.Linear`` of ``model`` (in place) with a ``PackedLinear``; see the module doc.
+    """Replace every plain CPU ``nn.Linear`` of ``model`` (in place) with a ``PackedLinear``, and every transformers
+    ``GgufLinear`` (a GGUF's blocks, loaded with ``GgufConfig``) of a type ``quants`` reads with one on our quantized
+    kernel; see the module doc.
 
     ``kernels="stock"`` leaves the model as it is. Off CPU, or where ``available`` says no, the model stays
     stock and the report's ``notice`` says why. Our kernels are built into ``cache_dir`` (``native.library``).
@@ -264,7 +266,7 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if kernels == "stock":
         return KernelReport("stock")
-    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    device, dtype = next(model.parameters()).device, next(p.dtype for p in model.parameters() if p.is_floating_point())
     if device.type != "cpu":
         return KernelReport("stock", notice=f"packed kernels are for CPU; the model is on {device.type}")
     native.library(cache_dir)  # built (or found) where the caller keeps its cache, before anything asks for it
@@ -274,13 +276,16 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
     tied = _shared_weights(model)
     packed = kept = extra = products = 0
     for prefix, parent in list(model.named_modules()):
-        linears = {name: child for name, child in parent.named_children() if isinstance(child, nn.Linear)}
+        linears = {name: child for name, child in parent.named_children() if isinstance(child, nn.Linear) or quants.is_gguf_linear(child)}
+        blocks = {name: q for name, child in linears.items() if quants.is_gguf_linear(child) and (q := quants.from_gguf_linear(child))}
+        blocks = _runnable(blocks, dtype)[0]  # a GgufLinear our kernel cannot run stays as it is
         packable = {name: child for name, child in linears.items()
-                    if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == dtype}
+                    if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == dtype or name in blocks}
         kept += len(linears) - len(packable)
-        mine = {name: quantized.get(f"{prefix}.{name}" if prefix else name) for name in packable}
+        mine = {name: quantized.get(f"{prefix}.{name}" if prefix else name) or blocks.get(name) for name in packable}
         for names in _products(packable, tied, mine):
-            product = Product([packable[name] for name in names], [mine[name] for name in names] if mine[names[0]] else None)
+            quantized_parts = [mine[name] for name in names] if mine[names[0]] else None
+            product = Product([packable[name] for name in names], quantized_parts, dtype)
             for part, name in enumerate(names):
                 if id(packable[name].weight) in tied:
                     weight = packable[name].weight

@@ -167,6 +167,22 @@ def q8_linears(model: nn.Module) -> dict[str, Quantized]:
     return {name: quantize_q8_0(m.weight) for name, m in model.named_modules() if type(m) is nn.Linear and m.in_features % QK == 0}
 
 
+def is_gguf_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``GgufLinear`` (a GGUF's blocks as ``weight``: (out_features, bytes a row))."""
+    return type(module).__name__ == "GgufLinear" and type(module).__module__.startswith("transformers.")
+
+
+def from_gguf_linear(module: nn.Module) -> Quantized | None:
+    """A ``GgufLinear``'s weight as ``Quantized`` (its blocks are the file's, as ``from_blocks`` reads them); None where
+    its type is not one here or it gathers its input first (``input_permutation``: a permutation across blocks)."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType(module.ggml_type).name
+    if kind not in DECODERS or getattr(module, "input_permutation", None) is not None:
+        return None
+    return from_blocks(module.weight.detach().numpy(), kind, module.out_features, module.in_features)
+
+
 # -- GGUF tensors -> a model's linears -------------------------------------------------------------
 
 

@@ -121,6 +121,28 @@ def test_a_tiny_model_on_quantized_weights_equals_its_dequantized_twin():
     assert on_fixed_cost(model).generate(prompt, 40).tokens == plain
 
 
+@needs_kernel
+def test_transformers_gguf_linears_run_on_our_kernel():
+    """A model loaded with transformers' ``GgufConfig`` keeps ``GgufLinear`` modules (the file's blocks, multiplied by
+    a hub kernel where one is published, none offline on a CPU): ``pack`` runs them on ours."""
+    from transformers.integrations.gguf.utils import GgufLinear
+
+    model, twin = tiny_llama(seed=4), tiny_llama(seed=4)
+    for name, linear in [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]:
+        blocks = gguf.quants.quantize(linear.weight.detach().numpy(), GGML.Q8_0)
+        blocked = GgufLinear(linear.in_features, linear.out_features, GGML.Q8_0)
+        blocked.weight.data = torch.from_numpy(blocks)
+        model.set_submodule(name, blocked)
+        with torch.no_grad():
+            twin.get_submodule(name).weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, GGML.Q8_0)))
+    report = kernels.pack(model, "packed")
+    kernels.pack(twin, "packed")
+    assert report.weights == "q8/32 x 15" and report.kept == 0 and report.shared == 4  # q/k/v and gate/up stacked
+    ids = torch.tensor([[5, 9, 3, 5, 9, 3, 7]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, twin(ids).logits)
+
+
 def test_weights_modes_are_checked_before_loading(tmp_path):
     with pytest.raises(models.ModelLoadError, match="weights must be one of"):
         models.load("smollm2-135m", weights="q3")
