@@ -40,7 +40,12 @@ def headline(results: dict) -> str:
     if "lookahead bfloat16" not in tps or not peers:
         return "no lookahead or llama.cpp rows"
     best = max(peers, key=peers.get)
-    return f"bf16: {tps['lookahead bfloat16']:.1f} tok/s, {tps['lookahead bfloat16'] / peers[best]:.2f}x {best}"
+    line = f"bf16: {tps['lookahead bfloat16']:.1f} tok/s, {tps['lookahead bfloat16'] / peers[best]:.2f}x {best}"
+    if "lookahead gguf bfloat16" in tps:  # also on the GGUF's own blocks, against llama.cpp on that file
+        on_file = {m: v for m, v in peers.items() if results["gguf"] in m}
+        best_on = max(on_file, key=on_file.get)
+        line += f"; on the GGUF {tps['lookahead gguf bfloat16']:.1f} tok/s, {tps['lookahead gguf bfloat16'] / on_file[best_on]:.2f}x {best_on}"
+    return line
 
 
 def index(results_dir: Path) -> list[str]:

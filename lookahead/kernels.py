@@ -31,6 +31,11 @@ keys, fp32: 141 -> 107 ms a step on a 2-core Zen 4; one sequence x 16 rows over 
 29.3 ms, fp32 41.4 -> 40.2). A one-row step keeps the copy: there CPU SDPA's grouped path is the slower one
 (Zen 5, bf16, one row over 1024 keys: 18 ms a forward with the copy, 28 without).
 
+Quantized weights: ``pack(model, quantized={name: Quantized})`` (a GGUF's own blocks, or Q8_0 made at load:
+``lookahead.quants``) runs those linears on our quantized kernel (``csrc/quant_linear.c``; bf16 on AMX tiles where
+the process uses them), siblings of one kind sharing a product as dense ones do; transformers' ``GgufLinear``
+modules are read the same way. ``weights_of`` says what a model's linears multiply.
+
 Memory: each weight is packed, then its original freed, one module at a time, so the peak is the model plus
 one layer. A weight shared with another module (tied input and output embeddings) stays for that module,
 and the packed copy of it is the one extra (SmolLM2-135M fp32: 113 MB for its 49152 x 576 ``lm_head``).

@@ -16,6 +16,10 @@ prefill. The RMSNorm (``csrc/rms_norm.c``): one call for the ~8 torch ops of a n
 step's host work: the recycled top-k over the vocabulary (``csrc/top_k.c``, in place of ``torch.topk``), and
 the KV compaction's moves in one call (``csrc/move_columns.c``, in place of three torch ops a K/V tensor).
 
+The quantized linear (``csrc/quant_linear.c``, bf16 on AMX in ``csrc/amx_linear.c``): a GGUF's integers and
+scales (``lookahead.quants``) laid out once by ``pack_quantized`` in the same blocks of 16 columns, dequantized in
+registers inside the product; ``Linear`` runs either layout.
+
 ``library`` says why not where they cannot run: the packed kernels then use oneDNN's product and SDPA, as they do
 for fp16."""
 
@@ -219,7 +223,7 @@ class QuantLayout:
     bits: int  # 8: int8 q, 4: nibbles
     group: int  # k's a scale covers
     offsets: bool  # whether each group has an offset too
-    dtype: torch.dtype  # the activations' dtype the steps are laid out for
+    dtype: torch.dtype  # the activations' (and outputs') dtype: which kernel runs it
 
 
 def quant_fits(n: int, k: int, group: int) -> bool:

@@ -186,11 +186,10 @@ def test_smollm2_runs_on_its_own_blocks_and_equals_generate_on_the_dequantized_m
     assert kernels.weights_of(model) == "q4/32+offsets x 210, q8/32 x 1"  # every linear, Llama's q and k reordered
     assert kernels.weight_kinds(model) == quants.gguf_kinds(models.fetch_embedded("smollm2-135m", models.default_cache_dir()), True)
     gen = on_fixed_cost(model, tok, LookaheadConfig())
-    for text in ["def fibonacci(n):", "The capital of France is"]:
-        prompt = tok(text)["input_ids"]
-        plain = gen.generate(prompt, 48, lookahead=False).tokens
-        assert gen.generate(prompt, 48).tokens == plain
-        assert_greedy_equal(smollm2[0], prompt, plain, hf_greedy(smollm2[0], prompt, 48))  # stock kernels, dequantized
+    prompt = tok("def fibonacci(n):")["input_ids"]
+    plain = gen.generate(prompt, 40, lookahead=False).tokens
+    assert gen.generate(prompt, 40).tokens == plain
+    assert_greedy_equal(smollm2[0], prompt, plain, hf_greedy(smollm2[0], prompt, 40))  # stock kernels, dequantized
 
 
 @pytest.mark.slow
@@ -203,5 +202,5 @@ def test_smollm2_bf16_on_its_blocks_and_q8_lookahead_equals_the_plain_loop():
         assert kernels.weights_of(model) == ("q4/32+offsets x 210, q8/32 x 1" if weights == "gguf" else "q8/32 x 211")
         gen = on_fixed_cost(model, tok, LookaheadConfig())
         prompt = tok("import numpy as np\n\ndef softmax(x):")["input_ids"]
-        assert gen.generate(prompt, 64).tokens == gen.generate(prompt, 64, lookahead=False).tokens
+        assert gen.generate(prompt, 40).tokens == gen.generate(prompt, 40, lookahead=False).tokens
         del model, gen

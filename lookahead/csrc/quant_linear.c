@@ -58,6 +58,18 @@ static inline __m512 dequantize(__m512 q, __m512 s, const __m512 *o) {
     return o ? _mm512_add_round_ps(p, *o, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) : p;
 }
 
+/* one step of one block: its 32 values widened and dequantized, then k's and k + 1's products added to the rows' */
+#define BLOCK_STEP(BITS, ROWS, step, s, o, sum)                                                                   \
+    {                                                                                                             \
+        __m512 a, b;                                                                                              \
+        widen_##BITS(step, &a, &b);                                                                               \
+        a = dequantize(a, s, offsets ? &o : 0), b = dequantize(b, s, offsets ? &o : 0);                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                                   \
+            sum[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[(size_t)r * k]), a, sum[r]);                              \
+            sum[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[(size_t)r * k + 1]), b, sum[r]);                          \
+        }                                                                                                         \
+    }
+
 /* BITS: int8 or nibbles; OUT: fp32 or bf16 (the output's type); a tile of ROWS rows (x: fp32, k a row) times one
    or two blocks (w, and w + block where `two`) */
 #define TILE(OUT, BITS, STEP_BYTES, ROWS)                                                                         \
@@ -78,21 +90,8 @@ static inline __m512 dequantize(__m512 q, __m512 s, const __m512 *o) {
             for (int step = 0; step < group / 2; step++) {                                                        \
                 const float *xk = x + g * group + 2 * step;                                                       \
                 const size_t at = head + (size_t)step * STEP_BYTES;                                               \
-                __m512 a, b;                                                                                      \
-                widen_##BITS(at0 + at, &a, &b);                                                                   \
-                a = dequantize(a, s0, offsets ? &o0 : 0), b = dequantize(b, s0, offsets ? &o0 : 0);               \
-                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                           \
-                    sum0[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[(size_t)r * k]), a, sum0[r]);                    \
-                    sum0[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[(size_t)r * k + 1]), b, sum0[r]);                \
-                }                                                                                                 \
-                if (two) {                                                                                        \
-                    widen_##BITS(at1 + at, &a, &b);                                                               \
-                    a = dequantize(a, s1, offsets ? &o1 : 0), b = dequantize(b, s1, offsets ? &o1 : 0);           \
-                    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                       \
-                        sum1[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[(size_t)r * k]), a, sum1[r]);                \
-                        sum1[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[(size_t)r * k + 1]), b, sum1[r]);            \
-                    }                                                                                             \
-                }                                                                                                 \
+                BLOCK_STEP(BITS, ROWS, at0 + at, s0, o0, sum0)                                                    \
+                if (two) BLOCK_STEP(BITS, ROWS, at1 + at, s1, o1, sum1)                                           \
             }                                                                                                     \
         }                                                                                                         \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                                   \
