@@ -26,13 +26,17 @@ from lookahead.kernels import available, kernels_of, own_kernel, weight_kinds
 from lookahead.layout import build_layout, stack
 from lookahead.model_forward import forward, prefill
 from lookahead.planner import chain_tree, choose
+from lookahead.tree import TokenTree
 
 PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROBE_CONTEXT = 256
 AUTO_DTYPES = ("float32", "bfloat16")  # what --dtype auto chooses from (float16 on CPU is slow and lossy)
-# what --dtype auto expects of drafting before anything is measured: a chain of 16 drafts, each accepted with
-# probability 0.5 given its parent (~2 tokens per forward at full width, what the default shape measured)
-REFERENCE_CHAIN = (0.5, 16)
+# what --dtype auto expects of drafting before anything is measured: 16 drafts that together add one token a
+# forward, each worth as much as another (the default shape's ~2 tokens a forward come from steps of 8-16 rows).
+# A chain of drafts accepted with p = 0.5 each earns that token from 4-5 rows: it undervalued flat curves, and
+# chose fp32 for SmolLM2's Q4_1 on the Xeon (121 against 118 tokens/s expected) where bf16 lookahead ran 1.16x
+# faster (and 1.31x and 1.18x for Gemma 3's and Qwen's GGUFs); this reference picks bf16 on all three.
+REFERENCE_DRAFTS = 16
 
 
 def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT, rounds: int = 4,
@@ -107,8 +111,11 @@ def curve_path(name: str, dtype: torch.dtype, device: str, cache_dir: Path, kern
 
 
 def lookahead_speed(curve: CostCurve) -> float:
-    """Expected tokens per second of lookahead on this curve: the best step for ``REFERENCE_TREE`` per c(1)."""
-    return choose(curve, chain_tree(*REFERENCE_CHAIN), 0, 0.0).value * 1000 / curve.ms_at_1
+    """Expected tokens per second of lookahead on this curve: the best step over ``REFERENCE_DRAFTS`` sibling drafts
+    worth 1 / ``REFERENCE_DRAFTS`` token each, per c(1)."""
+    n = REFERENCE_DRAFTS
+    drafts = TokenTree.merge(np.arange(n), np.full(n, -1), np.full(n, 1 / n), np.ones(n, np.int64), n)
+    return choose(curve, drafts, 0, 0.0).value * 1000 / curve.ms_at_1
 
 
 def fastest_dtype(spec: str, device: str, cache_dir: Path, progress: Callable[[str], None] = lambda _: None,
