@@ -55,8 +55,10 @@ class Tier:
 
 
 # the best tier this CPU has serves the process; an AVX-512F CPU without BF16 (Skylake-X, Cascade Lake, Ice
-# Lake) gets the fp32 linear, the fp32 RMSNorm, the top-k and the KV moves (their bf16 code is not compiled); an
-# AVX2 one (Haswell and later, Zen 1-3) the fp32 linear (linear_avx2.c: the same bits) and the KV moves
+# Lake) gets the fp32 linears (dense and quantized), the fp32 RMSNorm, the top-k and the KV moves (their bf16 code
+# is not compiled); an AVX2 one (Haswell and later, Zen 1-3) the fp32 linears (linear_avx2.c and
+# quant_linear_avx2.c: the same bits; -ffp-contract=off keeps the dequantization's product and sum apart) and the
+# KV moves
 TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
                         ("linear.c", "amx_linear.c", "quant_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c",
@@ -64,7 +66,8 @@ TIERS = {
                         BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
     "avx512f": Tier(("avx512f", "avx512bw", "avx512vl"), ("linear.c", "quant_linear.c", "rms_norm.c", "top_k.c", "move_columns.c"),
                     BASE_FLAGS),
-    "avx2": Tier(("avx2", "fma"), ("linear_avx2.c", "move_columns.c"), ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")),
+    "avx2": Tier(("avx2", "fma"), ("linear_avx2.c", "quant_linear_avx2.c", "move_columns.c"),
+                 ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")),
 }
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 Longs = ctypes.c_long * 3

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator, cpu, kernels, native
+from lookahead import LookaheadConfig, LookaheadGenerator, cpu, kernels, native, quants
 from lookahead.cli import main
 from lookahead.probing import curve_file
 
@@ -276,7 +276,7 @@ def test_each_bf16_path_is_row_invariant_and_rounds_fp32_sums_once(tiles, n, k):
 @pytest.mark.skipif(native.best_tier() is None or shutil.which("gcc") is None, reason="no AVX2 or no gcc here")
 def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(tmp_path):
     """Each tier of the kernels this CPU can run (an AVX-512 BF16 host runs the AVX-512F and AVX2 ones too) is
-    built and called by name: what two tiers both have (the fp32 linear, RMSNorm and top-k, the KV moves) gives
+    built and called by name: what two tiers both have (the fp32 linears, RMSNorm and top-k, the KV moves) gives
     the same bits in each (the AVX2 linear is other code with the same FMA chain per output), and only the
     AVX-512 BF16 tier has bf16 kernels."""
     import ctypes
@@ -288,6 +288,9 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 576), torch.randn(96), torch.randn(13, 576)
     packed, scores, norm_weight = native.pack(weight), torch.randn(5, 1000), torch.randn(576)
+    blocks = [quants.quantize_q8_0(weight),  # and a 4-bit kind, with offsets and a bias
+              quants.Quantized(torch.randint(0, 16, (96, 576), dtype=torch.int8), torch.rand(96, 18), torch.randn(96, 18), 32, 4)]
+    layouts = [native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32) for q in blocks]
     keys = torch.randn(2, 3, 12, 32)  # (B, H, S, D): sequence b's columns 4 + index[b] move to 4, 5, 6
     index = np.array([[0, 2, 5], [1, 3, 4]], np.int64)
     gathered = torch.stack([keys[b, :, 4 + torch.from_numpy(index[b])] for b in range(2)])  # (B, H, C, D)
@@ -300,6 +303,15 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
             out[f"linear {rows}"] = y
         assert torch.allclose(out["linear 13"], x @ weight.T + bias, rtol=1e-4, atol=1e-4)
         assert torch.equal(out["linear 1"], out["linear 13"][:1]) and torch.equal(out["linear 5"], out["linear 13"][:5])
+        for q, layout in zip(blocks, layouts):  # the quantized linear: the dense one's bits on the dequantized weight
+            for rows in (1, 13):
+                y = torch.empty(rows, 96)
+                lib.quant_fp32_linear(x.data_ptr(), layout.packed.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, 96, 576, q.bits,
+                                      q.group, int(q.offset is not None), 2, 1)
+                out[f"quant {q.kind} {rows}"] = y
+            dense, dequantized = torch.empty(13, 96), native.pack(q.dequantize())
+            lib.fp32_linear(x.data_ptr(), dequantized.data_ptr(), bias.data_ptr(), dense.data_ptr(), 13, 96, 576, 2, 1)
+            assert torch.equal(out[f"quant {q.kind} 13"], dense) and torch.equal(out[f"quant {q.kind} 1"], dense[:1])
         if hasattr(lib, "rms_norm"):
             out["norm"] = torch.empty_like(x)
             lib.rms_norm(x.data_ptr(), norm_weight.data_ptr(), out["norm"].data_ptr(), 0, 13, 576, 1e-5, 0, 2)
@@ -315,8 +327,8 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
     for t, out in outputs.items():
         for other, theirs in outputs.items():
             assert all(torch.equal(out[name], theirs[name]) for name in out.keys() & theirs.keys()), (t, other)
-    if "avx2" in outputs:  # the AVX2 tier: the fp32 linear and the KV moves only
-        assert set(outputs["avx2"]) == {"linear 1", "linear 5", "linear 13", "moved"}
+    if "avx2" in outputs:  # the AVX2 tier: the fp32 linears and the KV moves only
+        assert set(outputs["avx2"]) == {"linear 1", "linear 5", "linear 13", "moved"} | {f"quant {q.kind} {r}" for q in blocks for r in (1, 13)}
 
 
 def test_tiles_are_refused_where_amx_cannot_run(monkeypatch):
