@@ -223,8 +223,8 @@ def weights_mode(spec: str, weights: str, kernels: str, cache_dir: Path, progres
     ``ModelLoadError`` for a mode that cannot run."""
     if weights not in WEIGHTS:
         raise ModelLoadError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    gguf = gguf_file(spec, cache_dir, progress) if weights in ("auto", "gguf") else None
-    weights = weights if weights != "auto" else "gguf" if gguf and kernels == "packed" else "dense"
+    gguf = gguf_file(spec, cache_dir, progress) if weights == "gguf" or weights == "auto" and kernels == "packed" else None
+    weights = weights if weights != "auto" else "gguf" if gguf else "dense"
     if weights != "dense" and kernels != "packed":
         raise ModelLoadError(f"--weights {weights} runs on our packed kernels: use --kernels packed")
     if weights == "gguf" and gguf is None:

@@ -125,13 +125,13 @@ def fastest_dtype(spec: str, device: str, cache_dir: Path, progress: Callable[[s
     and how cheap wide steps are), from the cached curves (probed where missing); ``weights`` as ``models.load``'s."""
     source = models.resolve(spec, cache_dir, progress)
     mode, gguf = models.weights_mode(spec, weights, kernels, cache_dir, progress)
+    quantized = {"dense": "dense", "q8": "q8/32"}.get(mode) or quants.gguf_kinds(gguf, AutoConfig.from_pretrained(source).tie_word_embeddings)
     best = None
     for dtype in AUTO_DTYPES:
         loaded = None
         try:
             runs_on = _kernels_for(kernels, dtype, device, cache_dir)
-            kinds = "dense" if mode == "dense" or runs_on != "packed-own" else "q8/32" if mode == "q8" else \
-                quants.gguf_kinds(gguf, AutoConfig.from_pretrained(source).tie_word_embeddings)
+            kinds = quantized if runs_on == "packed-own" else "dense"  # our kernels alone run quantized weights
             path = curve_path(source, models.DTYPES[dtype], device, cache_dir, runs_on, kinds)
             curve = CostCurve.from_json(path.read_text())
         except (OSError, UnicodeDecodeError, ValueError):

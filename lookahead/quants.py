@@ -17,6 +17,7 @@ too). A tensor that matches no module, or whose type is not here, leaves its mod
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -94,8 +95,8 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return raw.copy().view(np.float16).astype(np.float32)
 
 
-def _nibbles(qs: np.ndarray, span: int) -> np.ndarray:
-    """Bytes (..., span / 2) -> (..., span) values: the low nibbles first, then the high ones (llama.cpp's order)."""
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes (..., B) -> (..., 2B) values: the low nibbles first, then the high ones (llama.cpp's order)."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
@@ -108,12 +109,12 @@ def _legacy(raw: np.ndarray, n: int, k: int, kind: str) -> Quantized:
     if kind == "Q8_0":
         q, bits = b[..., 2:].view(np.int8), 8
     elif kind == "Q4_0":
-        q, bits = _nibbles(b[..., 2:], QK).astype(np.int8) - 8, 8
+        q, bits = _nibbles(b[..., 2:]).astype(np.int8) - 8, 8
     elif kind == "Q4_1":
-        offset, q, bits = _f16(b[..., 2:4]).reshape(n, -1), _nibbles(b[..., 4:], QK).astype(np.int8), 4
+        offset, q, bits = _f16(b[..., 2:4]).reshape(n, -1), _nibbles(b[..., 4:]).astype(np.int8), 4
     else:  # Q5_0: the fifth bits in a little-endian 32-bit word
         high = (b[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
-        q, bits = (_nibbles(b[..., 6:], QK) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16, 8
+        q, bits = (_nibbles(b[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16, 8
     return Quantized(torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)), torch.from_numpy(d),
                      None if offset is None else torch.from_numpy(offset), QK, bits)
 
@@ -141,7 +142,7 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Quantized:
     return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), None, 16, 8)
 
 
-DECODERS = {"Q8_0": _legacy, "Q5_0": _legacy, "Q4_0": _legacy, "Q4_1": _legacy, "Q4_K": _q4_k, "Q6_K": _q6_k}  # KINDS' keys
+DECODERS = {**{kind: partial(_legacy, kind=kind) for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1")}, "Q4_K": _q4_k, "Q6_K": _q6_k}  # KINDS' keys
 
 
 def from_blocks(raw: np.ndarray, kind: str, n: int, k: int) -> Quantized:
@@ -149,7 +150,7 @@ def from_blocks(raw: np.ndarray, kind: str, n: int, k: int) -> Quantized:
     if kind not in DECODERS:
         raise ValueError(f"GGUF type {kind} is not one the quantized kernels run (they run {', '.join(DECODERS)})")
     raw = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
-    return DECODERS[kind](raw, n, k, kind) if DECODERS[kind] is _legacy else DECODERS[kind](raw, n, k)
+    return DECODERS[kind](raw, n, k)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> Quantized:
