@@ -191,19 +191,24 @@ int amx_quant_linear(const uint16_t *x, const char *packed, const float *bias, u
     const int rows_a_tile = m < 16 ? m : 16;
     const size_t head = offsets ? 128 : 64, group_bytes = head + (size_t)group * 16 * bits / 8;
     const size_t block = (size_t)groups * group_bytes, chunk_bytes = block / chunks;
-    /* A: each row tile's rows (16, zero-padded past m), once per half of a chunk (the other half zero for groups of
-       16); sums: each row's sum over each group (for the offsets), in order */
-    uint16_t *a = aligned_alloc(64, (size_t)halves * tiles * 16 * k * 2);
+    /* A: x itself for up to 16 rows and groups of 32 (tiles of exactly m rows); else a copy with each row tile's
+       rows (16, zero-padded past m), once per half of a chunk (the other half zero for groups of 16). sums: each
+       row's sum over each group (for the offsets), in order */
+    const int copied = halves == 2 || m > 16;
+    uint16_t *copy = copied ? aligned_alloc(64, (size_t)halves * tiles * 16 * k * 2) : 0;
     float *sums = offsets ? aligned_alloc(64, ((size_t)tiles * 16 * groups * 4 + 63) / 64 * 64) : 0;
-    if (!a || (offsets && !sums)) {
-        free(a), free(sums);
+    if ((copied && !copy) || (offsets && !sums)) {
+        free(copy), free(sums);
         return 1;
     }
-    memset(a, 0, (size_t)halves * tiles * 16 * k * 2);
-    for (int h = 0; h < halves; h++)
-        for (int r = 0; r < m; r++)
-            for (int kk = 0; kk < k; kk++)
-                if (halves == 1 || (kk % 32 < 16) == (h == 0)) a[((size_t)h * tiles * 16 + r) * k + kk] = x[(size_t)r * k + kk];
+    const uint16_t *a = copied ? copy : x;
+    if (copied) {
+        memset(copy, 0, (size_t)halves * tiles * 16 * k * 2);
+        for (int h = 0; h < halves; h++)
+            for (int r = 0; r < m; r++)
+                for (int kk = 0; kk < k; kk++)
+                    if (halves == 1 || (kk % 32 < 16) == (h == 0)) copy[((size_t)h * tiles * 16 + r) * k + kk] = x[(size_t)r * k + kk];
+    }
     if (offsets)
         for (int r = 0; r < m; r++)
             for (int g = 0; g < groups; g++) {
@@ -258,6 +263,6 @@ int amx_quant_linear(const uint16_t *x, const char *packed, const float *bias, u
         }
         _tile_release();
     }
-    free(a), free(sums);
+    free(copy), free(sums);
     return 0;
 }
