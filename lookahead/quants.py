@@ -3,8 +3,8 @@ which of a loaded model's linears they are.
 
 Every GGUF type kept here dequantizes as ``W = s q (+ o)`` per output row and group of ``group`` k's, in fp32, a
 product and then a sum (gguf-py's numpy does exactly this; its dequantized weights are the model transformers
-loads from the file): Q8_0, Q5_0, Q4_0 (``d q``, q signed), Q6_K (``(d sc) q``, groups of 16), Q4_1 (``d q + m``)
-and Q4_K (``(d sc) q - dmin m``). ``Quantized`` holds q as int8 (nibbles once packed, for the 4-bit types), s and
+loads from the file): Q8_0, Q5_0, Q4_0 (``d q``, q signed), Q6_K and Q3_K (``(d sc) q``, groups of 16), Q4_1
+(``d q + m``), Q4_K and Q5_K (``(d sc) q - dmin m``). ``Quantized`` holds q as int8 (nibbles once packed, for the 4-bit types), s and
 o in fp32, so nothing is re-quantized: the kernels' weights are the dequantized model's, bit for bit. The types
 with five or six bits are widened to 8 in the kernels' layout (a Q5_0 weight streams 9 bits instead of 5.5).
 
@@ -38,7 +38,7 @@ def kind(bits: int, group: int, offsets: bool) -> str:
 
 # each GGUF type's kind once kept here (``from_blocks``)
 KINDS = {"Q8_0": kind(8, 32, False), "Q5_0": kind(8, 32, False), "Q4_0": kind(8, 32, False), "Q6_K": kind(8, 16, False),
-         "Q4_1": kind(4, 32, True), "Q4_K": kind(4, 32, True)}
+         "Q3_K": kind(8, 16, False), "Q5_K": kind(8, 32, True), "Q4_1": kind(4, 32, True), "Q4_K": kind(4, 32, True)}
 
 
 @dataclass
@@ -119,17 +119,48 @@ def _legacy(raw: np.ndarray, n: int, k: int, kind: str) -> Quantized:
                      None if offset is None else torch.from_numpy(offset), QK, bits)
 
 
+def _k_scales(s: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins a super-block -> (n, blocks, 8) each, as fp32."""
+    s = s.reshape(n, -1, 3, 4)
+    ds, ms, mix = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = np.concatenate([ds & 0x3F, (mix & 0x0F) | ((ds >> 2) & 0x30)], axis=-1).astype(np.float32)
+    mn = np.concatenate([ms & 0x3F, (mix >> 4) | ((ms >> 2) & 0x30)], axis=-1).astype(np.float32)
+    return sc, mn
+
+
 def _q4_k(raw: np.ndarray, n: int, k: int) -> Quantized:
     """Q4_K: super-blocks of 256 k's, eight groups of 32 with 6-bit scales and mins."""
     b = raw.reshape(n, k // QK_K, 144)
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-    s = b[..., 4:16].reshape(n, -1, 3, 4)
-    ds, ms, mix = s[..., 0, :], s[..., 1, :], s[..., 2, :]
-    sc = np.concatenate([ds & 0x3F, (mix & 0x0F) | ((ds >> 2) & 0x30)], axis=-1).astype(np.float32)
-    mn = np.concatenate([ms & 0x3F, (mix >> 4) | ((ms >> 2) & 0x30)], axis=-1).astype(np.float32)
+    sc, mn = _k_scales(b[..., 4:16], n)
     qs = b[..., 16:].reshape(n, -1, 4, 32)  # four chunks of 32 bytes: groups 2c (low nibbles), 2c + 1 (high)
     q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k).astype(np.int8)
     return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), torch.from_numpy(-(dmin * mn).reshape(n, -1)), QK, 4)
+
+
+def _q5_k(raw: np.ndarray, n: int, k: int) -> Quantized:
+    """Q5_K: Q4_K's groups and scales, each q's fifth bit in 32 bytes of bit planes (group j: bit j)."""
+    b = raw.reshape(n, k // QK_K, 176)
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, mn = _k_scales(b[..., 4:16], n)
+    qs = b[..., 48:].reshape(n, -1, 4, 32)
+    low = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1, 8, 32)
+    high = (b[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+    q = (low | (high << 4)).astype(np.int8).reshape(n, k)
+    return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), torch.from_numpy(-(dmin * mn).reshape(n, -1)), QK, 8)
+
+
+def _q3_k(raw: np.ndarray, n: int, k: int) -> Quantized:
+    """Q3_K: super-blocks of 256 k's, sixteen groups of 16 with 6-bit signed scales, q = 2 low bits - 4 (high bit 0)."""
+    b = raw.reshape(n, k // QK_K, 110)
+    hmask, qs, s, d = b[..., :32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
+    low = (s[..., :8].reshape(n, -1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)).reshape(n, -1, 16) & 0x0F
+    high = (s[..., 8:].reshape(n, -1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)).reshape(n, -1, 16) & 3
+    sc = ((low | (high << 4)).astype(np.int8) - 32).astype(np.float32)
+    ql = (qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    qh = ((hmask.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1) ^ 1
+    q = (ql.reshape(n, -1, 256).astype(np.int8) - (qh.reshape(n, -1, 256) << 2).astype(np.int8)).reshape(n, k)
+    return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), None, 16, 8)
 
 
 def _q6_k(raw: np.ndarray, n: int, k: int) -> Quantized:
@@ -142,7 +173,8 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Quantized:
     return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), None, 16, 8)
 
 
-DECODERS = {**{kind: partial(_legacy, kind=kind) for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1")}, "Q4_K": _q4_k, "Q6_K": _q6_k}  # KINDS' keys
+DECODERS = {**{kind: partial(_legacy, kind=kind) for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1")}, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+            "Q3_K": _q3_k}  # KINDS' keys
 
 
 def from_blocks(raw: np.ndarray, kind: str, n: int, k: int) -> Quantized:

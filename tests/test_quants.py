@@ -20,9 +20,10 @@ OWN = kernels.own_kernel(torch.float32) is None and native.has("quant_fp32_linea
 OWN_BF16 = kernels.own_kernel(torch.bfloat16) is None and native.has("quant_bf16_linear")
 needs_kernel = pytest.mark.skipif(not OWN, reason="the quantized kernels need an AVX-512 CPU and gcc")
 GGML = gguf.GGMLQuantizationType
-BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
-BLOCK_SIZE = {"Q8_0": 32, "Q5_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256}
-SCALES = {"Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}  # fp16 fields' offsets
+BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110}
+BLOCK_SIZE = {"Q8_0": 32, "Q5_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q3_K": 256}
+SCALES = {"Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+          "Q3_K": (108,)}  # fp16 fields' offsets
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -71,7 +72,7 @@ def test_the_layout_unpacks_to_what_was_packed(kind):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q5_K", "Q3_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_quantized_products_equal_the_dense_kernels_and_are_row_invariant(kind, dtype):
     if dtype == torch.bfloat16 and not OWN_BF16:
