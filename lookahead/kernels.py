@@ -73,10 +73,14 @@ class Product:
     oneDNN's call overhead is ~14 us, a one-token product of a 576-wide q, k or v a few us (Zen 5, bf16:
     q, k, v 48 -> 24 us, gate and up 52 -> 41 us a layer, ~1 ms of SmolLM2's ~15 ms forward)."""
 
-    def __init__(self, linears: list[nn.Module], quantized: list[Quantized] | None = None, dtype: torch.dtype | None = None) -> None:
-        """``quantized``: the linears' weights as ``Quantized`` (one kind), run on our quantized kernel with ``dtype``
-        activations (their own weights are then not read: a ``GgufLinear``'s are blocks)."""
-        if quantized:
+    def __init__(self, linears: list[nn.Module], quantized: list[Quantized | native.QuantLayout] | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        """``quantized``: the linears' weights as ``Quantized`` or already laid out (one kind), run on our quantized
+        kernel with ``dtype`` activations (their own weights are then not read: a ``GgufLinear``'s are blocks, a
+        GGUF model's loaded directly are on the meta device)."""
+        if quantized and isinstance(quantized[0], native.QuantLayout):
+            self.own, self.packed = True, native.cat_layouts(quantized, dtype)
+        elif quantized:
             q = Quantized.cat(quantized) if len(quantized) > 1 else quantized[0]
             self.own, self.packed = True, native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype)
         else:
@@ -238,8 +242,7 @@ def kernels_of(model: nn.Module) -> str:
 def _kind(module: nn.Module) -> str:
     """A linear's weight kind: ``quants.kind`` of a quantized product's, else "dense"."""
     if isinstance(module, PackedLinear) and module.product.quantized:
-        layout = module.product.packed
-        return quants.kind(layout.bits, layout.group, layout.offsets)
+        return module.product.packed.kind
     return "dense"
 
 
@@ -257,21 +260,23 @@ def weight_kinds(model: nn.Module) -> str:
 
 
 def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = None,
-         quantized: dict[str, Quantized] | None = None) -> KernelReport:
+         quantized: dict[str, Quantized | native.QuantLayout] | None = None) -> KernelReport:
     """Replace every plain CPU ``nn.Linear`` of ``model`` (in place) with a ``PackedLinear``, and every transformers
     ``GgufLinear`` (a GGUF's blocks, loaded with ``GgufConfig``) of a type ``quants`` reads with one on our quantized
     kernel; see the module doc.
 
     ``kernels="stock"`` leaves the model as it is. Off CPU, or where ``available`` says no, the model stays
     stock and the report's ``notice`` says why. Our kernels are built into ``cache_dir`` (``native.library``).
-    ``quantized``: {module name: its weight quantized}, run on our quantized kernel (``csrc/quant_linear.c``: the
-    same outputs as the dense weight's ``dequantize()``); where that kernel cannot run, the dense weights do and
-    the notice says why."""
+    ``quantized``: {module name: its weight quantized, or laid out already}, run on our quantized kernel
+    (``csrc/quant_linear.c``: the same outputs as the dense weight's ``dequantize()``); where that kernel cannot run,
+    the dense weights do and the notice says why (a linear on the meta device has none: ``quantized_unavailable``
+    says beforehand whether the kernel runs)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if kernels == "stock":
         return KernelReport("stock")
-    device, dtype = next(model.parameters()).device, next(p.dtype for p in model.parameters() if p.is_floating_point())
+    real = [p for p in model.parameters() if not p.is_meta] or list(model.parameters())  # a direct GGUF load's linears: meta
+    device, dtype = real[0].device, next(p.dtype for p in real if p.is_floating_point())
     if device.type != "cpu":
         return KernelReport("stock", notice=f"packed kernels are for CPU; the model is on {device.type}")
     native.library(cache_dir)  # built (or found) where the caller keeps its cache, before anything asks for it
@@ -284,10 +289,10 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
         linears = {name: child for name, child in parent.named_children() if isinstance(child, nn.Linear) or quants.is_gguf_linear(child)}
         blocks = {name: q for name, child in linears.items() if quants.is_gguf_linear(child) and (q := quants.from_gguf_linear(child))}
         blocks = _runnable(blocks, dtype)[0]  # a GgufLinear our kernel cannot run stays as it is
+        mine = {name: quantized.get(f"{prefix}.{name}" if prefix else name) or blocks.get(name) for name in linears}
         packable = {name: child for name, child in linears.items()
-                    if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == dtype or name in blocks}
+                    if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == dtype or mine[name]}
         kept += len(linears) - len(packable)
-        mine = {name: quantized.get(f"{prefix}.{name}" if prefix else name) or blocks.get(name) for name in packable}
         for names in _products(packable, tied, mine):
             quantized_parts = [mine[name] for name in names] if mine[names[0]] else None
             product = Product([packable[name] for name in names], quantized_parts, dtype)
@@ -306,12 +311,17 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
     return KernelReport(kernels_of(model), packed, kept, extra, products, fused, notice, weights_of(model))
 
 
+def quantized_unavailable(dtype: torch.dtype) -> str | None:
+    """None where our quantized kernel runs ``dtype`` activations here; else why not."""
+    kernel = f"quant_{'bf16' if dtype == torch.bfloat16 else 'fp32'}_linear"
+    return own_kernel(dtype) or (None if native.has(kernel) else f"the {native.tier()} kernels have no quantized linear")
+
+
 def _runnable(quantized: dict[str, Quantized], dtype: torch.dtype) -> tuple[dict[str, Quantized], str | None]:
     """(the quantized weights our kernel runs here, in ``dtype``; why any run dense instead, or None)."""
     if not quantized:
         return {}, None
-    kernel = f"quant_{'bf16' if dtype == torch.bfloat16 else 'fp32'}_linear"
-    if reason := own_kernel(dtype) or (None if native.has(kernel) else f"the {native.tier()} kernels have no quantized linear"):
+    if reason := quantized_unavailable(dtype):
         return {}, f"quantized kernels unavailable ({reason}); running the dequantized weights"
     runnable = {name: q for name, q in quantized.items() if native.quant_fits(*q.shape, q.group)}
     left = len(quantized) - len(runnable)

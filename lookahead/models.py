@@ -21,16 +21,14 @@ from typing import BinaryIO, Callable
 
 import torch
 
+from lookahead import gguf_model
 from lookahead.cpu import default_cache_dir
+from lookahead.gguf_model import ModelLoadError, one_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHTS = ("auto", "gguf", "q8", "dense")  # "auto": a GGUF's own blocks where the model came from one, else dense
 DEFAULT_MODEL = "smollm2-135m"
 Progress = Callable[[str], None]
-
-
-class ModelLoadError(ValueError):
-    """A model could not be found, fetched, converted or loaded; the message says which and why."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +156,7 @@ def convert_gguf(gguf: Path, target: Path, progress: Progress = _quiet) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # transformers raises many types for an unreadable or unsupported GGUF
-        raise ModelLoadError(f"cannot read GGUF {gguf}: {_one_line(e)}") from None
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
     # The weights are plain dequantized tensors now; only the GGUF quantizer's marker blocks saving.
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
@@ -180,11 +178,6 @@ def vocab_size(model) -> int:
     """Rows of the model's output layer (a packed linear keeps no ``weight``, so read its shape)."""
     head = model.get_output_embeddings()
     return int(getattr(head, "out_features", None) or head.weight.shape[0])
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def gguf_file(spec: str, cache_dir: Path, progress: Progress = _quiet) -> Path | None:
@@ -218,15 +211,29 @@ def resolve(spec: str, cache_dir: Path, progress: Progress = _quiet) -> str:
     return spec
 
 
-def weights_mode(spec: str, weights: str, kernels: str, cache_dir: Path, progress: Progress = _quiet) -> tuple[str, Path | None]:
+def weights_mode(spec: str, weights: str, kernels: str, cache_dir: Path, progress: Progress = _quiet, dtype: str = "float32",
+                 device: str = "cpu") -> tuple[str, Path | None]:
     """(the ``WEIGHTS`` mode ``load`` runs ``spec`` with, other than "auto"; its GGUF file where that is "gguf"), or a
-    ``ModelLoadError`` for a mode that cannot run."""
+    ``ModelLoadError`` for a mode that cannot run. "auto" is "gguf" for a GGUF model where our quantized kernel runs
+    ``dtype`` here, else "dense"."""
+    from lookahead import kernels as kernel_layer, native
+
     if weights not in WEIGHTS:
         raise ModelLoadError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    gguf = gguf_file(spec, cache_dir, progress) if weights == "gguf" or weights == "auto" and kernels == "packed" else None
-    weights = weights if weights != "auto" else "gguf" if gguf else "dense"
-    if weights != "dense" and kernels != "packed":
+    if weights == "dense":
+        return "dense", None
+    if kernels != "packed":
+        if weights == "auto":
+            return "dense", None
         raise ModelLoadError(f"--weights {weights} runs on our packed kernels: use --kernels packed")
+    native.library(cache_dir)  # built (or found) where the caller keeps its cache, before asking what it runs
+    why_not = f"they run on the CPU, not {device}" if device != "cpu" else kernel_layer.quantized_unavailable(DTYPES.get(dtype, torch.float32))
+    if weights == "auto":
+        gguf = None if why_not else gguf_file(spec, cache_dir, progress)
+        return ("gguf", gguf) if gguf else ("dense", None)
+    if why_not:
+        raise ModelLoadError(f"--weights {weights} needs our quantized kernels, which cannot run here: {why_not}")
+    gguf = gguf_file(spec, cache_dir, progress) if weights == "gguf" else None
     if weights == "gguf" and gguf is None:
         raise ModelLoadError(f"--weights gguf needs a GGUF model (an embedded name or a .gguf file), not {spec}")
     return weights, gguf
@@ -245,9 +252,10 @@ def load(
 
     ``kernels="packed"``: the model's linears run on weights packed once for small-M products (CPU; see
     ``lookahead.kernels``), else as loaded. ``weights`` (``WEIGHTS``; needs packed kernels unless "dense"):
-    "gguf" keeps a GGUF file's quantized blocks for the linears (``lookahead.quants``: its integers and scales,
-    nothing re-quantized), "q8" quantizes every linear to Q8_0 once, "auto" is "gguf" for a GGUF model and
-    "dense" otherwise; ``dtype`` is then the activations'."""
+    "gguf" builds the model straight from its GGUF file, its linears on the file's own blocks (``gguf_model``:
+    the integers and scales, nothing re-quantized, no dense copy), "q8" quantizes every linear to Q8_0 once,
+    "auto" is "gguf" for a GGUF model (where the quantized kernel runs) and "dense" otherwise; ``dtype`` is then
+    the activations'."""
     from lookahead import kernels as kernel_layer, quants
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -255,27 +263,26 @@ def load(
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     cache_dir = cache_dir or default_cache_dir()
-    source = resolve(spec, cache_dir, progress)
-    weights, gguf = weights_mode(spec, weights, kernels, cache_dir, progress)
+    weights, gguf = weights_mode(spec, weights, kernels, cache_dir, progress, dtype, device)
     progress(f"loading {spec} ({dtype}, {device}, {weights} weights)")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device).eval()
-    except Exception as e:
-        raise ModelLoadError(f"cannot load model {spec}: {_one_line(e)}") from None
-    quantized = {}
     if weights == "gguf":
-        quantized, left = quants.gguf_linears(gguf, model)
-        for line in left:
-            progress(f"kept dense: {line}")
-    elif weights == "q8":
-        quantized = quants.q8_linears(model)
+        model, tokenizer, quantized, left = gguf_model.load(gguf, DTYPES[dtype], cache_dir, progress)
+    else:
+        source = resolve(spec, cache_dir, progress)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device).eval()
+        except Exception as e:
+            raise ModelLoadError(f"cannot load model {spec}: {one_line(e)}") from None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except Exception:  # a token-id-only deployment has no tokenizer files at all
+            tokenizer = None
+        quantized, left = (quants.q8_linears(model) if weights == "q8" else {}), []
+    for line in left:
+        progress(f"kept dense: {line}")
     report = kernel_layer.pack(model, kernels, cache_dir, quantized)
     if report.notice:
         progress(report.notice)
     if report.weights != "dense":
         progress(f"quantized weights: {report.weights}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except Exception:  # a token-id-only deployment has no tokenizer files at all
-        tokenizer = None
     return model, tokenizer

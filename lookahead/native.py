@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lookahead import cpu
+from lookahead import cpu, quants
 from lookahead.cpu import default_cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
@@ -228,6 +228,18 @@ class QuantLayout:
     offsets: bool  # whether each group has an offset too
     dtype: torch.dtype  # the activations' (and outputs') dtype: which kernel runs it
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
+
+    @property
+    def kind(self) -> str:
+        """What must agree for weights to share one product (``quants.kind``)."""
+        return quants.kind(self.bits, self.group, self.offsets)
+
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
 
 def quant_fits(n: int, k: int, group: int) -> bool:
     """Whether an (n, k) quantized weight with groups of ``group`` k's can be laid out for the kernel."""
@@ -249,6 +261,23 @@ def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
              for t in (scale, offset) if t is not None]  # (NB, G, 64) each
     packed = torch.cat([*heads, steps.reshape(n // BLOCK, groups, -1)], dim=-1).reshape(n // BLOCK, -1).contiguous()
     return QuantLayout(packed, n, k, bits, group, offset is not None, dtype)
+
+
+def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype) -> QuantLayout:
+    """Laid-out weights of one kind and width stacked by rows, for ``dtype`` activations: a view where each part's
+    bytes follow the last's in one storage (``gguf_model`` lays siblings out so), else a copy."""
+    first = parts[0]
+    if any((p.k, p.kind) != (first.k, first.kind) for p in parts):
+        raise ValueError("laid-out weights of different kinds or widths cannot be stacked")
+    n = sum(p.n for p in parts)
+    storage = first.packed.untyped_storage()
+    adjacent = all(p.packed.is_contiguous() and p.packed.untyped_storage().data_ptr() == storage.data_ptr() for p in parts) and all(
+        a.packed.data_ptr() + a.packed.numel() == b.packed.data_ptr() for a, b in zip(parts, parts[1:]))
+    if adjacent:
+        packed = torch.empty(0, dtype=torch.uint8).set_(storage, first.packed.storage_offset(), (n // BLOCK, first.packed.shape[1]))
+    else:
+        packed = torch.cat([p.packed for p in parts])
+    return QuantLayout(packed, n, first.k, first.bits, first.group, first.offsets, dtype)
 
 
 def unpack_quantized(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -17,9 +17,9 @@ from typing import Callable
 
 import numpy as np
 import torch
-from transformers import AutoConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
-from lookahead import capability, models, native, quants
+from lookahead import capability, gguf_model, models, native
 from lookahead.cpu import cpu_name
 from lookahead.curve import BATCH, BATCH_WIDTHS, CostCurve
 from lookahead.kernels import available, kernels_of, own_kernel, weight_kinds
@@ -123,9 +123,11 @@ def fastest_dtype(spec: str, device: str, cache_dir: Path, progress: Callable[[s
     """(dtype name, (model, tokenizer) if it had to be loaded for measuring, else None): the dtype among
     ``AUTO_DTYPES`` where lookahead is expected to be fastest here (``lookahead_speed``: the plain step's cost
     and how cheap wide steps are), from the cached curves (probed where missing); ``weights`` as ``models.load``'s."""
-    source = models.resolve(spec, cache_dir, progress)
     mode, gguf = models.weights_mode(spec, weights, kernels, cache_dir, progress)
-    quantized = {"dense": "dense", "q8": "q8/32"}.get(mode) or quants.gguf_kinds(gguf, AutoConfig.from_pretrained(source).tie_word_embeddings)
+    if mode == "gguf":  # a model loaded straight from the file: named by it (``gguf_model.load``)
+        source, quantized = str(gguf), gguf_model.weight_kinds(gguf_model.prepare(gguf, cache_dir, progress))
+    else:
+        source, quantized = models.resolve(spec, cache_dir, progress), {"dense": "dense", "q8": "q8/32"}[mode]
     best = None
     for dtype in AUTO_DTYPES:
         loaded = None

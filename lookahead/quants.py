@@ -229,7 +229,7 @@ def module_name(tensor: str) -> str | None:
     return None
 
 
-def _head_order(rows: int, heads: int) -> torch.Tensor:
+def head_order(rows: int, heads: int) -> torch.Tensor:
     """transformers' reverse of llama.cpp's per-head interleave of Llama's q and k rows, as a row index."""
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
@@ -279,7 +279,7 @@ def gguf_linears(path: Path, model: nn.Module) -> tuple[dict[str, Quantized], li
         quantized = from_blocks(tensor.data, ggml_type, n, k)
         dense = linear.weight.detach()
         leaf = name.rsplit(".", 1)[-1]
-        candidates = [None] + ([_head_order(n, heads[leaf])] if leaf in heads and n % (2 * heads[leaf]) == 0 else [])
+        candidates = [None] + ([head_order(n, heads[leaf])] if leaf in heads and n % (2 * heads[leaf]) == 0 else [])
         match = next((order for order in candidates
                       if torch.equal((quantized if order is None else quantized.rows(order)).dequantize().to(dense.dtype), dense)), False)
         if match is False:
@@ -287,3 +287,35 @@ def gguf_linears(path: Path, model: nn.Module) -> tuple[dict[str, Quantized], li
             continue
         found[name] = quantized if match is None else quantized.rows(match)
     return found, left
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept as a GGUF tensor's blocks (``raw``: its bytes, memory-mapped from the file): the rows
+    looked up are decoded and dequantized as gguf-py does (``from_blocks``), then cast to ``dtype``, and scaled as the
+    module it replaces scales them (``embed_scale``: Gemma's). Nothing of the table is resident but the rows read:
+    a 150k-token table is ~1 GB dense in fp32, and decoding all of it at each load took ~3 s."""
+
+    def __init__(self, raw: np.ndarray, kind: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
+                 embed_scale: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if kind not in DECODERS:
+            raise ValueError(f"GGUF type {kind} is not one the quantized kernels run (they run {', '.join(DECODERS)})")
+        self.rows = raw.reshape(num_embeddings, -1)  # (V, bytes a row)
+        self.kind, self.num_embeddings, self.embedding_dim, self.dtype = kind, num_embeddings, embedding_dim, dtype
+        self.embed_scale = embed_scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (...) -> (..., D)
+        ids = input_ids.reshape(-1).cpu().numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
+            raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got {int(ids.min())} .. {int(ids.max())}")
+        rows = from_blocks(self.rows[ids], self.kind, ids.size, self.embedding_dim).dequantize().to(self.dtype)
+        out = rows.view(*input_ids.shape, self.embedding_dim).to(input_ids.device)
+        return out if self.embed_scale is None else out * self.embed_scale.to(self.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table, dense (V, D), for code that reads it (made anew at each read)."""
+        return from_blocks(np.asarray(self.rows), self.kind, self.num_embeddings, self.embedding_dim).dequantize().to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind} blocks from the file"

