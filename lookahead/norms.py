@@ -50,9 +50,11 @@ def fuse(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 def _fused(norm: nn.Module, dtype: torch.dtype) -> FusedRMSNorm | None:
+    if not type(norm).__name__.endswith("RMSNorm"):  # before reading any attribute: a packed linear's weight is made on reading
+        return None
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     weight = getattr(norm, "weight", None)
-    if (isinstance(norm, FusedRMSNorm) or not type(norm).__name__.endswith("RMSNorm") or next(norm.children(), None) is not None
+    if (isinstance(norm, FusedRMSNorm) or next(norm.children(), None) is not None
             or not isinstance(eps, float) or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.dtype != dtype
             or weight.device.type != "cpu"):
         return None

