@@ -21,9 +21,9 @@ t0 = time.perf_counter()
 from lookahead import LookaheadConfig, LookaheadGenerator, models, probing
 marks = {"import": time.perf_counter()}
 spec, prompt = SPEC, PROMPT
-dtype, loaded = probing.fastest_dtype(spec, "cpu", models.default_cache_dir(), kernels="packed")
+dtype, weights, loaded = probing.fastest(spec, "cpu", models.default_cache_dir(), kernels="packed", weights="auto")
 marks["dtype choice"] = time.perf_counter()
-model, tok = loaded or models.load(spec, dtype=dtype, kernels="packed")
+model, tok = loaded or models.load(spec, dtype=dtype, kernels="packed", weights=weights)
 marks["load and pack"] = time.perf_counter()
 gen = LookaheadGenerator(model, tok, LookaheadConfig())
 marks["probes and warm-ups"] = time.perf_counter()

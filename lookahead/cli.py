@@ -68,8 +68,10 @@ def _summary(stats) -> str:
 KERNELS_OPTION = click.option("--kernels", type=click.Choice(["packed", "stock"]), default="packed", show_default=True,
                               help="CPU linears on weights packed once (cheap wide steps), or PyTorch's stock kernels.")
 WEIGHTS_OPTION = click.option("--weights", type=click.Choice(models.WEIGHTS), default="auto", show_default=True,
-                              help="auto: a GGUF model's own quantized blocks (packed kernels), else dense; q8: any model "
-                                   "quantized to Q8_0 once; dense: the dequantized weights.")
+                              help="gguf: a GGUF model's own quantized blocks (packed kernels); q8: any model quantized to "
+                                   "Q8_0 once; dense: the dequantized weights; auto: for a GGUF model, its blocks or its "
+                                   "dequantized weights (where they fit in memory), whichever lookahead is expected to run "
+                                   "fastest on with the dtype (measured once, cached).")
 
 
 @click.group(context_settings=CONTEXT)
@@ -212,20 +214,23 @@ def tune(model_spec, dtype, device, kernels, weights, cache_dir, plot) -> None:
         _check_plot(plot)  # before a minute of measuring
     curves = {}
     try:
-        for name in probing.AUTO_DTYPES if dtype == "auto" else (dtype,):
+        pairs = probing.choices(model_spec, dtype, weights, kernels, device, cache_dir, _progress)
+        for name, mode in pairs:
             model, _ = models.load(model_spec, dtype=name, device=device, cache_dir=cache_dir, progress=_progress, kernels=kernels,
-                                   weights=weights)
+                                   weights=mode)
             probing.curve_file(model, cache_dir).unlink(missing_ok=True)
-            curves[name] = probing.cached_curve(model, cache_dir, _progress)
+            curves[name if len({m for _, m in pairs}) == 1 else f"{name} {mode}"] = probing.cached_curve(model, cache_dir, _progress)
+            del model
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     if kernels == "packed":
         from lookahead import native
 
         click.echo(f"our kernels: {native.isa()}")
-    click.echo("dtype     ms/token(T=1)  " + "  ".join(f"r({t})" for t in curves[name].sizes))
+    width = max(9, *map(len, curves))
+    click.echo(f"{'dtype':{width}} ms/token(T=1)  " + "  ".join(f"r({t})" for t in next(iter(curves.values())).sizes))
     for name, curve in curves.items():
-        click.echo(f"{name:9} {curve.ms_at_1:13.1f}  " + "  ".join(f"{r:5.2f}".rjust(len(f"r({t})")) for t, r in zip(curve.sizes, curve.ratios)))
+        click.echo(f"{name:{width}} {curve.ms_at_1:13.1f}  " + "  ".join(f"{r:5.2f}".rjust(len(f"r({t})")) for t, r in zip(curve.sizes, curve.ratios)))
     fastest = max(curves, key=lambda n: probing.lookahead_speed(curves[n]))
     click.echo(f"fastest lookahead expected in {fastest} (~{probing.lookahead_speed(curves[fastest]):.1f} tokens/s); --dtype auto picks it")
     for p in (0.3, 0.5, 0.8):  # a chain whose every node is accepted with probability p given its parent

@@ -26,7 +26,7 @@ from lookahead.planner import Calibration, LiveCurve, Planner
 from lookahead.prompt import prompt_ids
 from lookahead.stats import GenerationStats
 from lookahead.tree import TokenTree
-from lookahead.probing import cached_curve, fastest_dtype
+from lookahead.probing import cached_curve, fastest
 
 SPARSE_POOL_VOCAB = 65536
 
@@ -91,12 +91,14 @@ class LookaheadGenerator:
         machine (its measured cost curve, cached); bfloat16 output equals bfloat16 ``generate()`` up to its
         rounding ties. ``kernels="packed"``: on CPU the linears run on weights packed once (``lookahead.kernels``;
         stock kernels with a notice where unavailable); ``"stock"``: as loaded. ``weights`` (``models.WEIGHTS``):
-        "auto" runs a GGUF model on its own quantized blocks (with packed kernels; ``dtype`` is then the
-        activations'), "q8" quantizes any model's linears to Q8_0 once, "dense" runs the dequantized weights."""
+        "gguf" runs a GGUF model on its own quantized blocks (with packed kernels; ``dtype`` is then the
+        activations'), "q8" quantizes any model's linears to Q8_0 once, "dense" runs the dequantized weights,
+        "auto" picks a GGUF model's blocks or its dequantized weights (where they fit in memory), together with
+        the dtype, by the same measure (``probing.fastest``)."""
         cache_dir = cache_dir or models.default_cache_dir()
         loaded = None
-        if dtype == "auto":
-            dtype, loaded = fastest_dtype(spec, device, cache_dir, progress, kernels, weights)
+        if dtype == "auto" or weights == "auto":
+            dtype, weights, loaded = fastest(spec, device, cache_dir, progress, kernels, weights, dtype)
         model, tokenizer = loaded or models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress,
                                                  kernels=kernels, weights=weights)
         return cls(model, tokenizer, config, cache_dir=cache_dir, progress=progress)

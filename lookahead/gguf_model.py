@@ -35,7 +35,7 @@ from torch import nn
 from lookahead import native, quants
 from lookahead.kernels import SIBLINGS
 
-LAYOUT = 1  # the cache's layout: a change to it (or to pack_quantized's blocks) must bump this
+LAYOUT = 2  # the cache's layout: a change to it (or to pack_quantized's blocks) must bump this
 ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
 CHUNK = 4096  # rows decoded and laid out at a time (a multiple of native.BLOCK: blocks of rows are independent)
 Progress = Callable[[str], None]
@@ -135,6 +135,7 @@ def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
             continue
         kind = tensor.tensor_type.name
         entry = {"gguf": tensor.name, "hf": hf, "type": kind, "offset": int(tensor.data_offset), "nbytes": int(tensor.n_bytes),
+                 "shape": [int(d) for d in tensor.shape],
                  "data_shape": list(tensor.data.shape), "dtype": str(tensor.data.dtype), "role": "dense"}
         module_name, _, leaf = hf.rpartition(".")
         quantized = kind in quants.DECODERS and leaf == "weight"
@@ -185,6 +186,13 @@ def weight_kinds(prepared: Prepared) -> str:
     return ", ".join(sorted(kinds | ({"dense"} if prepared.index["left"] else set()))) or "dense"
 
 
+def dense_parameters(prepared: Prepared) -> int:
+    """The dequantized model's parameters, roughly: its linears' and its embedding's (norms and biases are few)."""
+    tensors = prepared.index["tensors"]
+    linears = sum(e["n"] * e["k"] for e in tensors if e["role"] == "blocks" and e["gguf"] != "token_embd.weight")
+    return linears + sum(int(np.prod(e["shape"])) for e in tensors if e["role"] != "blocks")
+
+
 def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, dense: bool = False):
     """(model, tokenizer or None, {module name: laid-out blocks}, lines for the linears left dense); see the module
     doc. ``kernels.pack(model, quantized=layouts)`` finishes it: its linears on the blocks are on the meta device
@@ -220,7 +228,7 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
             weights = gguf_py.dequantize(_read(gguf, entry), gguf_py.GGMLQuantizationType[entry["type"]])
             weights = processor.process(weights=weights, name=entry["gguf"]).weights
             module = model.get_submodule(module_name)
-            setattr(module, leaf, nn.Parameter(torch.from_numpy(np.copy(weights)).to(dtype), requires_grad=False))
+            setattr(module, leaf, nn.Parameter(torch.from_numpy(np.ascontiguousarray(weights)).to(dtype), requires_grad=False))
     output = model.get_output_embeddings()
     if dense and output is not None and output.weight.is_meta and getattr(config, "tie_word_embeddings", False):
         output.weight = model.get_input_embeddings().weight

@@ -118,32 +118,63 @@ def lookahead_speed(curve: CostCurve) -> float:
     return choose(curve, drafts, 0, 0.0).value * 1000 / curve.ms_at_1
 
 
-def fastest_dtype(spec: str, device: str, cache_dir: Path, progress: Callable[[str], None] = lambda _: None,
-                  kernels: str = "stock", weights: str = "dense"):
-    """(dtype name, (model, tokenizer) if it had to be loaded for measuring, else None): the dtype among
-    ``AUTO_DTYPES`` where lookahead is expected to be fastest here (``lookahead_speed``: the plain step's cost
-    and how cheap wide steps are), from the cached curves (probed where missing); ``weights`` as ``models.load``'s."""
-    mode, gguf = models.weights_mode(spec, weights, kernels, cache_dir, progress)
-    if mode == "gguf":  # a model loaded straight from the file: named by it (``gguf_model.load``)
-        source, quantized = str(gguf), gguf_model.weight_kinds(gguf_model.prepare(gguf, cache_dir, progress))
-    else:
-        source, quantized = models.resolve(spec, cache_dir, progress), {"dense": "dense", "q8": "q8/32"}[mode]
-    best = None
-    for dtype in AUTO_DTYPES:
+def choices(spec: str, dtype: str, weights: str, kernels: str, device: str, cache_dir: Path,
+            progress: Callable[[str], None] = lambda _: None) -> list[tuple[str, str]]:
+    """The (dtype, weights) pairs ``fastest`` compares: ``AUTO_DTYPES`` where ``dtype`` is "auto"; for ``weights``
+    "auto" on a GGUF model whose blocks our kernel runs, its blocks and its dequantized weights (these only where
+    they fit in the memory this machine has free: ``dense_fits``)."""
+    dtypes = AUTO_DTYPES if dtype == "auto" else (dtype,)
+    found = []
+    for name in dtypes:
+        mode, gguf = models.weights_mode(spec, weights, kernels, cache_dir, progress, name, device)
+        found.append((name, mode))
+        if weights == "auto" and mode == "gguf" and dense_fits(gguf_model.prepare(gguf, cache_dir, progress), name):
+            found.append((name, "dense"))
+    return found
+
+
+def dense_fits(prepared: gguf_model.Prepared, dtype: str) -> bool:
+    """Whether a GGUF model's dequantized weights in ``dtype`` fit in half the memory this machine has free now
+    (the rest: the blocks' pages, activations, the cache and whatever else runs)."""
+    size = torch.finfo(models.DTYPES[dtype]).bits // 8 * gguf_model.dense_parameters(prepared)
+    try:
+        free = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return size <= free / 2
+
+
+def fastest(spec: str, device: str, cache_dir: Path, progress: Callable[[str], None] = lambda _: None, kernels: str = "stock",
+            weights: str = "dense", dtype: str = "auto"):
+    """(dtype name, weights, (model, tokenizer) if it had to be loaded for measuring, else None): of ``choices``, the
+    pair where lookahead is expected to be fastest here (``lookahead_speed``: the plain step's cost and how cheap
+    wide steps are), from the cached curves (probed where missing); said in one line, with the others' speeds."""
+    candidates = choices(spec, dtype, weights, kernels, device, cache_dir, progress)
+    if len(candidates) == 1:  # nothing to choose: nothing to measure
+        return *candidates[0], None
+    gguf = models.gguf_file(spec, cache_dir, progress)
+    source = str(gguf) if gguf else None  # a GGUF model is built straight from its file, and named by it
+    best, speeds = None, []
+    for name, mode in candidates:
         loaded = None
         try:
-            runs_on = _kernels_for(kernels, dtype, device, cache_dir)
-            kinds = quantized if runs_on == "packed-own" else "dense"  # our kernels alone run quantized weights
-            path = curve_path(source, models.DTYPES[dtype], device, cache_dir, runs_on, kinds)
+            runs_on = _kernels_for(kernels, name, device, cache_dir)
+            kinds = {"dense": "dense", "q8": "q8/32"}.get(mode) or gguf_model.weight_kinds(gguf_model.prepare(gguf, cache_dir, progress))
+            path = curve_path(source or models.resolve(spec, cache_dir, progress), models.DTYPES[name], device, cache_dir, runs_on,
+                              kinds if runs_on == "packed-own" else "dense")  # our kernels alone run quantized weights
             curve = CostCurve.from_json(path.read_text())
         except (OSError, UnicodeDecodeError, ValueError):
-            loaded = models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress, kernels=kernels, weights=weights)
+            loaded = models.load(spec, dtype=name, device=device, cache_dir=cache_dir, progress=progress, kernels=kernels, weights=mode)
             curve = cached_curve(loaded[0], cache_dir, progress)
-        if best is None or lookahead_speed(curve) > best[1]:
-            best = (dtype, lookahead_speed(curve), loaded, curve)
-    dtype, speed, loaded, curve = best
-    progress(f"fastest here: {dtype} (plain step {curve.ms_at_1:.1f} ms, r(16) {curve.ratio(16):.2f}; ~{speed:.0f} tokens/s expected)")
-    return dtype, loaded
+        speeds.append((lookahead_speed(curve), name, mode))
+        if best is None or speeds[-1][0] > best[0]:
+            best = (*speeds[-1], loaded, curve)  # a model loaded for measuring is kept only while it is the best
+    speed, name, mode, loaded, curve = best
+    what = f"{name}, {'its GGUF blocks' if mode == 'gguf' else mode + ' weights'}" if len({m for _, _, m in speeds}) > 1 else name
+    others = "; ".join(f"{d}{'' if len({m for _, _, m in speeds}) == 1 else ' ' + m} ~{s:.0f}" for s, d, m in speeds if (d, m) != (name, mode))
+    progress(f"fastest here: {what} (plain step {curve.ms_at_1:.1f} ms, r(16) {curve.ratio(16):.2f}; ~{speed:.0f} tokens/s expected; "
+             f"{others})")
+    return name, mode, loaded
 
 
 def _kernels_for(kernels: str, dtype: str, device: str, cache_dir: Path) -> str:
