@@ -1,5 +1,6 @@
 """The index of ``benchmarks/results/``: one row per folder (commit, CPU, model, tokens, headline ratios), read
-from each folder's ``results.json`` (``benchmarks.run``, ``benchmarks.peers`` or ``benchmarks.vllm_bench``); written between the index
+from each folder's ``results.json`` (``benchmarks.run``, ``benchmarks.peers``, ``benchmarks.vllm_bench``, ``benchmarks.load``
+or ``benchmarks.big_gguf``); written between the index
 markers of ``RESULTS.md``, whose hand-written history follows it.
 
     python -m benchmarks.results_log            # rewrite the index in benchmarks/RESULTS.md
@@ -34,6 +35,11 @@ def headline(results: dict) -> str:
         return (f"in vLLM, {results['dtype']}: {tps(ours, 'one at a time'):.1f} tok/s one at a time, "
                 f"{tps(ours, 'one at a time') / tps(ngram, 'one at a time'):.2f}x vLLM ngram; all at once "
                 f"{tps(ours, 'all at once') / tps(plain, 'all at once'):.2f}x vLLM plain")
+    if "cold" in results:  # benchmarks.load, benchmarks.big_gguf
+        llama = results.get("llama_cpp")
+        return (f"a {results['file_gb']:.2f} GB GGUF loaded in {results['cold']['load_s']:.0f} s cold, {results['warm']['load_s']:.1f} s "
+                f"warm; peak {max(results['cold']['peak_rss_gb'], results['warm']['peak_rss_gb']):.2f} GB"
+                + (f"; llama.cpp {llama['load_s']:.1f} s, {llama['peak_rss_gb']:.2f} GB" if llama else ""))
     runs = results.get("runs", {})  # benchmarks.peers
     tps = {m: sum(len(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
     peers = {m: v for m, v in tps.items() if m.startswith("llama.cpp")}

@@ -104,15 +104,15 @@ def _sibling_order(name: str) -> tuple[str, int, str]:
 
 def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
     """``gguf``'s cache directory, made on first use (see the module doc); a ``ModelLoadError`` for a file it cannot read."""
+    from transformers import AutoConfig, AutoTokenizer
+
     target = cache_dir / "blocks" / cache_key(gguf)
     if (target / "index.json").is_file():
         return Prepared(target, json.loads((target / "index.json").read_text()))
-    import gguf as gguf_py
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
-
     progress(f"reading {gguf.name} once: its config, tokenizer and blocks laid out for the kernels (cached in {target})")
     try:
+        import gguf as gguf_py
+
         reader = gguf_py.GGUFReader(gguf)
         architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -124,10 +124,36 @@ def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
         tokenizer = None
     model = _skeleton(config, torch.float32)
     processor, blocks = _processor(architecture, config)
+    entries, left = _entries(reader, model, processor, blocks)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _lay_out(gguf, entries, model, blocks == "heads", tmp / "blocks.bin")
+        for entry in entries:  # the embedding's scales, checked once here (its rows are decoded as they are looked up)
+            if entry["role"] == "embedding":
+                for q in _decoded(entry, _read(gguf, entry)):
+                    _check_finite(gguf, entry, q.scale, q.offset)
+        index = {"gguf": str(gguf.resolve()), "architecture": architecture, "tensors": entries, "left": left}
+        (tmp / "index.json").write_text(json.dumps(index))
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Prepared(target, index)
+
+
+def _entries(reader, model: nn.Module, processor, blocks: str | None) -> tuple[list[dict], list[str]]:
+    """(what each of the file's tensors becomes in ``model``: its index entry, with its role: "blocks" (a linear
+    on the file's blocks), "embedding" (looked up from them) or "dense" (dequantized at each load); one line for
+    each linear left dense, and why)."""
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
     mapping = get_gguf_hf_weights_map(model, processor)
     embedding, output = _module_names(model)
     modules = dict(model.named_modules())
-    tied = getattr(config, "tie_word_embeddings", False) and all(t.name != "output.weight" for t in reader.tensors)
+    tied = getattr(model.config, "tie_word_embeddings", False) and all(t.name != "output.weight" for t in reader.tensors)
     entries, left = [], []
     for tensor in reader.tensors:
         hf = mapping.get(tensor.name)
@@ -135,8 +161,8 @@ def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
             continue
         kind = tensor.tensor_type.name
         entry = {"gguf": tensor.name, "hf": hf, "type": kind, "offset": int(tensor.data_offset), "nbytes": int(tensor.n_bytes),
-                 "shape": [int(d) for d in tensor.shape],
-                 "data_shape": list(tensor.data.shape), "dtype": str(tensor.data.dtype), "role": "dense"}
+                 "shape": [int(d) for d in tensor.shape], "data_shape": list(tensor.data.shape), "dtype": str(tensor.data.dtype),
+                 "role": "dense"}
         module_name, _, leaf = hf.rpartition(".")
         quantized = kind in quants.DECODERS and leaf == "weight"
         if quantized and module_name == embedding:
@@ -151,33 +177,36 @@ def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
             if why:
                 left.append(f"{tensor.name}: {why}")
         entries.append(entry)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        heads = {"q_proj": config.num_attention_heads, "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
-        with open(tmp / "blocks.bin", "wb") as out:
-            for entry in sorted((e for e in entries if e["role"] == "blocks"), key=lambda e: _sibling_order(e["hf"][: -len(".weight")])):
-                linear = modules[entry["hf"][: -len(".weight")]]
-                n, k = linear.out_features, linear.in_features
-                raw = _read(gguf, entry).reshape(n, -1)  # (n, bytes a row)
-                leaf = entry["hf"].split(".")[-2]
-                if blocks == "heads" and leaf in heads and n % (2 * heads[leaf]) == 0:
-                    raw = raw[quants.head_order(n, heads[leaf]).numpy()]
-                out.write(b"\0" * (-out.tell() % ALIGN))
-                entry.update(at=out.tell(), n=n, k=k)
-                for start in range(0, n, CHUNK):  # a chunk of rows at a time: decoding a 150k-row head whole took ~2 GB
-                    q = quants.from_blocks(raw[start:start + CHUNK], entry["type"], min(CHUNK, n - start), k)
-                    out.write(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32).packed.numpy().data)
-                entry.update(size=out.tell() - entry["at"], bits=q.bits, group=q.group, offsets=q.offset is not None)
-        index = {"gguf": str(gguf.resolve()), "architecture": architecture, "tensors": entries, "left": left}
-        (tmp / "index.json").write_text(json.dumps(index))
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return Prepared(target, index)
+    return entries, left
+
+
+def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, path: Path) -> None:
+    """Write each "blocks" entry's weight in the kernels' layout to ``path`` (siblings adjacent, each aligned), and
+    record where in its entry. ``heads``: Llama's q and k rows reordered as transformers' processor does."""
+    config = model.config
+    counts = {"q_proj": config.num_attention_heads, "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
+    with open(path, "wb") as out:
+        for entry in sorted((e for e in entries if e["role"] == "blocks"), key=lambda e: _sibling_order(e["hf"][: -len(".weight")])):
+            linear = model.get_submodule(entry["hf"][: -len(".weight")])
+            n, k = linear.out_features, linear.in_features
+            raw = _read(gguf, entry).reshape(n, -1)  # (n, bytes a row)
+            leaf = entry["hf"].split(".")[-2]
+            if heads and leaf in counts and n % (2 * counts[leaf]) == 0:
+                raw = raw[quants.head_order(n, counts[leaf]).numpy()]
+            out.write(b"\0" * (-out.tell() % ALIGN))
+            entry.update(at=out.tell(), n=n, k=k)
+            for q in _decoded(entry, raw):
+                _check_finite(gguf, entry, q.scale, q.offset)
+                out.write(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32).packed.numpy().data)
+            entry.update(size=out.tell() - entry["at"], bits=q.bits, group=q.group, offsets=q.offset is not None)
+
+
+def _decoded(entry: dict, raw: np.ndarray):
+    """A tensor's rows decoded ``CHUNK`` at a time (decoding a 150k-row head whole took ~2 GB)."""
+    k, n = entry["shape"]
+    raw = raw.reshape(n, -1)
+    for start in range(0, n, CHUNK):
+        yield quants.from_blocks(raw[start:start + CHUNK], entry["type"], min(CHUNK, n - start), k)
 
 
 def weight_kinds(prepared: Prepared) -> str:
@@ -227,6 +256,7 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
         else:
             weights = gguf_py.dequantize(_read(gguf, entry), gguf_py.GGMLQuantizationType[entry["type"]])
             weights = processor.process(weights=weights, name=entry["gguf"]).weights
+            _check_finite(gguf, entry, torch.from_numpy(np.asarray(weights)))
             module = model.get_submodule(module_name)
             setattr(module, leaf, nn.Parameter(torch.from_numpy(np.ascontiguousarray(weights)).to(dtype), requires_grad=False))
     output = model.get_output_embeddings()
@@ -236,6 +266,13 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
     if missing:
         raise ModelLoadError(f"{gguf}: the file has no tensor for {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     return model, tokenizer, layouts, [] if dense else index["left"]
+
+
+def _check_finite(gguf: Path, entry: dict, *tensors: torch.Tensor | None) -> None:
+    """A ``ModelLoadError`` where a tensor's values (or its blocks' scales) are not all finite: a corrupt file, or a
+    tensor read at the wrong offset or as the wrong type, which would otherwise run as NaNs and fail far away."""
+    if not all(t is None or bool(torch.isfinite(t).all()) for t in tensors):
+        raise ModelLoadError(f"{gguf}: tensor {entry['gguf']} ({entry['type']}) holds values that are not finite: the file is corrupt")
 
 
 def _blocks(path: Path) -> torch.Tensor:

@@ -150,3 +150,19 @@ def test_the_1_5b_on_its_blocks_equals_generate_on_the_dequantized_model():
     assert type(dense.lm_head) is torch.nn.Linear  # stock modules on dense weights
     for ids, got in runs:
         assert_greedy_equal(dense, ids, got, hf_greedy(dense, ids, n))
+
+
+def test_a_file_with_non_finite_weights_is_refused_by_name(tmp_path):
+    """A block whose fp16 scale is NaN (a corrupt file, or a tensor read at a wrong offset) is named at load, not run
+    as NaNs that fail far away."""
+    import gguf as gguf_py
+
+    source = models.fetch_embedded("smollm2-135m", models.default_cache_dir())
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(source.read_bytes())
+    tensor = next(t for t in gguf_py.GGUFReader(source).tensors if t.name == "blk.0.ffn_up.weight")
+    with open(bad, "r+b") as f:  # the first block's fp16 d: a NaN
+        f.seek(int(tensor.data_offset))
+        f.write(np.array([np.nan], np.float16).tobytes())
+    with pytest.raises(models.ModelLoadError, match=r"bad.gguf: tensor blk.0.ffn_up.weight \(Q4_1\) holds values that are not finite"):
+        models.load(str(bad), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path / "cache")
