@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.load import peak_rss_gb, save
 from benchmarks.run import hardware
 from lookahead import models
 
@@ -101,9 +102,10 @@ CHILD = """
 import json, resource, sys, time
 start = time.perf_counter()
 from lookahead import LookaheadConfig, LookaheadGenerator, models
+imported = time.perf_counter()
 model, tok = models.load(sys.argv[1], dtype="bfloat16", kernels="packed", weights="gguf")
-loaded = time.perf_counter() - start
-result = {"load_s": loaded}
+loaded = time.perf_counter() - imported
+result = {"import_s": imported - start, "load_s": loaded}
 if sys.argv[2] == "decode":
     gen = LookaheadGenerator(model, tok, LookaheadConfig(recycle_prior=0))
     gen.generate([1, 2, 3, 4], max_new_tokens=2, lookahead=False)  # warm
@@ -136,8 +138,7 @@ def llama_cpp(gguf: Path, cache_dir: Path) -> dict:
         with urllib.request.urlopen(urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"}), timeout=600) as r:
             timings = json.loads(r.read())["timings"]
         result["decode_ms_per_token"] = timings["predicted_per_token_ms"]
-        result["peak_rss_gb"] = next(int(line.split()[1]) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-                                     if line.startswith("VmHWM")) * 1024 / 1e9
+        result["peak_rss_gb"] = peak_rss_gb(proc.pid)
     finally:
         proc.kill()
         proc.wait()
@@ -162,9 +163,7 @@ def main(argv=None) -> None:
         results["warm"] = ours(gguf, cache, "decode")
     if not args.no_llama_cpp:
         results["llama_cpp"] = llama_cpp(gguf, user)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    save(results, args.out)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,13 @@ CHILD = """
 import json, resource, sys, time
 start = time.perf_counter()
 from lookahead import models
+imported = time.perf_counter()
 model, tok = models.load(sys.argv[1], dtype=sys.argv[2], kernels="packed", weights="gguf")
-loaded = time.perf_counter() - start
+loaded = time.perf_counter() - imported
 import torch
 with torch.inference_mode():
     model(torch.tensor([[1, 2, 3, 4]]))
-print(json.dumps({"load_s": loaded, "first_forward_s": time.perf_counter() - start - loaded,
+print(json.dumps({"import_s": imported - start, "load_s": loaded, "first_forward_s": time.perf_counter() - imported - loaded,
                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}))
 """
 
@@ -65,10 +66,22 @@ def llama_cpp(gguf: Path, cache_dir: Path) -> dict:
     start = time.perf_counter()
     proc, _ = start_server(build_llama_cpp(cache_dir), gguf, os.cpu_count() or 1, ("--no-repack",))
     seconds = time.perf_counter() - start
-    peak = next(int(line.split()[1]) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines() if line.startswith("VmHWM"))
+    peak = peak_rss_gb(proc.pid)
     proc.kill()
     proc.wait()
-    return {"load_s": seconds, "peak_rss_gb": peak * 1024 / 1e9}
+    return {"load_s": seconds, "peak_rss_gb": peak}
+
+
+def peak_rss_gb(pid: int) -> float:
+    """A running process's peak resident memory (``VmHWM``), in GB."""
+    return next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM")) * 1024 / 1e9
+
+
+def save(results: dict, out: Path) -> None:
+    """``out/results.json`` (indexed by ``benchmarks.results_log``), and the same on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
 
 
 def main(argv=None) -> None:
@@ -96,9 +109,7 @@ def main(argv=None) -> None:
     results["first_token_s"] = [first_token(spec, user) for _ in range(3)]
     if not args.no_llama_cpp:
         results["llama_cpp"] = llama_cpp(gguf, user)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    save(results, args.out)
 
 
 if __name__ == "__main__":

@@ -166,3 +166,42 @@ def test_a_file_with_non_finite_weights_is_refused_by_name(tmp_path):
         f.write(np.array([np.nan], np.float16).tobytes())
     with pytest.raises(models.ModelLoadError, match=r"bad.gguf: tensor blk.0.ffn_up.weight \(Q4_1\) holds values that are not finite"):
         models.load(str(bad), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path / "cache")
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_weights_and_dtype_are_chosen_together_by_their_curves(tmp_path):
+    """``--weights auto`` on a GGUF model: its blocks and its dequantized weights, with each dtype, compared by the
+    lookahead speed their cost curves predict (curves written here: the choice, not this machine, is under test)."""
+    from lookahead import probing
+    from lookahead.curve import CostCurve
+
+    user = models.default_cache_dir()
+    gguf_model.prepare(models.fetch_embedded("smollm2-135m", user), user, print)
+    cache = tmp_path / "lookahead"
+    cache.mkdir()
+    for shared in ("gguf", "blocks", "kernels"):
+        (cache / shared).symlink_to(user / shared, target_is_directory=True)
+    gguf = models.fetch_embedded("smollm2-135m", cache)  # the path the model is named by here
+    kinds = gguf_model.weight_kinds(gguf_model.prepare(gguf, cache, print))
+    flat, steep = CostCurve((1, 16, 64), (1.0, 1.1, 2.0), 12.0), CostCurve((1, 16, 64), (1.0, 4.0, 16.0), 10.0)
+    for dtype in probing.AUTO_DTYPES:
+        runs_on = probing._kernels_for("packed", dtype, "cpu", cache)
+        for weights in ("gguf", "dense"):
+            path = probing.curve_path(str(gguf), models.DTYPES[dtype], "cpu", cache, runs_on,
+                                      kinds if weights == "gguf" and runs_on == "packed-own" else "dense")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text((flat if (dtype, weights) == ("float32", "gguf") else steep).to_json())
+    lines = []
+    assert probing.fastest("smollm2-135m", "cpu", cache, lines.append, "packed", "auto") == ("float32", "gguf", None)
+    assert lines[-1].startswith("fastest here: float32, its GGUF blocks (plain step 12.0 ms") and "bfloat16 dense ~" in lines[-1]
+    assert probing.fastest("smollm2-135m", "cpu", cache, lines.append, "packed", "gguf", "bfloat16") == ("bfloat16", "gguf", None)
+    assert len(lines) == 1  # nothing to choose: nothing measured, nothing said
+
+
+def test_dense_weights_are_a_choice_only_where_they_fit_in_memory():
+    from lookahead import probing
+
+    small = gguf_model.Prepared(None, {"tensors": [{"role": "dense", "shape": [576, 49152]}], "left": []})
+    huge = gguf_model.Prepared(None, {"tensors": [{"role": "dense", "shape": [10 ** 6, 10 ** 7]}], "left": []})
+    assert probing.dense_fits(small, "float32") and not probing.dense_fits(huge, "bfloat16")
