@@ -69,9 +69,8 @@ KERNELS_OPTION = click.option("--kernels", type=click.Choice(["packed", "stock"]
                               help="CPU linears on weights packed once (cheap wide steps), or PyTorch's stock kernels.")
 WEIGHTS_OPTION = click.option("--weights", type=click.Choice(models.WEIGHTS), default="auto", show_default=True,
                               help="gguf: a GGUF model's own quantized blocks (packed kernels); q8: any model quantized to "
-                                   "Q8_0 once; dense: the dequantized weights; auto: for a GGUF model, its blocks or its "
-                                   "dequantized weights (where they fit in memory), whichever lookahead is expected to run "
-                                   "fastest on with the dtype (measured once, cached).")
+                                   "Q8_0 once; dense: the dequantized weights; auto: a GGUF model's blocks where our kernels "
+                                   "run them, else dense (tune measures both).")
 
 
 @click.group(context_settings=CONTEXT)
@@ -214,7 +213,7 @@ def tune(model_spec, dtype, device, kernels, weights, cache_dir, plot) -> None:
         _check_plot(plot)  # before a minute of measuring
     curves = {}
     try:
-        pairs = probing.choices(model_spec, dtype, weights, kernels, device, cache_dir, _progress)
+        pairs = probing.choices(model_spec, dtype, weights, kernels, device, cache_dir, _progress, dense=True)
         for name, mode in pairs:
             model, _ = models.load(model_spec, dtype=name, device=device, cache_dir=cache_dir, progress=_progress, kernels=kernels,
                                    weights=mode)

@@ -93,11 +93,10 @@ class LookaheadGenerator:
         stock kernels with a notice where unavailable); ``"stock"``: as loaded. ``weights`` (``models.WEIGHTS``):
         "gguf" runs a GGUF model on its own quantized blocks (with packed kernels; ``dtype`` is then the
         activations'), "q8" quantizes any model's linears to Q8_0 once, "dense" runs the dequantized weights,
-        "auto" picks a GGUF model's blocks or its dequantized weights (where they fit in memory), together with
-        the dtype, by the same measure (``probing.fastest``)."""
+        "auto" is "gguf" for a GGUF model where our quantized kernel runs, else "dense"."""
         cache_dir = cache_dir or models.default_cache_dir()
         loaded = None
-        if dtype == "auto" or weights == "auto":
+        if dtype == "auto":
             dtype, weights, loaded = fastest(spec, device, cache_dir, progress, kernels, weights, dtype)
         model, tokenizer = loaded or models.load(spec, dtype=dtype, device=device, cache_dir=cache_dir, progress=progress,
                                                  kernels=kernels, weights=weights)

@@ -119,16 +119,18 @@ def lookahead_speed(curve: CostCurve) -> float:
 
 
 def choices(spec: str, dtype: str, weights: str, kernels: str, device: str, cache_dir: Path,
-            progress: Callable[[str], None] = lambda _: None) -> list[tuple[str, str]]:
-    """The (dtype, weights) pairs ``fastest`` compares: ``AUTO_DTYPES`` where ``dtype`` is "auto"; for ``weights``
-    "auto" on a GGUF model whose blocks our kernel runs, its blocks and its dequantized weights (these only where
-    they fit in the memory this machine has free: ``dense_fits``)."""
+            progress: Callable[[str], None] = lambda _: None, dense: bool = False) -> list[tuple[str, str]]:
+    """The (dtype, weights) pairs ``fastest`` compares: ``AUTO_DTYPES`` where ``dtype`` is "auto", on the weights
+    ``weights`` runs; with ``dense`` (``lookahead tune``), for ``weights`` "auto" on a GGUF model whose blocks our
+    kernel runs, its dequantized weights too, where they fit in the memory this machine has free (``dense_fits``).
+    (``--weights auto`` itself keeps to the blocks: dequantizing a GGUF at each load cost ~20 s on the 1.5B, more
+    than its faster dense steps save in a request.)"""
     dtypes = AUTO_DTYPES if dtype == "auto" else (dtype,)
     found = []
     for name in dtypes:
         mode, gguf = models.weights_mode(spec, weights, kernels, cache_dir, progress, name, device)
         found.append((name, mode))
-        if weights == "auto" and mode == "gguf" and dense_fits(gguf_model.prepare(gguf, cache_dir, progress), name):
+        if dense and weights == "auto" and mode == "gguf" and dense_fits(gguf_model.prepare(gguf, cache_dir, progress), name):
             found.append((name, "dense"))
     return found
 
@@ -145,11 +147,11 @@ def dense_fits(prepared: gguf_model.Prepared, dtype: str) -> bool:
 
 
 def fastest(spec: str, device: str, cache_dir: Path, progress: Callable[[str], None] = lambda _: None, kernels: str = "stock",
-            weights: str = "dense", dtype: str = "auto"):
+            weights: str = "dense", dtype: str = "auto", dense: bool = False):
     """(dtype name, weights, (model, tokenizer) if it had to be loaded for measuring, else None): of ``choices``, the
     pair where lookahead is expected to be fastest here (``lookahead_speed``: the plain step's cost and how cheap
     wide steps are), from the cached curves (probed where missing); said in one line, with the others' speeds."""
-    candidates = choices(spec, dtype, weights, kernels, device, cache_dir, progress)
+    candidates = choices(spec, dtype, weights, kernels, device, cache_dir, progress, dense)
     if len(candidates) == 1:  # nothing to choose: nothing to measure
         return *candidates[0], None
     gguf = models.gguf_file(spec, cache_dir, progress)

@@ -171,8 +171,9 @@ def test_a_file_with_non_finite_weights_is_refused_by_name(tmp_path):
 @needs_kernel
 @pytest.mark.slow
 def test_weights_and_dtype_are_chosen_together_by_their_curves(tmp_path):
-    """``--weights auto`` on a GGUF model: its blocks and its dequantized weights, with each dtype, compared by the
-    lookahead speed their cost curves predict (curves written here: the choice, not this machine, is under test)."""
+    """A GGUF model's blocks and its dequantized weights, with each dtype, compared by the lookahead speed their cost
+    curves predict (``lookahead tune``; curves written here: the choice, not this machine, is under test);
+    ``--weights auto`` keeps to the blocks."""
     from lookahead import probing
     from lookahead.curve import CostCurve
 
@@ -193,8 +194,9 @@ def test_weights_and_dtype_are_chosen_together_by_their_curves(tmp_path):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text((flat if (dtype, weights) == ("float32", "gguf") else steep).to_json())
     lines = []
-    assert probing.fastest("smollm2-135m", "cpu", cache, lines.append, "packed", "auto") == ("float32", "gguf", None)
+    assert probing.fastest("smollm2-135m", "cpu", cache, lines.append, "packed", "auto", dense=True) == ("float32", "gguf", None)
     assert lines[-1].startswith("fastest here: float32, its GGUF blocks (plain step 12.0 ms") and "bfloat16 dense ~" in lines[-1]
+    assert probing.choices("smollm2-135m", "auto", "auto", "packed", "cpu", cache) == [("float32", "gguf"), ("bfloat16", "gguf")]
     assert probing.fastest("smollm2-135m", "cpu", cache, lines.append, "packed", "gguf", "bfloat16") == ("bfloat16", "gguf", None)
     assert len(lines) == 1  # nothing to choose: nothing measured, nothing said
 
