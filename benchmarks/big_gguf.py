@@ -46,10 +46,10 @@ def tensors() -> list[tuple[str, tuple[int, ...], str]]:
     return found
 
 
-def data(shape: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.ndarray:
+def data(name: str, shape: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.ndarray:
     """A tensor's bytes: F32 norms of ones and biases of small noise; random blocks with small finite fp16 scales."""
     if kind == "F32":
-        return np.ones(shape[::-1], np.float32) if shape[0] == HIDDEN else rng.normal(0, 0.02, shape[::-1]).astype(np.float32)
+        return np.ones(shape[::-1], np.float32) if "norm" in name else rng.normal(0, 0.02, shape[::-1]).astype(np.float32)
     k, n = shape
     size, nbytes, scales = BLOCK[kind]
     raw = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
@@ -92,7 +92,7 @@ def synthesise(target: Path, tokenizer_from: Path) -> Path:
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(0)
     for name, shape, kind in layout:
-        writer.write_tensor_data(data(shape, kind, rng))
+        writer.write_tensor_data(data(name, shape, kind, rng))
     writer.close()
     os.replace(str(target) + ".partial", target)
     return target

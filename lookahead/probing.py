@@ -155,15 +155,17 @@ def fastest(spec: str, device: str, cache_dir: Path, progress: Callable[[str], N
     if len(candidates) == 1:  # nothing to choose: nothing to measure
         return *candidates[0], None
     gguf = models.gguf_file(spec, cache_dir, progress)
-    source = str(gguf) if gguf else None  # a GGUF model is built straight from its file, and named by it
+    source = str(gguf) if gguf else models.resolve(spec, cache_dir, progress)  # a GGUF model is named by its file
+    kinds = {"dense": "dense", "q8": "q8/32"}
+    if gguf is not None:
+        kinds["gguf"] = gguf_model.weight_kinds(gguf_model.prepare(gguf, cache_dir, progress))
     best, speeds = None, []
     for name, mode in candidates:
         loaded = None
         try:
             runs_on = _kernels_for(kernels, name, device, cache_dir)
-            kinds = {"dense": "dense", "q8": "q8/32"}.get(mode) or gguf_model.weight_kinds(gguf_model.prepare(gguf, cache_dir, progress))
-            path = curve_path(source or models.resolve(spec, cache_dir, progress), models.DTYPES[name], device, cache_dir, runs_on,
-                              kinds if runs_on == "packed-own" else "dense")  # our kernels alone run quantized weights
+            path = curve_path(source, models.DTYPES[name], device, cache_dir, runs_on,
+                              kinds[mode] if runs_on == "packed-own" else "dense")  # our kernels alone run quantized weights
             curve = CostCurve.from_json(path.read_text())
         except (OSError, UnicodeDecodeError, ValueError):
             loaded = models.load(spec, dtype=name, device=device, cache_dir=cache_dir, progress=progress, kernels=kernels, weights=mode)
@@ -172,8 +174,9 @@ def fastest(spec: str, device: str, cache_dir: Path, progress: Callable[[str], N
         if best is None or speeds[-1][0] > best[0]:
             best = (*speeds[-1], loaded, curve)  # a model loaded for measuring is kept only while it is the best
     speed, name, mode, loaded, curve = best
-    what = f"{name}, {'its GGUF blocks' if mode == 'gguf' else mode + ' weights'}" if len({m for _, _, m in speeds}) > 1 else name
-    others = "; ".join(f"{d}{'' if len({m for _, _, m in speeds}) == 1 else ' ' + m} ~{s:.0f}" for s, d, m in speeds if (d, m) != (name, mode))
+    several = len({m for _, _, m in speeds}) > 1  # weights compared too: each pair names them
+    what = f"{name}, {'its GGUF blocks' if mode == 'gguf' else mode + ' weights'}" if several else name
+    others = "; ".join(f"{d}{' ' + m if several else ''} ~{s:.0f}" for s, d, m in speeds if (d, m) != (name, mode))
     progress(f"fastest here: {what} (plain step {curve.ms_at_1:.1f} ms, r(16) {curve.ratio(16):.2f}; ~{speed:.0f} tokens/s expected; "
              f"{others})")
     return name, mode, loaded
