@@ -62,8 +62,10 @@ class StepCost:
     def observe(self, tokens: int, seconds: float) -> None:
         if self.steps >= FIT_STEPS and seconds > 5 * self.seconds(tokens):
             return  # not a step: the engine waited (a pause between requests, a prefill it ran alone)
-        self.sums = self.sums * (1 - 1 / FIT_MEMORY) + [1.0, tokens, tokens * tokens, seconds, tokens * seconds]
-        self.steps += 1
+        sums = self.sums * (1 - 1 / FIT_MEMORY) + [1.0, tokens, tokens * tokens, seconds, tokens * seconds]
+        if seconds >= 0 and np.isfinite(sums).all():  # else not a time: once in the sums, it would stay there for good
+            self.sums = sums
+            self.steps += 1
 
     def line(self) -> tuple[float, float]:
         """(a, b): seconds of a step, and of each token it verifies."""
@@ -127,16 +129,16 @@ class LookaheadProposer:
         spec, model = vllm_config.speculative_config, vllm_config.model_config
         self.longest = int(spec.num_speculative_tokens)
         self.max_len = int(model.max_model_len)
+        self.vocab = model.get_vocab_size()
         self.cfg = replace(self.config, suffix_length=max(self.config.suffix_length, self.longest))
         if self.cfg.window or self.cfg.recycle_k:
             raise ValueError("LookaheadProposer drafts without the Jacobi window and the recycling table (they need the "
                              "model's logits): set window=0 and recycle_k=0 in its config")
-        vocab = model.get_vocab_size()
         if self.state_dir and (Path(self.state_dir) / "pool.npz").exists():
-            self.state = DraftState.load(self.state_dir, vocab)
-            self.state.check_fits(vocab, self.cfg)
+            self.state = DraftState.load(self.state_dir, self.vocab)
+            self.state.check_fits(self.vocab, self.cfg)
         else:
-            self.state = DraftState.for_config(vocab, self.cfg)
+            self.state = DraftState.for_config(self.vocab, self.cfg)
         DraftState.warm_up()
         self.requests: list[_Request | None] = []  # by row, as of the last call
         self.cost = StepCost()
@@ -155,8 +157,8 @@ class LookaheadProposer:
         earlier, steady = self.requests, self.last_call is not None
         self.requests, steps = [], []
         for row, sampled in enumerate(sampled_token_ids):
-            tokens = token_ids_cpu[row, : int(num_tokens_no_spec[row])]
-            if not len(sampled):  # a prompt still being prefilled, or a row that takes no draft
+            tokens = self._tokens(row, len(sampled), num_tokens_no_spec, token_ids_cpu)
+            if tokens is None:  # a prompt still being prefilled, a row that takes no draft, or one it cannot read
                 self.requests.append(None)
                 steady = False
                 continue
@@ -184,6 +186,15 @@ class LookaheadProposer:
         self.last_call = time.perf_counter()
         self._save_now_and_then()
         return [[] if r is None else r.draft.tokens.tolist() for r in self.requests]
+
+    def _tokens(self, row: int, sampled: int, counts: np.ndarray, table: np.ndarray) -> np.ndarray | None:
+        """The row's tokens; None where it sampled none, or where vLLM's arrays do not hold a row it can read (no
+        such row, a count outside the table or below what it sampled, ids outside the vocabulary): drafting from it
+        would raise, which takes vLLM's engine core down, or draft from garbage."""
+        if not sampled or row >= min(len(counts), len(table)) or not sampled <= counts[row] <= table.shape[1]:
+            return None
+        tokens = table[row, : int(counts[row])]
+        return tokens if 0 <= tokens.min() and tokens.max() < self.vocab else None
 
     def _observed(self, request: _Request, tokens: np.ndarray, sampled: int) -> Observed:
         """What the step showed a request: its new tokens and how many of its draft they accepted (none counted

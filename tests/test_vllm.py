@@ -135,6 +135,43 @@ def test_the_shared_state_is_saved_and_loaded(tmp_path):
         Saving(vllm_config(vocab=VOCAB + 1))
 
 
+@pytest.mark.parametrize("sampled, count, row", [
+    ([8], 0, []),  # no tokens, yet a sampled one
+    ([8], -3, [5, 6, 7, 8]),  # a negative count
+    ([8], MAX_LEN + 1, [5, 6, 7, 8]),  # more tokens than the table holds
+    ([1, 2, 8], 2, [5, 8]),  # fewer tokens than it just sampled
+    ([8], 4, [5, 6, VOCAB, 8]),  # an id outside the vocabulary
+    ([8], 4, [5, -1, 7, 8]),
+], ids=["zero", "negative", "past the table", "fewer than sampled", "id past the vocabulary", "negative id"])
+def test_a_row_it_cannot_read_gets_no_draft_and_the_others_theirs(sampled, count, row):
+    """An exception out of ``propose`` takes vLLM's engine core down: a row it cannot read is drafted nothing."""
+    proposer = LookaheadProposer(vllm_config())
+    good = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8]
+    table = np.zeros((2, MAX_LEN), np.int32)
+    table[0, : len(good)], table[1, : len(row)] = good, row
+    assert proposer.propose([[8], sampled], np.array([len(good), count]), table) == [[9, 10, 11, 5], []]
+    rows_past_the_arrays = LookaheadProposer(vllm_config()).propose([[8], [8], [8]], np.array([len(good), 4]), table[:1])
+    assert rows_past_the_arrays == [[9, 10, 11, 5], [], []]
+
+
+def test_a_step_time_that_is_not_finite_is_not_a_step():
+    cost = StepCost()
+    for seconds in (float("nan"), float("inf"), -1.0, 1e308):
+        cost.observe(5, seconds)
+    assert cost.line() == (1.0, 0.03)
+    for tokens in [1, 5, 9, 13] * FIT_STEPS:
+        cost.observe(tokens, 0.02 + 0.001 * tokens)
+    cost.observe(5, float("nan"))
+    assert cost.line() == pytest.approx((0.02, 0.001))
+    proposer = LookaheadProposer(vllm_config())
+    engine = Engine(proposer)
+    engine.join([5, 6, 7, 8, 9, 10, 11, 5, 6, 7], 8)
+    engine.step()
+    proposer.last_call = float("nan")  # a step of unknown length: the proposer still drafts after it
+    engine.step({0: [9]})
+    assert all(np.isfinite(proposer.cost.line())) and engine.step({0: [10]}) == [[11, 5, 6, 7]]
+
+
 def test_a_configuration_the_proposer_cannot_run_is_refused():
     class Windowed(LookaheadProposer):
         config = LookaheadConfig(window=3)
