@@ -73,8 +73,9 @@ def custom_generate(
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """generate()'s decoding loop replaced by lookahead's: greedy token for token, sampling with its distribution.
 
-    The rows are decoded together (``LookaheadGenerator.decode``), each without its padding, then padded back
-    as generate() pads: rows ending before the longest get ``pad_token_id``. generate() keywords of our own:
+    The rows are decoded together (``LookaheadGenerator.decode``), each without its padding (on the left: a row
+    padded on the right is refused), then padded back as generate() pads: rows ending before the longest get
+    ``pad_token_id``. generate() keywords of our own:
     ``lookahead_config`` picks the step shape; ``lookahead_state`` (``generator_for(model, config).new_state()``) is
     the drafting state to draft from and teach, as ``LookaheadGenerator.generate(state=...)`` takes it
     (default, as there: the generator's own, learning across calls). Options the loop cannot honour are refused by name with ValueError.
@@ -172,7 +173,13 @@ def _refuse_unhonoured(model: PreTrainedModel, input_ids: torch.Tensor, logits_p
         cache = model_kwargs.get(name)
         if cache is not None and cache.get_seq_length() > 0:
             raise ValueError(f"{name} with content are not supported by lookahead decoding; pass the whole prompt")
-    built = model._get_logits_processor(config, input_ids_seq_length=input_ids.shape[1], device=input_ids.device)
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not mask[:, -1:].bool().all():
+        raise ValueError(f"row {int(mask[:, -1].eq(0).nonzero()[0])} of the batch is padded on the right: generate() would decode "
+                         "after its pads, lookahead decoding from its last token; pad on the left (tokenizer.padding_side='left')")
+    # as generate() builds them (its encoder_input_ids are the prompt), so the processors differ only where the caller gave its own
+    built = model._get_logits_processor(config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+                                        device=input_ids.device)
     if [type(p) for p in logits_processor] != [type(p) for p in built]:
         raise ValueError("logits_processor / prefix_allowed_tokens_fn are not supported by lookahead decoding; "
                          "use the generation options that build processors (repetition_penalty, bad_words_ids, ...)")

@@ -74,6 +74,14 @@ def test_tiny_left_padded_batch_with_eos_is_padded_as_generate_does():
     assert torch.equal(got, ref)
 
 
+def test_a_right_padded_batch_is_refused():
+    """generate() decodes a right-padded row after its pads (it warns); lookahead would decode from its last token,
+    so it refuses instead of answering differently."""
+    ids, mask = torch.tensor([[1, 2, 3, 0, 0], [5, 6, 7, 8, 9]]), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"row 0 of the batch is padded on the right: generate\(\) would decode after its pads.*padding_side='left'"):
+        generate(tiny_llama(), ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, custom_generate=custom_generate)
+
+
 def test_return_dict_gives_generates_output_type():
     model, ids = tiny_llama(), torch.tensor([[1, 2, 3]])
     out = generate(model, ids, max_new_tokens=5, custom_generate=custom_generate, return_dict_in_generate=True)
@@ -163,6 +171,7 @@ def test_a_model_generated_with_goes_when_it_is_dropped():
         (dict(prefix_allowed_tokens_fn=lambda batch, ids: [1, 2]), "prefix_allowed_tokens_fn"),
         (dict(stopping_criteria=StoppingCriteriaList([StopStringCriteria(tiny_tokenizer(), ["w5"])])), "stopping_criteria"),
         (dict(stop_strings=["w5"]), "stop_strings need the tokenizer"),
+        (dict(encoder_repetition_penalty=1.3), "encoder_repetition_penalty=1.3 is not supported"),
     ],
     ids=lambda v: ",".join(v) if isinstance(v, dict) else None,
 )
