@@ -30,7 +30,7 @@ from numba import njit
 from lookahead.config import LookaheadConfig
 from lookahead.tree import TokenTree, draft_rows
 from ngram_pool import NGramPool, RecycleTable, Origin, SuffixDrafter, template
-from ngram_pool.files import ArrayFile
+from ngram_pool.files import ArrayFile, written_whole
 from ngram_pool.recycle import expand_template
 
 SOURCES = ("trajectory", "prompt", "output", "other", "suffix", "recycle")  # bit i of a node's ``sources``
@@ -299,15 +299,16 @@ class DraftState:
 
     def save(self, directory: str | Path) -> None:
         """Write ``pool.npz``, ``recycle.npz`` and ``acceptance.npz`` (the built-in sources' rows) into ``directory``
-        (created if missing)."""
+        (created if missing), each whole or not at all (``written_whole``): a save killed midway leaves each file
+        the old one or the new one (old and new files of one generator's state load together)."""
         directory = Path(directory)
         if directory.exists() and not directory.is_dir():
             raise ValueError(f"{directory}: exists and is not a directory; the drafting state is saved as a directory")
         directory.mkdir(parents=True, exist_ok=True)
         self.pool.save(directory / "pool.npz")
         self.recycle.save(directory / "recycle.npz")
-        np.savez(directory / "acceptance.npz", format_version=np.int64(STATE_FORMAT), tried=self.tried[:STAT_ROWS],
-                 hits=self.hits[:STAT_ROWS])
+        with written_whole(directory / "acceptance.npz") as out:
+            np.savez(out, format_version=np.int64(STATE_FORMAT), tried=self.tried[:STAT_ROWS], hits=self.hits[:STAT_ROWS])
 
     @classmethod
     def load(cls, directory: str | Path, vocab_size: int | None = None) -> "DraftState":

@@ -24,6 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from lookahead import kv, models, native
 from lookahead.probing import model_name
+from ngram_pool.files import written_whole
 
 FORMAT = 1
 BATCH = 512  # one-token sequences a forward
@@ -74,9 +75,8 @@ def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Pa
         return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial.npy")
-        np.save(partial, table)
-        partial.replace(path)  # whole or not at all
+        with written_whole(path) as out:
+            np.save(out, table)
     except OSError:
         pass  # an unwritable cache: used this once
     return table

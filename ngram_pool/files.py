@@ -4,13 +4,20 @@ before anything is allocated. ``np.load`` allocates what an array's header claim
 
 An array is read only when its dtype and shape are the expected ones and its bytes are what its zip member
 holds; a member's size is believed only as far as its compressed size can produce it (deflate expands at
-most ~1032x), so a file allocates at most about a thousand times its own size."""
+most ~1032x), so a file allocates at most about a thousand times its own size. Only a regular file is opened:
+a device (``/dev/zero``) would be read without end, a FIFO would block. ``written_whole``: the other way, a
+file that appears whole or not at all."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
+import threading
 import zipfile
 import zlib
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 import numpy as np
 
@@ -24,8 +31,13 @@ class ArrayFile:
     def __init__(self, path: str | Path, what: str) -> None:
         self.path, self.what = Path(path), what
         try:
-            self._zip = zipfile.ZipFile(self.path)
+            self._file = open_regular(self.path)
+        except OSError as e:
+            raise ValueError(f"{self.path}: not a readable {what} ({type(e).__name__}: {e})") from None
+        try:
+            self._zip = zipfile.ZipFile(self._file)
         except (OSError, zipfile.BadZipFile, ValueError) as e:
+            self._file.close()
             raise ValueError(f"{self.path}: not a readable {what} ({type(e).__name__}: {e})") from None
 
     def __enter__(self) -> "ArrayFile":
@@ -33,6 +45,7 @@ class ArrayFile:
 
     def __exit__(self, *exc) -> None:
         self._zip.close()
+        self._file.close()
 
     def fail(self, field: str, problem: str) -> ValueError:
         return ValueError(f"{self.path}: {self.what}: {field}: {problem}")
@@ -74,3 +87,37 @@ class ArrayFile:
     def check(self, field: str, ok: bool, problem: str) -> None:
         if not ok:
             raise self.fail(field, problem)
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading, or a one-line ``ValueError`` naming it unless it is a regular file (after
+    symlinks). Opened without blocking (a FIFO would block the open itself), then checked before a byte is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory"}.get(stat.S_IFMT(mode), "a device")
+            raise ValueError(f"{path}: not a regular file but {kind}")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@contextlib.contextmanager
+def written_whole(path: str | Path) -> Iterator[BinaryIO]:
+    """A file to write that becomes ``path`` only when the block ends: written beside it under a temporary name,
+    flushed to disk, then renamed over it, so a reader (or the next run, after a kill or a full disk mid-write)
+    finds the old file or the new one, never a torn one. On an exception the temporary file is removed."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.partial")  # no two writers share one
+    try:
+        with open(partial, "wb") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

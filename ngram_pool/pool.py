@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ngram_pool import kernels
-from ngram_pool.files import ArrayFile
+from ngram_pool.files import ArrayFile, written_whole
 
 FORMAT_VERSION = 1
 _INITIAL_SPARSE_ROWS = 256
@@ -184,17 +184,18 @@ class NGramPool:
     # -- persistence ----------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> None:
-        """Write a portable ``.npz`` (plain arrays, no pickle); only the rows in use are stored."""
+        """Write a portable ``.npz`` (plain arrays, no pickle), whole or not at all; only the rows in use are stored."""
         used = self._rows_used
-        np.savez_compressed(
-            path,
-            format_version=np.int64(FORMAT_VERSION),
-            shape=np.array([self.vocab_size, self.n, self.slots_per_key, int(self.sparse)], np.int64),
-            hit_miss=np.array([self.hits, self.misses], np.int64),
-            table=self._table[:used],
-            counts=self._counts[:used],
-            row_of=self._row_of,
-        )
+        with written_whole(path) as out:
+            np.savez_compressed(
+                out,
+                format_version=np.int64(FORMAT_VERSION),
+                shape=np.array([self.vocab_size, self.n, self.slots_per_key, int(self.sparse)], np.int64),
+                hit_miss=np.array([self.hits, self.misses], np.int64),
+                table=self._table[:used],
+                counts=self._counts[:used],
+                row_of=self._row_of,
+            )
 
     @classmethod
     def load(cls, path: str | Path, vocab_size: int | None = None, n: int | None = None) -> "NGramPool":

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from ngram_pool.files import ArrayFile
+from ngram_pool.files import ArrayFile, written_whole
 from ngram_pool.kernels import check_ids
 from ngram_pool.pool import _as_ids
 
@@ -165,7 +165,9 @@ class RecycleTable:
         self.table[:rows][empty, :k] = successors[empty, :k]
 
     def save(self, path: str | Path) -> None:
-        np.savez_compressed(path, format_version=np.int64(FORMAT_VERSION), table=self.table)
+        """Write a portable ``.npz``, whole or not at all."""
+        with written_whole(path) as out:
+            np.savez_compressed(out, format_version=np.int64(FORMAT_VERSION), table=self.table)
 
     @classmethod
     def load(cls, path: str | Path, vocab_size: int | None = None) -> "RecycleTable":

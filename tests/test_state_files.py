@@ -4,8 +4,12 @@ and the field, raised before anything large is allocated, or a state that genera
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import shutil
+import subprocess
+import sys
 import tracemalloc
 import zipfile
 from pathlib import Path
@@ -130,3 +134,66 @@ def test_a_header_claiming_a_huge_pool_allocates_nothing_before_it_is_refused(tm
         finally:
             tracemalloc.stop()
         assert peak < 2**20, f"{claim}: {peak} bytes allocated before the refusal"
+
+
+LOAD_BOXED = """
+import resource, sys
+from lookahead.drafting import DraftState
+pages = int(open("/proc/self/statm").read().split()[0])
+size = pages * resource.getpagesize() + 2**30  # what is mapped now and a gigabyte: an unbounded read fails fast
+resource.setrlimit(resource.RLIMIT_AS, (size, size))
+try:
+    DraftState.load(sys.argv[1])
+except ValueError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("kind", ["a symlink to /dev/zero", "a FIFO"])
+def test_a_state_file_that_is_not_a_regular_file_is_refused_by_name(setting, tmp_path, kind):
+    """/dev/zero would be read without end, a FIFO would block the open itself: the load runs boxed (a memory
+    limit, a timeout), so that a regression fails here instead of eating the machine or hanging."""
+    directory = tmp_path / "state"
+    shutil.copytree(setting[2], directory)
+    pool = directory / "pool.npz"
+    pool.unlink()
+    pool.symlink_to("/dev/zero") if kind.startswith("a symlink") else os.mkfifo(pool)
+    done = subprocess.run([sys.executable, "-c", LOAD_BOXED, str(directory)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith(f"{pool}: not a regular file"), done.stdout + done.stderr[-2000:]
+    assert len(done.stdout.strip().splitlines()) == 1
+
+
+STATE_FILES = ("pool.npz", "recycle.npz", "acceptance.npz")
+
+
+@pytest.mark.parametrize("failing", range(len(STATE_FILES)))
+def test_a_save_that_fails_midway_leaves_the_saved_state_whole(setting, tmp_path, monkeypatch, failing):
+    """The ``failing``-th file's write stops after a few bytes (a full disk; a kill leaves the same file behind):
+    that file is the old one, byte for byte, no temporary file is left, and the state loads and generates exactly."""
+    gen, reference, saved = setting
+    directory = tmp_path / "state"
+    shutil.copytree(saved, directory)
+    old = {name: (directory / name).read_bytes() for name in STATE_FILES}
+    state = gen.load_state(directory)
+    gen.generate(PROMPT[::-1], NEW, state=state)  # the state learns: the new files differ from the old
+    writes = []
+
+    def failing_after(write):
+        def write_part(file, *args, **kwargs):
+            writes.append(file)
+            if len(writes) - 1 != failing:
+                return write(file, *args, **kwargs)
+            with open(file, "wb") if isinstance(file, (str, os.PathLike)) else contextlib.nullcontext(file) as out:
+                out.write(b"PK\x03\x04" + bytes(64))
+            raise OSError(28, "No space left on device")
+        return write_part
+
+    monkeypatch.setattr(np, "savez", failing_after(np.savez))
+    monkeypatch.setattr(np, "savez_compressed", failing_after(np.savez_compressed))
+    with pytest.raises(OSError, match="No space left"):
+        state.save(directory)
+    monkeypatch.undo()
+    assert (directory / STATE_FILES[failing]).read_bytes() == old[STATE_FILES[failing]]
+    assert sorted(p.name for p in directory.iterdir()) == sorted(STATE_FILES)
+    out = gen.generate(PROMPT, NEW, state=gen.load_state(directory))
+    assert_greedy_equal(gen.model, PROMPT, out.tokens, reference)
