@@ -136,7 +136,7 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kerne
         requests = _read_requests(prompt, prompt_file, ids_mode)
         from lookahead import native
         from lookahead.generator import LookaheadGenerator
-        from lookahead.kernels import kernels_of, weights_of
+        from lookahead.kernels import dtype_of, kernels_of, weights_of
 
         gen = LookaheadGenerator.from_pretrained(model_spec, config, dtype=dtype, device=device, cache_dir=cache_dir, progress=_progress,
                                                  kernels=kernels, weights=weights)
@@ -155,7 +155,7 @@ def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kerne
                                lookahead=not no_lookahead, state=state, seed=seed, **options)
             if as_json:
                 click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
-                                       "stats": out.stats.as_dict(), "dtype": str(gen.model.dtype).split(".")[-1],
+                                       "stats": out.stats.as_dict(), "dtype": dtype_of(gen.model),
                                        "kernels": kernels_of(gen.model), "weights": weights_of(gen.model),
                                        "isa": native.isa() if kernels == "packed" else None,
                                        "config": dataclasses.asdict(config)}))

@@ -59,6 +59,7 @@ from lookahead import native, norms, quants
 from lookahead.quants import Quantized
 
 KERNELS = ("packed", "stock")
+INTEGER_KERNELS = "packed-own-int8"  # ``kernels_of`` a model whose quantized linears run on the integer kernel
 GROUPED_SDPA = "lookahead_grouped_sdpa"  # the attention implementation ``pack`` switches sdpa models to
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # linears of one module read on one input
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-3}  # the self-check's bound, per dtype
@@ -74,15 +75,16 @@ class Product:
     q, k, v 48 -> 24 us, gate and up 52 -> 41 us a layer, ~1 ms of SmolLM2's ~15 ms forward)."""
 
     def __init__(self, linears: list[nn.Module], quantized: list[Quantized | native.QuantLayout] | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, integer: bool = False) -> None:
         """``quantized``: the linears' weights as ``Quantized`` or already laid out (one kind), run on our quantized
-        kernel with ``dtype`` activations (their own weights are then not read: a ``GgufLinear``'s are blocks, a
-        GGUF model's loaded directly are on the meta device)."""
+        kernel with ``dtype`` activations (rounded to 8 bits, on the integer kernel, where ``integer``; their own
+        weights are then not read: a ``GgufLinear``'s are blocks, a GGUF model's loaded directly are on the meta
+        device)."""
         if quantized and isinstance(quantized[0], native.QuantLayout):
-            self.own, self.packed = True, native.cat_layouts(quantized, dtype)
+            self.own, self.packed = True, native.cat_layouts(quantized, dtype, integer)
         elif quantized:
             q = Quantized.cat(quantized) if len(quantized) > 1 else quantized[0]
-            self.own, self.packed = True, native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype)
+            self.own, self.packed = True, native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer)
         else:
             weights = [linear.weight.detach() for linear in linears]
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]
@@ -211,7 +213,7 @@ def available(dtype: torch.dtype) -> str | None:
 class KernelReport:
     """What ``pack`` did to a model: the kernel set its forward runs on, and the memory the packing added."""
 
-    kernels: str  # "stock", "packed" or "packed-own" (``kernels_of``)
+    kernels: str  # "stock", "packed", "packed-own" or "packed-own-int8" (``kernels_of``)
     packed: int = 0  # linears replaced
     kept: int = 0  # linears left stock (not on CPU, a subclass such as a quantized linear, or no packed op)
     extra_bytes: int = 0  # packed copies of weights still held elsewhere (tied embeddings)
@@ -234,9 +236,17 @@ def own_kernel(dtype: torch.dtype) -> str | None:
 
 def kernels_of(model: nn.Module) -> str:
     """What ``model``'s linears run on (the cost curve's cache key says it): "stock", "packed" (oneDNN's packed
-    products) or "packed-own" (our kernel's, oneDNN's for any shape it does not fit)."""
+    products), "packed-own" (our kernel's, oneDNN's for any shape it does not fit) or "packed-own-int8" (its
+    quantized weights on the integer kernel: ``--dtype int8``)."""
     products = [m.product for m in model.modules() if isinstance(m, PackedLinear)]
+    if any(p.quantized and p.packed.integer for p in products):
+        return INTEGER_KERNELS
     return "stock" if not products else "packed-own" if any(p.own for p in products) else "packed"
+
+
+def dtype_of(model: nn.Module) -> str:
+    """The --dtype ``model`` runs in: ``native.INTEGER`` where its quantized linears are integer, else its dtype."""
+    return native.INTEGER if kernels_of(model) == INTEGER_KERNELS else str(model.dtype).split(".")[-1]
 
 
 def _kind(module: nn.Module) -> str:
@@ -260,7 +270,7 @@ def weight_kinds(model: nn.Module) -> str:
 
 
 def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = None,
-         quantized: dict[str, Quantized | native.QuantLayout] | None = None) -> KernelReport:
+         quantized: dict[str, Quantized | native.QuantLayout] | None = None, integer: bool = False) -> KernelReport:
     """Replace every plain CPU ``nn.Linear`` of ``model`` (in place) with a ``PackedLinear``, and every transformers
     ``GgufLinear`` (a GGUF's blocks, loaded with ``GgufConfig``) of a type ``quants`` reads with one on our quantized
     kernel; see the module doc.
@@ -270,7 +280,8 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
     ``quantized``: {module name: its weight quantized, or laid out already}, run on our quantized kernel
     (``csrc/quant_linear.c``: the same outputs as the dense weight's ``dequantize()``); where that kernel cannot run,
     the dense weights do and the notice says why (a linear on the meta device has none: ``quantized_unavailable``
-    says beforehand whether the kernel runs)."""
+    says beforehand whether the kernel runs). ``integer``: those run on the integer kernel (``csrc/int_linear.c``:
+    each activation row rounded to 8 bits, as llama.cpp does; ``quantized_unavailable`` says where it runs)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if kernels == "stock":
@@ -282,20 +293,20 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
     native.library(cache_dir)  # built (or found) where the caller keeps its cache, before anything asks for it
     if reason := available(dtype):
         return KernelReport("stock", notice=f"packed kernels unavailable ({reason}); running stock kernels")
-    quantized, why_dense = _runnable(quantized or {}, dtype)
+    quantized, why_dense = _runnable(quantized or {}, dtype, integer)
     tied = _shared_weights(model)
     packed = kept = extra = products = 0
     for prefix, parent in list(model.named_modules()):
         linears = {name: child for name, child in parent.named_children() if isinstance(child, nn.Linear) or quants.is_gguf_linear(child)}
         blocks = {name: q for name, child in linears.items() if quants.is_gguf_linear(child) and (q := quants.from_gguf_linear(child))}
-        blocks = _runnable(blocks, dtype)[0]  # a GgufLinear our kernel cannot run stays as it is
+        blocks = _runnable(blocks, dtype, integer)[0]  # a GgufLinear our kernel cannot run stays as it is
         mine = {name: quantized.get(f"{prefix}.{name}" if prefix else name) or blocks.get(name) for name in linears}
         packable = {name: child for name, child in linears.items()
                     if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == dtype or mine[name]}
         kept += len(linears) - len(packable)
         for names in _products(packable, tied, mine):
             quantized_parts = [mine[name] for name in names] if mine[names[0]] else None
-            product = Product([packable[name] for name in names], quantized_parts, dtype)
+            product = Product([packable[name] for name in names], quantized_parts, dtype, integer)
             for part, name in enumerate(names):
                 if id(packable[name].weight) in tied:
                     weight = packable[name].weight
@@ -311,19 +322,23 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
     return KernelReport(kernels_of(model), packed, kept, extra, products, fused, notice, weights_of(model))
 
 
-def quantized_unavailable(dtype: torch.dtype) -> str | None:
-    """None where our quantized kernel runs ``dtype`` activations here; else why not."""
+def quantized_unavailable(dtype: torch.dtype, integer: bool = False) -> str | None:
+    """None where our quantized kernel (the integer one where ``integer``) runs ``dtype`` activations here; else
+    why not."""
     kernel = f"quant_{'bf16' if dtype == torch.bfloat16 else 'fp32'}_linear"
-    return own_kernel(dtype) or (None if native.has(kernel) else f"the {native.tier()} kernels have no quantized linear")
+    if reason := own_kernel(dtype) or (None if native.has(kernel) else f"the {native.tier()} kernels have no quantized linear"):
+        return reason
+    return "this CPU has no AVX512-VNNI and VBMI" if integer and not native.integer_runs() else None
 
 
-def _runnable(quantized: dict[str, Quantized], dtype: torch.dtype) -> tuple[dict[str, Quantized], str | None]:
-    """(the quantized weights our kernel runs here, in ``dtype``; why any run dense instead, or None)."""
+def _runnable(quantized: dict[str, Quantized], dtype: torch.dtype, integer: bool) -> tuple[dict[str, Quantized], str | None]:
+    """(the quantized weights our kernel runs here, in ``dtype`` (on the integer kernel where ``integer``); why any
+    run dense instead, or None)."""
     if not quantized:
         return {}, None
-    if reason := quantized_unavailable(dtype):
+    if reason := quantized_unavailable(dtype, integer):
         return {}, f"quantized kernels unavailable ({reason}); running the dequantized weights"
-    runnable = {name: q for name, q in quantized.items() if native.quant_fits(*q.shape, q.group)}
+    runnable = {name: q for name, q in quantized.items() if native.quant_fits(*q.shape, q.group, integer)}
     left = len(quantized) - len(runnable)
     return runnable, f"{left} quantized weight(s) of a shape the kernel does not take run dequantized" if left else None
 

@@ -26,8 +26,10 @@ import torch
 from lookahead import gguf_model
 from lookahead.cpu import default_cache_dir
 from lookahead.gguf_model import ModelLoadError, one_line
+from lookahead.native import INTEGER
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the model's dtype for each --dtype: int8 (``native.INTEGER``) runs bf16 between the linears (norms, attention, cache)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, INTEGER: torch.bfloat16}
 WEIGHTS = ("auto", "gguf", "q8", "dense")  # "auto": a GGUF's own blocks where the model came from one, else dense
 DEFAULT_MODEL = "smollm2-135m"
 Progress = Callable[[str], None]
@@ -173,6 +175,7 @@ def convert_gguf(gguf: Path, target: Path, progress: Progress = _quiet) -> Path:
     if (target / "config.json").is_file():
         return target
     progress(f"converting {gguf.name} to safetensors (once; cached in {target})")
+    gguf_model.check_header(gguf)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -206,7 +209,8 @@ def gguf_file(spec: str, cache_dir: Path, progress: Progress = _quiet) -> Path |
     if spec in EMBEDDED:
         return fetch_embedded(spec, cache_dir, progress)
     path = Path(spec).expanduser()
-    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+    named = path.suffix.lower() == ".gguf" and not path.is_dir() and (path.exists() or path.is_symlink())
+    return path if named else None  # a file it cannot read (a FIFO, a dangling link) is refused by name when it is read
 
 
 def resolve(spec: str, cache_dir: Path, progress: Progress = _quiet) -> str:
@@ -217,7 +221,7 @@ def resolve(spec: str, cache_dir: Path, progress: Progress = _quiet) -> str:
             return str(target)
         return str(convert_gguf(fetch_embedded(spec, cache_dir, progress), target, progress))
     path = Path(spec).expanduser()
-    if path.is_file():
+    if path.exists() and not path.is_dir():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{spec}: a model file must be a .gguf checkpoint (or give a model directory)")
         return str(convert_gguf(path, converted_dir(path, cache_dir), progress))
@@ -236,11 +240,15 @@ def weights_mode(spec: str, weights: str, kernels: str, cache_dir: Path, progres
                  device: str = "cpu") -> tuple[str, Path | None]:
     """(the ``WEIGHTS`` mode ``load`` runs ``spec`` with, other than "auto"; its GGUF file where that is "gguf"), or a
     ``ModelLoadError`` for a mode that cannot run. "auto" is "gguf" for a GGUF model where our quantized kernel runs
-    ``dtype`` here, else "dense"."""
+    ``dtype`` here, else "dense" ("q8" for ``INTEGER``, which multiplies quantized weights only)."""
     from lookahead import kernels as kernel_layer, native
 
+    integer = dtype == INTEGER
     if weights not in WEIGHTS:
         raise ModelLoadError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if integer and (weights == "dense" or kernels != "packed"):
+        raise ModelLoadError("--dtype int8 multiplies quantized weights on our kernels: use --weights auto, gguf or q8 "
+                             "with --kernels packed")
     if weights == "dense":
         return "dense", None
     if kernels != "packed":
@@ -248,10 +256,13 @@ def weights_mode(spec: str, weights: str, kernels: str, cache_dir: Path, progres
             return "dense", None
         raise ModelLoadError(f"--weights {weights} runs on our packed kernels: use --kernels packed")
     native.library(cache_dir)  # built (or found) where the caller keeps its cache, before asking what it runs
-    why_not = f"they run on the CPU, not {device}" if device != "cpu" else kernel_layer.quantized_unavailable(DTYPES.get(dtype, torch.float32))
+    why_not = (f"they run on the CPU, not {device}" if device != "cpu"
+               else kernel_layer.quantized_unavailable(DTYPES.get(dtype, torch.float32), integer))
+    if integer and why_not:
+        raise ModelLoadError(f"--dtype int8 needs our integer kernel, which cannot run here: {why_not}")
     if weights == "auto":
         gguf = None if why_not else gguf_file(spec, cache_dir, progress)
-        return ("gguf", gguf) if gguf else ("dense", None)
+        return ("gguf", gguf) if gguf else ("q8" if integer else "dense", None)
     if why_not:
         raise ModelLoadError(f"--weights {weights} needs our quantized kernels, which cannot run here: {why_not}")
     gguf = gguf_file(spec, cache_dir, progress) if weights == "gguf" else None
@@ -276,7 +287,8 @@ def load(
     "gguf" builds the model straight from its GGUF file, its linears on the file's own blocks (``gguf_model``:
     the integers and scales, nothing re-quantized, no dense copy), "q8" quantizes every linear to Q8_0 once,
     "auto" is "gguf" for a GGUF model (where the quantized kernel runs) and "dense" otherwise; ``dtype`` is then
-    the activations'."""
+    the activations' (``INTEGER``: bf16, rounded to 8 bits into each quantized linear, whose products are integer:
+    another arithmetic, as llama.cpp's)."""
     from lookahead import kernels as kernel_layer, quants
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -305,7 +317,7 @@ def load(
         quantized, left = (quants.q8_linears(model) if weights == "q8" else {}), []
     for line in left:
         progress(f"kept dense: {line}")
-    report = kernel_layer.pack(model, kernels, cache_dir, quantized)
+    report = kernel_layer.pack(model, kernels, cache_dir, quantized, integer=dtype == INTEGER)
     if report.notice:
         progress(report.notice)
     if report.weights != "dense":

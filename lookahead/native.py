@@ -18,7 +18,8 @@ the KV compaction's moves in one call (``csrc/move_columns.c``, in place of thre
 
 The quantized linear (``csrc/quant_linear.c``, bf16 on AMX in ``csrc/amx_linear.c``): a GGUF's integers and
 scales (``lookahead.quants``) laid out once by ``pack_quantized`` in the same blocks of 16 columns, dequantized in
-registers inside the product; ``Linear`` runs either layout.
+registers inside the product; ``Linear`` runs either layout. The integer linear (``csrc/int_linear.c``, AVX512-VNNI
+and VBMI): the same blocks times activations rounded to 8 bits, in integer dot products (``QuantLayout.integer``).
 
 ``library`` says why not where they cannot run: the packed kernels then use oneDNN's product and SDPA, as they do
 for fp16."""
@@ -61,7 +62,7 @@ class Tier:
 # KV moves
 TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-                        ("linear.c", "amx_linear.c", "quant_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c",
+                        ("linear.c", "amx_linear.c", "quant_linear.c", "int_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c",
                          "move_columns.c"),
                         BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
     "avx512f": Tier(("avx512f", "avx512bw", "avx512vl"), ("linear.c", "quant_linear.c", "rms_norm.c", "top_k.c", "move_columns.c"),
@@ -69,6 +70,7 @@ TIERS = {
     "avx2": Tier(("avx2", "fma"), ("linear_avx2.c", "quant_linear_avx2.c", "move_columns.c"),
                  ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")),
 }
+INTEGER = "int8"  # the --dtype whose quantized linears round their activations to 8 bits and multiply integers
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 Longs = ctypes.c_long * 3
 
@@ -183,6 +185,7 @@ def build(directory: Path, tier: str) -> ctypes.CDLL | str:
         "quant_fp32_linear": (linear + [ctypes.c_int] * 3, None),  # ... k, bits, group, offsets, threads, l2
         "quant_bf16_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
         "amx_quant_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
+        "int_linear": (linear + [ctypes.c_int] * 4, ctypes.c_int),  # ... offsets, threads, l2, bf16; 1: out of memory
         "tree_attention": ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
                            + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "rms_norm": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),
@@ -227,6 +230,7 @@ class QuantLayout:
     group: int  # k's a scale covers
     offsets: bool  # whether each group has an offset too
     dtype: torch.dtype  # the activations' (and outputs') dtype: which kernel runs it
+    integer: bool = False  # activations rounded to 8 bits, integer products (csrc/int_linear.c), where ``integer_runs()``
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -241,15 +245,17 @@ class QuantLayout:
         return self.packed.numel()
 
 
-def quant_fits(n: int, k: int, group: int) -> bool:
-    """Whether an (n, k) quantized weight with groups of ``group`` k's can be laid out for the kernel."""
-    return n % BLOCK == 0 and n > 0 and k > 0 and group % 2 == 0 and k % group == 0
+def quant_fits(n: int, k: int, group: int, integer: bool = False) -> bool:
+    """Whether an (n, k) quantized weight with groups of ``group`` k's can be laid out for the kernel (for the
+    integer one: 4 k's a lane, 32 an activation scale)."""
+    fits = n % BLOCK == 0 and n > 0 and k > 0 and group % 2 == 0 and k % group == 0
+    return fits and (not integer or group in (16, 32) and k % 32 == 0)
 
 
 def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int, bits: int,
-                   dtype: torch.dtype) -> QuantLayout:
+                   dtype: torch.dtype, integer: bool = False) -> QuantLayout:
     """q (N, K) int8 (0 .. 15 where ``bits`` is 4), scale and offset (N, K / group) fp32 -> the kernel's blocks, for
-    ``dtype`` activations: per block of 16 rows and group, the 16 scales, the 16 offsets, then steps of 32 values
+    ``dtype`` activations (rounded to 8 bits where ``integer``): per block of 16 rows and group, the 16 scales, the 16 offsets, then steps of 32 values
     (k's 16 columns, then k + 1's; nibbles: value i in byte i % 16, the high nibble from i = 16)."""
     n, k = q.shape
     groups = k // group
@@ -260,11 +266,12 @@ def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
     heads = [t.float().view(n // BLOCK, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
              for t in (scale, offset) if t is not None]  # (NB, G, 64) each
     packed = torch.cat([*heads, steps.reshape(n // BLOCK, groups, -1)], dim=-1).reshape(n // BLOCK, -1).contiguous()
-    return QuantLayout(packed, n, k, bits, group, offset is not None, dtype)
+    return QuantLayout(packed, n, k, bits, group, offset is not None, dtype, integer)
 
 
-def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype) -> QuantLayout:
-    """Laid-out weights of one kind and width stacked by rows, for ``dtype`` activations: a view where each part's
+def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype, integer: bool = False) -> QuantLayout:
+    """Laid-out weights of one kind and width stacked by rows, for ``dtype`` activations (rounded to 8 bits where
+    ``integer``): a view where each part's
     bytes follow the last's in one storage (``gguf_model`` lays siblings out so), else a copy."""
     first = parts[0]
     if any((p.k, p.kind) != (first.k, first.kind) for p in parts):
@@ -277,7 +284,7 @@ def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype) -> QuantLayout:
         packed = torch.empty(0, dtype=torch.uint8).set_(storage, first.packed.storage_offset(), (n // BLOCK, first.packed.shape[1]))
     else:
         packed = torch.cat([p.packed for p in parts])
-    return QuantLayout(packed, n, first.k, first.bits, first.group, first.offsets, dtype)
+    return QuantLayout(packed, n, first.k, first.bits, first.group, first.offsets, dtype, integer)
 
 
 def unpack_quantized(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -310,6 +317,12 @@ def amx() -> bool:
     return "amx_bf16" in cpu.flags() and has("amx_init") and bool(library().amx_init())
 
 
+@functools.cache
+def integer_runs() -> bool:
+    """Whether the integer linear runs here: built (the AVX-512 BF16 tier) and the CPU has AVX512-VNNI and VBMI."""
+    return has("int_linear") and {"avx512_vnni", "avx512vbmi"} <= set(cpu.flags())
+
+
 def isa() -> str:
     """What our kernels run on in this process, for ``--json`` and ``lookahead tune``: "avx512-bf16+amx",
     "avx512-bf16", "avx512f", "avx2", or "none (why)"."""
@@ -328,6 +341,9 @@ class Linear:
         if tiles and not amx():
             raise ValueError("this CPU or process cannot use AMX tiles")
         quantized = isinstance(packed, QuantLayout)
+        whole = quantized and packed.integer  # the integer kernel: bf16 or fp32 activations, said in its last argument
+        if whole and not integer_runs():
+            raise ValueError("this CPU or build has no integer linear (AVX512-VNNI and VBMI)")
         if quantized:
             self.dtype, self.n, self.k = packed.dtype, packed.n, packed.k
             self.format = (packed.bits, packed.group, int(packed.offsets))  # the quantized kernels' extra arguments
@@ -337,9 +353,10 @@ class Linear:
             self.n, self.k = packed.shape[0] * BLOCK, packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
             self.format, weights = (), packed
         bf16 = self.dtype == torch.bfloat16
-        on_tiles = bf16 and self.k % 32 == 0 and (amx() if tiles is None else tiles)
+        on_tiles = bf16 and self.k % 32 == 0 and not whole and (amx() if tiles is None else tiles)
         name = f"amx_{'quant' if quantized else 'bf16'}_linear" if on_tiles else f"{'quant_' if quantized else ''}{'bf16' if bf16 else 'fp32'}_linear"
-        self.run = getattr(library(), name)
+        self.run = getattr(library(), "int_linear" if whole else name)
+        self.tail = (int(bf16),) if whole else ()
         self.pointers = weights.data_ptr(), None if bias is None else bias.data_ptr()
         self.l2 = prefetch_into_l2()
 
@@ -351,7 +368,7 @@ class Linear:
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], self.n, dtype=self.dtype)
         if (rows := x.numel() // self.k) and self.run(x.data_ptr(), *self.pointers, y.data_ptr(), rows, self.n, self.k, *self.format,
-                                                      torch.get_num_threads(), self.l2):
+                                                      torch.get_num_threads(), self.l2, *self.tail):
             raise MemoryError(f"the quantized linear could not allocate {rows} x {self.k} floats")
         return y
 

@@ -22,15 +22,18 @@ from transformers import PreTrainedModel
 from lookahead import capability, gguf_model, models, native
 from lookahead.cpu import cpu_name
 from lookahead.curve import BATCH, BATCH_WIDTHS, CostCurve
-from lookahead.kernels import available, kernels_of, own_kernel, weight_kinds
+from lookahead.kernels import INTEGER_KERNELS, available, kernels_of, own_kernel, weight_kinds
 from lookahead.layout import build_layout, stack
 from lookahead.model_forward import forward, prefill
+from lookahead.native import INTEGER
 from lookahead.planner import chain_tree, choose
 from lookahead.tree import TokenTree
 
 PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROBE_CONTEXT = 256
-AUTO_DTYPES = ("float32", "bfloat16")  # what --dtype auto chooses from (float16 on CPU is slow and lossy)
+# what --dtype auto chooses from (float16 on CPU is slow and lossy); int8 (``native.INTEGER``) where quantized
+# weights run and our integer kernel does
+AUTO_DTYPES = ("float32", "bfloat16", INTEGER)
 # what --dtype auto expects of drafting before anything is measured: 16 drafts that together add one token a
 # forward, each worth as much as another (the default shape's ~2 tokens a forward come from steps of 8-16 rows).
 # A chain of drafts accepted with p = 0.5 each earns that token from 4-5 rows: it undervalued flat curves, and
@@ -128,9 +131,16 @@ def choices(spec: str, dtype: str, weights: str, kernels: str, device: str, cach
     dtypes = AUTO_DTYPES if dtype == "auto" else (dtype,)
     found = []
     for name in dtypes:
-        mode, gguf = models.weights_mode(spec, weights, kernels, cache_dir, progress, name, device)
+        try:
+            mode, gguf = models.weights_mode(spec, weights, kernels, cache_dir, progress, name, device)
+        except models.ModelLoadError:
+            if dtype == "auto" and name == INTEGER:  # auto: int8 only where it runs
+                continue
+            raise
+        if dtype == "auto" and name == INTEGER and mode == "q8" and weights != "q8":
+            continue  # auto quantizes no dense model on its own
         found.append((name, mode))
-        if dense and weights == "auto" and mode == "gguf" and dense_fits(gguf_model.prepare(gguf, cache_dir, progress), name):
+        if dense and weights == "auto" and mode == "gguf" and name != INTEGER and dense_fits(gguf_model.prepare(gguf, cache_dir, progress), name):
             found.append((name, "dense"))
     return found
 
@@ -164,8 +174,8 @@ def fastest(spec: str, device: str, cache_dir: Path, progress: Callable[[str], N
         loaded = None
         try:
             runs_on = _kernels_for(kernels, name, device, cache_dir)
-            path = curve_path(source, models.DTYPES[name], device, cache_dir, runs_on,
-                              kinds[mode] if runs_on == "packed-own" else "dense")  # our kernels alone run quantized weights
+            path = curve_path(source, models.DTYPES[name], device, cache_dir, runs_on,  # our kernels alone run quantized weights
+                              kinds[mode] if runs_on in ("packed-own", INTEGER_KERNELS) else "dense")
             curve = CostCurve.from_json(path.read_text())
         except (OSError, UnicodeDecodeError, ValueError):
             loaded = models.load(spec, dtype=name, device=device, cache_dir=cache_dir, progress=progress, kernels=kernels, weights=mode)
@@ -187,6 +197,8 @@ def _kernels_for(kernels: str, dtype: str, device: str, cache_dir: Path) -> str:
     if kernels == "packed":
         native.library(cache_dir)  # where ``models.load`` would build them
     packs = kernels == "packed" and torch.device(device).type == "cpu" and available(models.DTYPES[dtype]) is None
+    if packs and dtype == INTEGER:
+        return INTEGER_KERNELS
     return "stock" if not packs else "packed" if own_kernel(models.DTYPES[dtype]) else "packed-own"
 
 

@@ -190,13 +190,14 @@ def test_weights_and_dtype_are_chosen_together_by_their_curves(tmp_path):
         runs_on = probing._kernels_for("packed", dtype, "cpu", cache)
         for weights in ("gguf", "dense"):
             path = probing.curve_path(str(gguf), models.DTYPES[dtype], "cpu", cache, runs_on,
-                                      kinds if weights == "gguf" and runs_on == "packed-own" else "dense")
+                                      kinds if weights == "gguf" and runs_on in ("packed-own", kernels.INTEGER_KERNELS) else "dense")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text((flat if (dtype, weights) == ("float32", "gguf") else steep).to_json())
     lines = []
     assert probing.fastest("smollm2-135m", "cpu", cache, lines.append, "packed", "auto", dense=True) == ("float32", "gguf", None)
     assert lines[-1].startswith("fastest here: float32, its GGUF blocks (plain step 12.0 ms") and "bfloat16 dense ~" in lines[-1]
-    assert probing.choices("smollm2-135m", "auto", "auto", "packed", "cpu", cache) == [("float32", "gguf"), ("bfloat16", "gguf")]
+    integer = [("int8", "gguf")] if native.integer_runs() else []  # where our integer kernel runs
+    assert probing.choices("smollm2-135m", "auto", "auto", "packed", "cpu", cache) == [("float32", "gguf"), ("bfloat16", "gguf"), *integer]
     assert probing.fastest("smollm2-135m", "cpu", cache, lines.append, "packed", "gguf", "bfloat16") == ("bfloat16", "gguf", None)
     assert len(lines) == 1  # nothing to choose: nothing measured, nothing said
 

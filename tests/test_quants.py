@@ -93,6 +93,70 @@ def test_quantized_products_equal_the_dense_kernels_and_are_row_invariant(kind, 
         assert torch.equal(wide, native.Linear(native.pack(w), bias)(x.float()).bfloat16())
 
 
+INTEGER = native.integer_runs()  # the integer kernel runs here (AVX512-VNNI and VBMI)
+needs_integer = pytest.mark.skipif(not INTEGER, reason="the integer kernel needs AVX512-VNNI and VBMI")
+
+
+def rounded_to_8_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int_linear.c's activations, (rows, K) fp32 -> (qx, dx): per 256 (else 128, 64, 32) k's, dx = max |x| / 127
+    and qx = x 127 / max |x| rounded to the nearest integer, ties to even."""
+    rows, k = x.shape
+    span = next(b for b in (256, 128, 64, 32) if k % b == 0)
+    blocks = x.view(rows, k // span, span)
+    top = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, 127 / top, torch.zeros_like(top))
+    return torch.round(blocks * inverse).view(rows, k), (top / 127).squeeze(-1).repeat_interleave(span, dim=1)
+
+
+@needs_integer
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q5_K", "Q3_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_invariant(kind, dtype):
+    """The integer sums are exact, so the product is the one of the 8-bit activations and the blocks' integers, each
+    group's scales applied in fp32 (within fp32 summation of the reference); row r of an M-row product equals it
+    alone, bit for bit, at every M up to 40 (tiles of 1-4 rows, an odd block of 16 columns at the end)."""
+    k = 576 if kind in ("Q8_0", "Q4_1") else 512  # activation scales per 64 k's, or per 256
+    q = quants.from_blocks(random_blocks(kind, 80, k, seed=k), kind, 80, k)
+    bias = torch.randn(80, generator=torch.Generator().manual_seed(1))
+    linear = native.Linear(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer=True), bias)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x[3, :7] = 0  # a row whose first block is all zeros: scale 0
+    wide = linear(x)
+    for m in (1, 2, 3, 4, 5, 7, 16, 21, 40):
+        assert torch.equal(linear(x[:m]), wide[:m]), m
+    qx, dx = rounded_to_8_bits(x.float())
+    products = (q.q.double().view(80, -1, q.group) * qx.double().view(40, 1, -1, q.group)).sum(-1)  # (M, N, groups)
+    want = (products * q.scale.double() * dx[:, None, ::q.group].double()).sum(-1) + bias.double()
+    if q.offset is not None:
+        want += (qx.double().view(40, 1, -1, q.group).sum(-1) * q.offset.double() * dx[:, None, ::q.group].double()).sum(-1)
+    error = (wide.double() - want).abs().max() / want.abs().max()
+    assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    dense = native.Linear(native.pack(q.dequantize()), bias)(x.float())  # the activations' rounding, and no more
+    assert (wide.float() - dense).abs().max() < 0.05 * dense.abs().max()
+
+
+@needs_integer
+def test_a_tiny_model_on_the_integer_kernel_drafts_exactly_its_own_plain_loop():
+    model = tiny_llama(seed=3).to(torch.bfloat16)
+    report = kernels.pack(model, "packed", quantized=quants.q8_linears(model), integer=True)
+    assert report.kernels == kernels.kernels_of(model) == kernels.INTEGER_KERNELS and kernels.dtype_of(model) == "int8"
+    prompt = [5, 9, 3, 5, 9, 3, 7] * 3
+    plain = on_fixed_cost(model).generate(prompt, 40, lookahead=False).tokens
+    assert on_fixed_cost(model).generate(prompt, 40).tokens == plain
+
+
+def test_int8_multiplies_quantized_weights_only(tmp_path):
+    with pytest.raises(models.ModelLoadError, match="--dtype int8 multiplies quantized weights"):
+        models.weights_mode("smollm2-135m", "dense", "packed", tmp_path, dtype="int8")
+    with pytest.raises(models.ModelLoadError, match="--dtype int8 multiplies quantized weights"):
+        models.weights_mode("smollm2-135m", "auto", "stock", tmp_path, dtype="int8")
+    result = CliRunner().invoke(main, ["generate", "hi", "--dtype", "int8", "--weights", "dense"])
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1].startswith("Error: --dtype int8 multiplies")
+    if INTEGER:  # a model without a GGUF: auto is its Q8_0
+        (tmp_path / "config.json").write_text("{}")
+        assert models.weights_mode(str(tmp_path), "auto", "packed", tmp_path, dtype="int8") == ("q8", None)
+
+
 @needs_kernel
 def test_a_tiny_model_on_quantized_weights_equals_its_dequantized_twin():
     """Siblings of one kind share a product, others not; the model's output equals the dense packed model whose
@@ -205,6 +269,17 @@ def test_smollm2_bf16_on_its_blocks_lookahead_equals_the_plain_loop():
     gen = on_fixed_cost(model, tok, LookaheadConfig())
     prompt = tok("import numpy as np\n\ndef softmax(x):")["input_ids"]
     assert gen.generate(prompt, 40).tokens == gen.generate(prompt, 40, lookahead=False).tokens
+
+
+@pytest.mark.slow
+@needs_integer
+def test_smollm2_int8_on_its_blocks_lookahead_equals_the_plain_loop():
+    model, tok = models.load("smollm2-135m", dtype="int8", kernels="packed", weights="gguf")
+    assert kernels.kernels_of(model) == kernels.INTEGER_KERNELS and kernels.weights_of(model) == "q4/32+offsets x 210, q8/32 x 1"
+    gen = on_fixed_cost(model, tok, LookaheadConfig())
+    for text in ("import numpy as np\n\ndef softmax(x):", "The capital of France is"):
+        prompt = tok(text)["input_ids"]
+        assert gen.generate(prompt, 40).tokens == gen.generate(prompt, 40, lookahead=False).tokens
 
 
 @pytest.mark.slow

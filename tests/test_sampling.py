@@ -13,7 +13,7 @@ from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                           TextStreamer, TopKLogitsWarper, TopPLogitsWarper)
 
 from conftest import tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator, kernels, quants
+from lookahead import LookaheadConfig, LookaheadGenerator, kernels, native, quants
 from lookahead.verify import accept, gumbel
 from lookahead.tree import TokenTree
 
@@ -77,18 +77,22 @@ def sample_counts(gen, prompt, draws: int, seeded: bool, ngrams: np.ndarray, **o
 @pytest.mark.parametrize(
     "options, processors, seeded, quantized",
     [
-        (dict(temperature=1.0), [], True, False),
-        (dict(temperature=1.0), [], False, False),
-        (dict(temperature=0.7, top_p=0.9), [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)], True, False),
-        (dict(top_k=3, repetition_penalty=1.5), [RepetitionPenaltyLogitsProcessor(1.5), TopKLogitsWarper(3)], True, False),
-        (dict(temperature=1.0), [], True, True),
+        (dict(temperature=1.0), [], True, ""),
+        (dict(temperature=1.0), [], False, ""),
+        (dict(temperature=0.7, top_p=0.9), [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)], True, ""),
+        (dict(top_k=3, repetition_penalty=1.5), [RepetitionPenaltyLogitsProcessor(1.5), TopKLogitsWarper(3)], True, ""),
+        (dict(temperature=1.0), [], True, "q8"),
+        (dict(temperature=1.0), [], True, "int8"),
     ],
-    ids=["t1.0", "t1.0-unseeded", "t0.7-top_p0.9", "top_k3-rep1.5", "t1.0-q8-weights"],
+    ids=["t1.0", "t1.0-unseeded", "t0.7-top_p0.9", "top_k3-rep1.5", "t1.0-q8-weights", "t1.0-int8"],
 )
 def test_sampling_matches_the_plain_sampling_distribution(options, processors, seeded, quantized):
     model, prompt, draws = sharp_tiny_model(), [1, 2, 3, 4, 1, 2, 3], 2000
-    if quantized:  # the layers' linears on Q8_0 weights (our quantized kernel where it runs, else dequantized)
-        report = kernels.pack(model, "packed", quantized=quants.q8_linears(model))
+    if quantized == "int8" and not native.integer_runs():
+        pytest.skip("the integer kernel needs AVX512-VNNI and VBMI")
+    if quantized:  # the layers' linears on Q8_0 weights (our quantized kernel where it runs, else dequantized; int8:
+        # the integer kernel, activations rounded to 8 bits)
+        report = kernels.pack(model, "packed", quantized=quants.q8_linears(model), integer=quantized == "int8")
         assert report.weights == "dense x 1, q8/32 x 14" or report.notice  # the 5-token head is too narrow for a block
     gen = LookaheadGenerator(model, config=LookaheadConfig(window=2, ngram=3, guess=6, tree_budget=24))
     # every 3-gram over the vocabulary: each key always has candidates, so verification really rejects

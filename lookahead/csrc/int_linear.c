@@ -1,0 +1,202 @@
+/* The integer quantized linear (AVX512-VNNI): y (M, N) = x (M, K) W^T (+ b) on quant_linear.c's blocks, with each
+   row of x rounded to 8 bits per 32 k's, as llama.cpp's Q8 activations are:
+
+       x[k] ~ dx[k / 32] qx[k]     dx = max |x| / 127 over the 32, qx = x / dx rounded to the nearest integer
+
+       y[n] = sum over groups g of  dx s[n][g] (sum_k q[n][k] qx[k])  (+ dx o[n][g] (sum_k qx[k]))
+
+   The integer sums are vpdpbusd's (4 byte products added into each of 16 int32 lanes an instruction, 16x an fp32
+   FMA's work on 2-core Zen 4's one 512-bit unit); each group's scales are applied in fp32, one FMA chain a column
+   over the groups in order, + bias. So it is another arithmetic than the fp32 kernel's: a mode of its own
+   (``--dtype int8``), whose products differ from the dequantized weights' by the activations' rounding.
+
+   Row-invariant by construction: a row's quantization depends on that row alone, integer sums are exact in any
+   order, and its fp32 chain runs the same way whatever M is.
+
+   The blocks are read as quant_linear.c lays them out (16 columns; per group 16 fp32 scales, 16 offsets where
+   the type has them, then steps of k's and k + 1's 16 columns), four k's at a time: their 64 values transposed
+   by one vpermb (AVX512-VBMI) into 16 lanes of (k, k + 1, k + 2, k + 3), which vpdpbusd multiplies by the row's
+   four broadcast bytes. vpdpbusd takes unsigned weights: nibbles (0 .. 15) are; int8 weights are biased by 128
+   (an xor) and 128 sum_k qx[k] taken off their integer sum, exactly. A tile is up to 4 rows x two blocks; the
+   threads split the blocks two at a time, prefetching the next two as quant_linear.c does. */
+
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512bf16")))
+
+static inline void prefetch(const char *p, int l2) { l2 ? _mm_prefetch(p, _MM_HINT_T2) : _mm_prefetch(p, _MM_HINT_NTA); }
+
+/* 16 values of a row of x from k = at, as fp32 (a bf16 is an fp32's high half: exact) */
+TARGET static inline __m512 load_row(const void *x, int bf16, int at) {
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at))), 16))
+                : _mm512_loadu_ps((const float *)x + at);
+}
+
+/* four k's of one block, 64 bytes transposed to 16 lanes of 4: out byte 4c + j is k + j's column c */
+TARGET static inline __m512i quad_int8(const char *step, __m512i order) {
+    return _mm512_xor_si512(_mm512_permutexvar_epi8(order, _mm512_loadu_si512(step)), _mm512_set1_epi8((char)0x80));
+}
+TARGET static inline __m512i quad_nibbles(const char *step, __m512i order) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)step), low = _mm256_set1_epi8(15);
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
+                                            _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);
+    return _mm512_permutexvar_epi8(order, both); /* both: chunks k, k + 2 (low nibbles), k + 1, k + 3 (high) */
+}
+
+/* the vpermb index: lane c's byte j from chunk chunks[j] (16 bytes a chunk), column c */
+TARGET static __m512i order_of(const int chunks[4]) {
+    uint8_t index[64];
+    for (int c = 0; c < 16; c++)
+        for (int j = 0; j < 4; j++) index[4 * c + j] = (uint8_t)(16 * chunks[j] + c);
+    return _mm512_loadu_si512(index);
+}
+
+/* the largest of 256, 128, 64, 32 k's that divides k: the k's an activation scale covers (k's alone choose it, so
+   every row of every call rounds alike); 0 where none does */
+static int qblock_of(int k) {
+    for (int b = 256; b >= 32; b /= 2)
+        if (k % b == 0) return b;
+    return 0;
+}
+
+/* a row of x (fp32 or bf16) -> qx (K int8), dx (K / qblock fp32), and per group of `group` k's: their sum of qx as
+   a float (for the offsets) and 128 times it (the int8 weights' bias) */
+TARGET static void quantize_row(const void *x, int bf16, int k, int qblock, int group, int8_t *qx, float *dx, float *sums,
+                                int32_t *biases) {
+    for (int b = 0; b < k / qblock; b++) {
+        __m512 amax = _mm512_setzero_ps();
+        for (int at = b * qblock; at < (b + 1) * qblock; at += 16)
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(load_row(x, bf16, at)));
+        const float top = _mm512_reduce_max_ps(amax), inverse = top > 0.0f ? 127.0f / top : 0.0f;
+        dx[b] = top / 127.0f;
+        for (int at = b * qblock; at < (b + 1) * qblock; at += 16) {
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_row(x, bf16, at), _mm512_set1_ps(inverse))); /* ties to even */
+            _mm_storeu_si128((__m128i *)(qx + at), _mm512_cvtepi32_epi8(q));
+        }
+    }
+    for (int g = 0; g < k / group; g++) {
+        int32_t total = 0;
+        for (int i = g * group; i < (g + 1) * group; i++) total += qx[i];
+        sums[g] = (float)total, biases[g] = 128 * total;
+    }
+}
+
+typedef struct {
+    const int8_t *qx;
+    const float *dx, *sums;
+    const int32_t *biases;
+    int k, qblock, group;
+} Rows; /* the quantized rows (row r's at r K, r K / qblock, r K / group) */
+
+/* ROWS rows x two blocks (their 4-k quads of one activation block unpacked in `quads`, 2 a quad; a lone last
+   block is read twice and its twin's sums land in out's padding), added to out (fp32, `stride` apart): for each
+   group of the activation block, the integer sums scaled by the group's scales (+ the offsets times the group's
+   sum of qx), in order; then those times the block's dx */
+#define TILE(INT8, ROWS)                                                                                          \
+    TARGET static void tile_##INT8##ROWS(Rows x, int r0, int block_index, const __m512i *quads, const char *at0,   \
+                                         const char *at1, size_t group_bytes, int offsets, float *out, int stride) { \
+        const int groups = x.qblock / x.group, qs = x.group / 4;                                                 \
+        const size_t groups_a_row = x.k / x.group;                                                              \
+        __m512 p0[ROWS], p1[ROWS];                                                                                \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) p0[r] = p1[r] = _mm512_setzero_ps();               \
+        for (int gl = 0; gl < groups; gl++) {                                                                     \
+            const int g = block_index * groups + gl;                                                              \
+            const int8_t *xq = x.qx + (size_t)r0 * x.k + g * x.group;                                             \
+            __m512i sum0[ROWS], sum1[ROWS];                                                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) sum0[r] = sum1[r] = _mm512_setzero_si512();    \
+            for (int q = 0; q < qs; q++) {                                                                        \
+                const __m512i w0 = quads[2 * (gl * qs + q)], w1 = quads[2 * (gl * qs + q) + 1];                   \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                           \
+                    const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * q));       \
+                    sum0[r] = _mm512_dpbusd_epi32(sum0[r], w0, xb);                                               \
+                    sum1[r] = _mm512_dpbusd_epi32(sum1[r], w1, xb);                                               \
+                }                                                                                                 \
+            }                                                                                                     \
+            const float *h0 = (const float *)(at0 + g * group_bytes), *h1 = (const float *)(at1 + g * group_bytes); \
+            const __m512 s0 = _mm512_loadu_ps(h0), s1 = _mm512_loadu_ps(h1);                                     \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                               \
+                const size_t at = (size_t)(r0 + r) * groups_a_row + g;                                            \
+                if (INT8) {                                                                                       \
+                    const __m512i bias = _mm512_set1_epi32(x.biases[at]);                                         \
+                    sum0[r] = _mm512_sub_epi32(sum0[r], bias), sum1[r] = _mm512_sub_epi32(sum1[r], bias);         \
+                }                                                                                                 \
+                p0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum0[r]), s0, p0[r]);                                  \
+                p1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum1[r]), s1, p1[r]);                                  \
+            }                                                                                                     \
+            if (offsets) {                                                                                        \
+                const __m512 o0 = _mm512_loadu_ps(h0 + 16), o1 = _mm512_loadu_ps(h1 + 16);                        \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                           \
+                    const __m512 sum = _mm512_set1_ps(x.sums[(size_t)(r0 + r) * groups_a_row + g]);               \
+                    p0[r] = _mm512_fmadd_ps(o0, sum, p0[r]), p1[r] = _mm512_fmadd_ps(o1, sum, p1[r]);             \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                                   \
+            const __m512 d = _mm512_set1_ps(x.dx[(size_t)(r0 + r) * (x.k / x.qblock) + block_index]);             \
+            float *y = out + (size_t)(r0 + r) * stride;                                                           \
+            _mm512_storeu_ps(y, _mm512_fmadd_ps(p0[r], d, _mm512_loadu_ps(y)));                                   \
+            _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(p1[r], d, _mm512_loadu_ps(y + 16)));                         \
+        }                                                                                                         \
+    }
+
+TILE(0, 1) TILE(0, 2) TILE(0, 3) TILE(0, 4) TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4)
+typedef void (*Tile)(Rows, int, int, const __m512i *, const char *, const char *, size_t, int, float *, int);
+static const Tile tiles[2][5] = {{0, tile_01, tile_02, tile_03, tile_04}, {0, tile_11, tile_12, tile_13, tile_14}};
+#define MAX_ROWS 4
+
+/* x (m, k) fp32, or bf16 where `bf16`; packed blocks; bias (n) fp32 or NULL -> y (m, n) fp32 or bf16; k a multiple
+   of 32, group 16 or 32. 1 where the buffers could not be allocated. */
+TARGET int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits,
+                      int group, int offsets, int threads, int l2, int bf16) {
+    const int qblock = qblock_of(k);
+    const size_t rows = (size_t)m, width = (size_t)k, groups = width / group;
+    const int stride = (n + 31) / 32 * 32; /* out's row: n, and room for a lone last block's twin */
+    char *buffer = malloc(rows * width + rows * (width / qblock) * 4 + rows * groups * 8 + rows * stride * 4 + 64);
+    if (!buffer) return 1;
+    int8_t *qx = (int8_t *)buffer;
+    float *dx = (float *)(buffer + (rows * width + 3) / 4 * 4), *sums = dx + rows * (width / qblock);
+    int32_t *biases = (int32_t *)(sums + rows * groups);
+    float *out = (float *)(biases + rows * groups); /* fp32 sums, + bias and rounded to y's type at the end */
+    memset(out, 0, rows * stride * 4);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int r = 0; r < m; r++)
+        quantize_row((const char *)x + (size_t)r * k * (bf16 ? 2 : 4), bf16, k, qblock, group, qx + (size_t)r * k,
+                     dx + (size_t)r * (k / qblock), sums + (size_t)r * groups, biases + (size_t)r * groups);
+    const Rows part = {qx, dx, sums, biases, k, qblock, group};
+    const int int8 = bits == 8, quad_bytes = int8 ? 64 : 32;
+    const __m512i order = order_of(int8 ? (const int[4]){0, 1, 2, 3} : (const int[4]){0, 2, 1, 3});
+    const int blocks = n / 16, pairs = (blocks + 1) / 2;
+    const size_t head = offsets ? 128 : 64, group_bytes = head + (size_t)group / 4 * quad_bytes, block = groups * group_bytes;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int q = 0; q < pairs; q++) {
+        __m512i quads[2 * 256 / 4];
+        const char *w0 = packed + 2 * q * block, *w1 = 2 * q + 1 < blocks ? w0 + block : w0;
+        const char *next = q + 1 < pairs ? w0 + 2 * block : 0;
+        for (int b = 0; b < k / qblock; b++) {
+            const size_t first = (size_t)b * (qblock / group) * group_bytes, bytes = (size_t)(qblock / group) * group_bytes;
+            if (next)
+                for (size_t line = 0; line < bytes; line += 64) prefetch(next + first + line, l2), prefetch(next + block + first + line, l2);
+            for (int i = 0; i < qblock / 4; i++) {
+                const size_t at = first + (size_t)(i / (group / 4)) * group_bytes + head + (size_t)(i % (group / 4)) * quad_bytes;
+                quads[2 * i] = int8 ? quad_int8(w0 + at, order) : quad_nibbles(w0 + at, order);
+                quads[2 * i + 1] = w1 == w0 ? quads[2 * i] : int8 ? quad_int8(w1 + at, order) : quad_nibbles(w1 + at, order);
+            }
+            for (int r = 0; r < m; r += MAX_ROWS)
+                tiles[int8][m - r < MAX_ROWS ? m - r : MAX_ROWS](part, r, b, quads, w0, w1, group_bytes, offsets, out + 32 * q, stride);
+        }
+    }
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int r = 0; r < m; r++)
+        for (int c = 0; c < n; c += 16) {
+            __m512 v = _mm512_loadu_ps(out + (size_t)r * stride + c);
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c));
+            if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + (size_t)r * n + c), (__m256i)_mm512_cvtneps_pbh(v));
+            else _mm512_storeu_ps((float *)y + (size_t)r * n + c, v);
+        }
+    free(buffer);
+    return 0;
+}
