@@ -1,7 +1,7 @@
 """Lookahead side by side with the engine CPU users already run: llama.cpp's ``llama-server`` (plain and each of
 its n-gram speculation modes, on bf16 weights and on the original quantized GGUF), beside stock HF greedy, HF
 prompt lookup, our plain loop and lookahead (bf16 weights, and the GGUF's own blocks with bf16 and fp32
-activations), on the same prompts given as token ids (chat template applied), greedy, one request at a time.
+activations, and int8 ones on the integer kernel where it runs), on the same prompts given as token ids (chat template applied), greedy, one request at a time.
 
     python -m benchmarks.peers                                # SmolLM2-135M, 3 prompts a set, 128 new tokens
     python -m benchmarks.peers --model qwen2.5-coder-0.5b
@@ -167,7 +167,8 @@ def run_all(args) -> dict:
     timed("our plain loop bfloat16", ours(False))
     timed("lookahead bfloat16", ours(True))
     quantized_bytes = {}
-    for dtype in ("bfloat16", "float32"):  # the GGUF's own blocks (``--weights gguf``), bf16 or fp32 activations
+    # the GGUF's own blocks (``--weights gguf``), bf16 or fp32 activations, and int8 ones where the integer kernel runs
+    for dtype in ("bfloat16", "float32", *([native.INTEGER] if native.integer_runs() else [])):
         gen = model = None
         model, tok = models.load(args.model, dtype=dtype, cache_dir=cache_dir, kernels="packed", weights="gguf")
         gen = LookaheadGenerator(model, tok, LookaheadConfig(), cache_dir=cache_dir)
@@ -230,11 +231,23 @@ def write_report(results: dict, out: Path) -> None:
         best_on = max(on_gguf, key=on_gguf.get)
         ours_on = max((m for m in tps if m.startswith("lookahead gguf")), key=tps.get)
         theirs = next(m for m in on_gguf if m.startswith(f"llama.cpp {gguf} plain"))  # its name may say --no-repack
-        step = {m: sorted(r["step_ms"] for r in runs[m])[len(runs[m]) // 2] for m in (theirs, "our plain loop gguf bfloat16")}
+        ours_plain = [m for m in runs if m.startswith("our plain loop gguf ")]
+        step = {m: sorted(r["step_ms"] for r in runs[m])[len(runs[m]) // 2] for m in (theirs, *ours_plain)}
         lines += ["", f"On {gguf}'s own blocks: {ours_on} {tps[ours_on]:.1f} tokens/s, {tps[ours_on] / on_gguf[best_on]:.2f}x {best_on}; "
-                      f"our plain step {step['our plain loop gguf bfloat16']:.1f} ms (bf16 activations) against llama.cpp's "
-                      f"{step[theirs]:.1f} ms."]
+                      f"our plain step {', '.join(f'{step[m]:.1f} ms ({m.split()[-1]} activations)' for m in ours_plain)} "
+                      f"against llama.cpp's {step[theirs]:.1f} ms."]
+        if f"our plain loop gguf {native.INTEGER}" in runs:  # int8 rounds the activations, as llama.cpp does: how often it changes the text
+            integer = runs[f"our plain loop gguf {native.INTEGER}"]
+            for other in ("our plain loop gguf float32", theirs):
+                agree = [_same_start(r["tokens"], q["tokens"]) for r, q in zip(integer, runs[other])]
+                lines.append(f"Greedy tokens of our int8 plain loop equal to {other}'s: {sum(a == len(r['tokens']) for a, r in zip(agree, integer))} "
+                             f"of {len(integer)} prompts (the same first {sorted(agree)[len(agree) // 2]} tokens, median).")
     (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def _same_start(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` begin with alike."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def main(argv=None) -> None:
