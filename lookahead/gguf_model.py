@@ -1,9 +1,10 @@
 """A model built straight from a GGUF file: its linears on the file's own blocks, never a dense copy of them.
 
-The first load of a file reads it once (``prepare``): its config, tokenizer and chat template from its metadata
-(transformers' GGUF readers), which of its tensors becomes what (transformers' name mapping and tensor processor
-for the architecture, on a skeleton of the model), and every linear's blocks decoded and laid out for the kernels
-(``native.pack_quantized``), one tensor at a time, into ``<cache>/blocks/<file>-<key>/``: ``blocks.bin``, the
+The first load of a file reads it once (``prepare``): its header checked against its bytes as llama.cpp checks it
+(``check_header``: gguf-py's and transformers' readers trust it), its config, tokenizer and chat template from its
+metadata (transformers' GGUF readers), which of its tensors becomes what (transformers' name mapping and tensor
+processor for the architecture, on a skeleton of the model), and every linear's blocks decoded and laid out for the
+kernels (``native.pack_quantized``), one tensor at a time, into ``<cache>/blocks/<file>-<key>/``: ``blocks.bin``, the
 small files, and ``index.json``. Each load (``load``) then builds the model on the meta device (parameters only:
 buffers such as RoPE's frequencies are computed as usual), memory-maps the laid-out blocks into the linears
 (``kernels.pack``), looks the embedding up from the file's own blocks (``quants.QuantEmbedding``) and dequantizes
@@ -21,8 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
 import os
 import shutil
+import stat
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +43,11 @@ from lookahead.kernels import SIBLINGS
 LAYOUT = 2  # the cache's layout: a change to it (or to pack_quantized's blocks) must bump this
 ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
 CHUNK = 4096  # rows decoded and laid out at a time (a multiple of native.BLOCK: blocks of rows are independent)
+GGUF_VERSIONS = (2, 3)  # the versions gguf-py reads
+MAX_DIMS = 4  # GGML_MAX_DIMS
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUF value types' formats
+STRING, ARRAY, UINT32 = 8, 9, 4  # the other GGUF value types, and general.alignment's
+CUT = ": the file is cut short, or its header lies"
 Progress = Callable[[str], None]
 
 
@@ -53,11 +63,140 @@ class Prepared:
     index: dict  # index.json: {"gguf", "architecture", "tensors": [...], "left": [...]}
 
 
-def cache_key(gguf: Path) -> str:
-    """The file's cache directory name: its name, and a hash of its path, size and modification time and ``LAYOUT``."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{LAYOUT}".encode()).hexdigest()[:12]
+def cache_key(gguf: Path, status: os.stat_result) -> str:
+    """The file's cache directory name: its name, and a hash of its path, size and modification time (``status``) and ``LAYOUT``."""
+    key = hashlib.sha256(f"{gguf.resolve()}|{status.st_size}|{status.st_mtime_ns}|{LAYOUT}".encode()).hexdigest()[:12]
     return f"{gguf.stem}-{key}"
+
+
+def _regular(gguf: Path) -> os.stat_result:
+    """``gguf``'s status, or a ``ModelLoadError`` where it is no regular file (a directory, a device such as
+    /dev/zero, a FIFO: reading one would never end, or never start) or is not there."""
+    try:
+        status = gguf.stat()
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {'a link to nothing' if gguf.is_symlink() else e.strerror}") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {'a directory' if stat.S_ISDIR(status.st_mode) else 'not a regular file'}")
+    return status
+
+
+def check_header(gguf: Path) -> None:
+    """A ``ModelLoadError`` naming ``gguf`` and what is wrong where it is not a GGUF file whose header its bytes bear
+    out, checked as llama.cpp checks it before gguf-py's and transformers' readers trust the header (a count of
+    2^40 or a key length of 2^60 made them fail far away, blaming a config file; a wrong type or offset read other
+    bytes as weights). Every count and length is bounded by the bytes left: nothing is allocated or looped over
+    beyond the file's size."""
+    from gguf import GGML_QUANT_SIZES
+
+    types = {int(t): (t.name, *sizes) for t, sizes in GGML_QUANT_SIZES.items()}  # id: (name, block, the block's bytes)
+    size = _regular(gguf).st_size
+    if not size:
+        raise ModelLoadError(f"cannot read GGUF {gguf}: the file is empty")
+    try:
+        with open(gguf, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            header = _Header(gguf, data)
+            if (magic := bytes(data[header.skip(4, "the magic"): 4])) != b"GGUF":
+                raise header.bad(f"not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+            at = header.skip(4, "the version")
+            header.order = ">" if data[at: at + 2] == b"\0\0" else "<"  # the version's low half 0: big-endian, as gguf-py reads it
+            if (version := struct.unpack_from(header.order + "I", data, at)[0]) not in GGUF_VERSIONS:
+                raise header.bad(f"GGUF version {version}, not one of {GGUF_VERSIONS}")
+            tensor_count = header.count("tensor_count", 8 + 4 + 8 + 4 + 8)  # a name's length, n_dims, a dimension, type, offset
+            alignment = 32
+            for i in range(header.count("kv_count", 8 + 4 + 1)):  # a key's length, its value's type, a byte
+                key = header.text(f"key {i}")
+                kind = header.number("I", f"{key}'s value type")
+                if key != "general.alignment":
+                    header.value(kind, key)
+                elif kind != UINT32:
+                    raise header.bad(f"general.alignment has value type {kind}, not UINT32 ({UINT32})")
+                elif (alignment := header.number("I", key)) & (alignment - 1) or not alignment:
+                    raise header.bad(f"general.alignment {alignment} is not a power of two")
+            tensors = [header.tensor(i, types) for i in range(tensor_count)]
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {e.strerror or one_line(e)}") from None
+    start, end = -(-header.at // alignment) * alignment, 0  # the data, after the header padded to the alignment
+    for tensor, offset, nbytes in tensors:  # one after the other, each padded to the alignment, as llama.cpp reads them
+        if offset % alignment:
+            raise header.bad(f"{tensor}'s offset {offset} is not a multiple of the alignment {alignment}")
+        if nbytes > size - start - offset:
+            raise header.bad(f"{tensor} ({nbytes} bytes at offset {offset}) ends past the end of the file ({size} bytes){CUT}")
+        if offset != end:
+            raise header.bad(f"{tensor} is at offset {offset}, but the tensors before it end at {end}: a type or shape is not as written")
+        end = offset + -(-nbytes // alignment) * alignment
+
+
+class _Header:
+    """A GGUF header read front to back, each read checked against the end of the file."""
+
+    def __init__(self, gguf: Path, data: mmap.mmap) -> None:
+        self.gguf, self.data, self.at, self.order = gguf, data, 0, "<"
+
+    def bad(self, what: str) -> ModelLoadError:
+        return ModelLoadError(f"cannot read GGUF {self.gguf}: {what}")
+
+    def skip(self, size: int, what: str) -> int:
+        """Where the next ``size`` bytes (``what``) start, read past; a ``ModelLoadError`` where they pass the end."""
+        if size > len(self.data) - self.at:
+            raise self.bad(f"{what} ({size} bytes at byte {self.at}) ends past the end of the file ({len(self.data)} bytes){CUT}")
+        self.at += size
+        return self.at - size
+
+    def number(self, form: str, what: str) -> int:
+        return struct.unpack_from(self.order + form, self.data, self.skip(struct.calcsize(form), what))[0]
+
+    def count(self, what: str, least: int) -> int:
+        """A count (uint64) of items ``least`` bytes long at least: no more than the rest of the file holds."""
+        n = self.number("Q", what)
+        if n * least > len(self.data) - self.at:
+            raise self.bad(f"{what} is {n}, more than the {len(self.data) - self.at} bytes after it hold{CUT}")
+        return n
+
+    def text(self, what: str) -> str:
+        size = self.number("Q", f"{what}'s length")
+        try:
+            return str(self.data[self.skip(size, what): self.at], "utf-8")
+        except UnicodeDecodeError:
+            raise self.bad(f"{what} is not UTF-8") from None
+
+    def value(self, kind: int, key: str) -> None:
+        """Read past ``key``'s value, of GGUF value type ``kind`` (its strings checked: transformers decodes them)."""
+        if kind == ARRAY:
+            item = self.number("I", f"{key}'s item type")
+            if item == STRING:
+                for _ in range(self.count(f"{key}'s item count", 8)):
+                    self.text(f"a string of {key}")
+            elif item in SCALARS:
+                size = struct.calcsize(SCALARS[item])
+                self.skip(self.count(f"{key}'s item count", size) * size, key)
+            else:
+                raise self.bad(f"{key} is an array of value type {item}, which GGUF does not have (or an array of arrays)")
+        elif kind == STRING:
+            self.text(key)
+        elif kind in SCALARS:
+            self.skip(struct.calcsize(SCALARS[kind]), key)
+        else:
+            raise self.bad(f"{key} has value type {kind}, which GGUF does not have")
+
+    def tensor(self, i: int, types: dict[int, tuple[str, int, int]]) -> tuple[str, int, int]:
+        """("tensor <name>", its offset, its bytes) from tensor ``i``'s info, checked: 1 to ``MAX_DIMS`` positive
+        dimensions, a type gguf-py knows (``types``: id: (name, block, the block's bytes)), rows of whole blocks."""
+        name = self.text(f"tensor {i}'s name")
+        tensor = f"tensor {name or i}"
+        n_dims = self.number("I", f"{tensor}'s n_dims")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise self.bad(f"{tensor} has {n_dims} dimensions, not 1 to {MAX_DIMS}")
+        dims = [self.number("Q", f"{tensor}'s dimensions") for _ in range(n_dims)]
+        kind, offset = self.number("I", f"{tensor}'s type"), self.number("Q", f"{tensor}'s offset")
+        if 0 in dims:
+            raise self.bad(f"{tensor} has a dimension of 0: {dims}")
+        if kind not in types:
+            raise self.bad(f"{tensor} has type id {kind}, which is no GGML type gguf-py knows")
+        type_name, block, block_bytes = types[kind]
+        if dims[0] % block:
+            raise self.bad(f"{tensor}'s rows of {dims[0]} are not whole {type_name} blocks of {block}")
+        return tensor, offset, math.prod(dims) // block * block_bytes
 
 
 def _processor(architecture: str, config):
@@ -106,10 +245,11 @@ def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
     """``gguf``'s cache directory, made on first use (see the module doc); a ``ModelLoadError`` for a file it cannot read."""
     from transformers import AutoConfig, AutoTokenizer
 
-    target = cache_dir / "blocks" / cache_key(gguf)
+    target = cache_dir / "blocks" / cache_key(gguf, _regular(gguf))
     if (target / "index.json").is_file():
         return Prepared(target, json.loads((target / "index.json").read_text()))
     progress(f"reading {gguf.name} once: its config, tokenizer and blocks laid out for the kernels (cached in {target})")
+    check_header(gguf)
     try:
         import gguf as gguf_py
 

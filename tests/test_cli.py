@@ -58,6 +58,7 @@ def test_ids_mode_reads_one_request_per_stdin_line(tokenizerless_dir):
         (["-G", "500", "hi"], "guess (G) must be in [0, 128], got 500"),
         (["--model", "/no/such/model", "hi"], "/no/such/model: no such model file or directory"),
         (["--model", "not a model", "hi"], "no such model file or directory"),
+        (["--model", "/dev/zero", "hi"], "/dev/zero: a model file must be a .gguf checkpoint"),  # not read
         (["   "], "the prompt is empty"),
         (["--file", "/no/such/prompt.txt"], "cannot read /no/such/prompt.txt"),
         (["--ids", "1,x,3"], "token ids must be integers"),

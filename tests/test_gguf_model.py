@@ -5,6 +5,12 @@ cached and memory-mapped, and clear errors for files it cannot load."""
 from __future__ import annotations
 
 import json
+import os
+import struct
+import threading
+import tracemalloc
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -208,3 +214,165 @@ def test_dense_weights_are_a_choice_only_where_they_fit_in_memory():
     small = gguf_model.Prepared(None, {"tensors": [{"role": "dense", "shape": [576, 49152]}], "left": []})
     huge = gguf_model.Prepared(None, {"tensors": [{"role": "dense", "shape": [10 ** 6, 10 ** 7]}], "left": []})
     assert probing.dense_fits(small, "float32") and not probing.dense_fits(huge, "bfloat16")
+
+
+# -- files it cannot load: refused in one line, quickly ------------------------------------------------------------
+
+
+def tiny_gguf(path: Path) -> Path:
+    """A small valid GGUF (~90 KB): a two-layer Llama of width 64 on Q8_0 blocks, with an array of strings among its
+    keys and an alignment of its own (64), written with gguf-py as llama.cpp's converter writes files."""
+    import gguf as gguf_py
+
+    hidden, ffn, vocab = 64, 128, 96
+    writer = gguf_py.GGUFWriter(str(path), "llama")
+    writer.add_tags(["tiny", "test"])
+    writer.add_custom_alignment(64)
+    for add, value in [(writer.add_context_length, 64), (writer.add_embedding_length, hidden), (writer.add_block_count, 2),
+                       (writer.add_feed_forward_length, ffn), (writer.add_head_count, 4), (writer.add_head_count_kv, 2),
+                       (writer.add_rope_dimension_count, 16), (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_vocab_size, vocab)]:
+        add(value)
+    rng = np.random.default_rng(0)
+    tensors = [("token_embd.weight", (vocab, hidden)), ("output_norm.weight", (hidden,))]
+    for b in ("blk.0.", "blk.1."):
+        tensors += [(b + "attn_norm.weight", (hidden,)), (b + "ffn_norm.weight", (hidden,)), (b + "attn_q.weight", (hidden, hidden)),
+                    (b + "attn_k.weight", (32, hidden)), (b + "attn_v.weight", (32, hidden)), (b + "attn_output.weight", (hidden, hidden)),
+                    (b + "ffn_gate.weight", (ffn, hidden)), (b + "ffn_up.weight", (ffn, hidden)), (b + "ffn_down.weight", (hidden, ffn))]
+    for name, shape in tensors:
+        if len(shape) == 1:
+            writer.add_tensor(name, np.ones(shape, np.float32))
+        else:
+            blocks = gguf_py.quants.quantize(rng.normal(0, 0.05, shape).astype(np.float32), gguf_py.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, blocks, raw_dtype=gguf_py.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def header_offsets(gguf: Path) -> dict[str, int]:
+    """Where in ``gguf`` the numbers the hostile files change are (of the first tensor: a Q8_0 matrix)."""
+    import gguf as gguf_py
+
+    reader = gguf_py.GGUFReader(gguf)
+
+    def value(key: str) -> int:  # a key's value: after its length, its name and its type
+        return reader.fields[key].offset + 8 + len(key) + 4
+
+    tensor = reader.tensors[0]
+    dims = tensor.field.offset + 8 + len(tensor.name) + 4
+    return {"version": 4, "tensor_count": 8, "kv_count": 16, "key": 24, "key name": 32, "architecture": value("general.architecture"),
+            "value type": value("general.architecture") - 4, "tags": value("general.tags"), "tags count": value("general.tags") + 4,
+            "alignment": value("general.alignment"), "n_dims": dims - 4, "dims": dims, "rows": dims + 8, "type": dims + 16,
+            "offset": dims + 20, "data": reader.data_offset}
+
+
+U32, U64 = "<I", "<Q"
+Make = Callable[[Path, bytearray, dict[str, int]], object]  # writes a hostile file at a path, from the valid one's bytes and offsets
+
+
+def number(where: str, form: str, new: int | Callable[[int], int]) -> Make:
+    """The valid file with the number at ``where`` replaced by ``new`` (or by ``new`` of it)."""
+    def make(path: Path, data: bytearray, at: dict[str, int]) -> None:
+        old = struct.unpack_from(form, data, at[where])[0]
+        struct.pack_into(form, data, at[where], new(old) if callable(new) else new)
+        path.write_bytes(data)
+    return make
+
+
+def cut(where: str, into: int) -> Make:
+    """The valid file cut short ``into`` bytes after ``where``."""
+    return lambda path, data, at: path.write_bytes(data[: at[where] + into])
+
+
+HOSTILE: dict[str, tuple[Make, str]] = {  # kind: (how to make it, what its refusal says)
+    "empty": (lambda path, data, at: path.write_bytes(b""), "the file is empty"),
+    "not GGUF": (lambda path, data, at: path.write_text("not a GGUF file, though long enough for a header\n"), "not a GGUF file"),
+    "a directory": (lambda path, data, at: path.mkdir(), "a directory"),
+    "/dev/zero": (lambda path, data, at: path.symlink_to("/dev/zero"), "not a regular file"),
+    "a FIFO": (lambda path, data, at: os.mkfifo(path), "not a regular file"),
+    "a dangling link": (lambda path, data, at: path.symlink_to(path.parent / "nothing-here.gguf"), "a link to nothing"),
+    "truncated in the magic": (cut("version", -2), "the magic (4 bytes at byte 0) ends past the end of the file (2 bytes)"),
+    "truncated in the counts": (cut("kv_count", 3), "tensor_count is 20, more than the 3 bytes after it hold"),
+    "truncated in a key": (cut("key", 10), "more than the 18 bytes after it hold"),
+    "truncated in the tensor infos": (cut("dims", 4), "more than the 542 bytes after it hold"),
+    "truncated in the data": (cut("data", 100), "token_embd.weight (6528 bytes at offset 0) ends past the end of the file (1828 bytes)"),
+    "version 99": (number("version", U32, 99), "GGUF version 99, not one of (2, 3)"),
+    "tensor_count 2^40": (number("tensor_count", U64, 2 ** 40), "tensor_count is 1099511627776, more than"),
+    "tensor_count + 1": (number("tensor_count", U64, lambda n: n + 1), "tensor 20 has 0 dimensions"),  # the data read as a 21st
+    "kv_count 2^40": (number("kv_count", U64, 2 ** 40), "kv_count is 1099511627776, more than"),
+    "kv_count + 1": (number("kv_count", U64, lambda n: n + 1), "tensor 0's name (27021597764222976 bytes"),  # a tensor read as a key
+    "key length 2^60": (number("key", U64, 2 ** 60), "key 0 (1152921504606846976 bytes at byte 32) ends past the end of the file"),
+    "string length 2^60": (number("architecture", U64, 2 ** 60), "general.architecture (1152921504606846976 bytes"),
+    "key not UTF-8": (number("key name", "<B", 0xFF), "key 0 is not UTF-8"),
+    "unknown value type": (number("value type", U32, 99), "general.architecture has value type 99, which GGUF does not have"),
+    "unknown array item type": (number("tags", U32, 99), "general.tags is an array of value type 99"),
+    "array count 2^40": (number("tags count", U64, 2 ** 40), "general.tags's item count is 1099511627776, more than"),
+    "alignment 48": (number("alignment", U32, 48), "general.alignment 48 is not a power of two"),
+    "n_dims 0": (number("n_dims", U32, 0), "tensor token_embd.weight has 0 dimensions, not 1 to 4"),
+    "n_dims 5": (number("n_dims", U32, 5), "tensor token_embd.weight has 5 dimensions, not 1 to 4"),
+    "a dimension of 0": (number("dims", U64, 0), "tensor token_embd.weight has a dimension of 0: [0, 96]"),
+    "huge dims": (number("rows", U64, 2 ** 62), "tensor token_embd.weight (313594649253062377472 bytes at offset 0) ends past the end"),
+    "unknown type id": (number("type", U32, 200), "tensor token_embd.weight has type id 200, which is no GGML type"),
+    "type id changed": (number("type", U32, 2), "output_norm.weight is at offset 6528, but the tensors before it end at 3456"),  # Q8_0: Q4_0
+    "offset past the end": (number("offset", U64, 2 ** 50), "(6528 bytes at offset 1125899906842624) ends past the end of the file"),
+    "offset misaligned": (number("offset", U64, lambda n: n + 32), "token_embd.weight's offset 32 is not a multiple of the alignment 64"),
+}
+
+
+def hostile(kind: str, valid: Path, path: Path) -> Path:
+    """``valid`` made into the hostile file ``kind`` at ``path``."""
+    HOSTILE[kind][0](path, bytearray(valid.read_bytes()), header_offsets(valid))
+    return path
+
+
+def refusal(call: Callable[[], object]) -> str:
+    """What ``call`` raises ``ModelLoadError`` with, in seconds: on a thread of its own, so a read that blocks (a
+    FIFO) or never ends (/dev/zero) fails the test rather than hanging it."""
+    found: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            found.append(None)
+        except BaseException as e:
+            found.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert found, "it took more than 30 s"
+    assert isinstance(found[0], models.ModelLoadError), f"raised {found[0]!r}"
+    return str(found[0])
+
+
+@pytest.fixture(scope="module")
+def valid_gguf(tmp_path_factory) -> Path:
+    path = tiny_gguf(tmp_path_factory.mktemp("valid") / "tiny.gguf")
+    model, *_ = gguf_model.load(path, torch.float32, path.parent / "cache", print, dense=True)  # loadable as written
+    assert type(model).__name__ == "LlamaForCausalLM"
+    return path
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_a_hostile_file_is_refused_in_one_line_quickly(kind, valid_gguf, tmp_path):
+    """Each refused by the loader and by the CLI with one line naming the file (no traceback, no blame on a config
+    file or an architecture), without reading more than its header or holding more than a little memory."""
+    from click.testing import CliRunner
+
+    from lookahead.cli import main
+
+    path = hostile(kind, valid_gguf, tmp_path / "hostile.gguf")
+    tracemalloc.start()
+    try:
+        message = refusal(lambda: gguf_model.prepare(path, tmp_path / "cache", print))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert message.startswith(f"cannot read GGUF {path}: ") and HOSTILE[kind][1] in message and "\n" not in message
+    assert peak < 2 ** 20
+    result = CliRunner().invoke(main, ["generate", "--model", str(path), "--ids", "1,2", "--dtype", "float32", "--kernels", "stock",
+                                       "--cache-dir", str(tmp_path / "cache")])
+    said = f"{path}: directory has no config.json, so it is not a Hugging Face model" if kind == "a directory" else message
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: {said}" and "Traceback" not in result.output
