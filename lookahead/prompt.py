@@ -15,6 +15,9 @@ def prompt_ids(prompt: str | list[int] | torch.Tensor, tokenizer, vocab_size: in
             raise ValueError("a text prompt needs a tokenizer; this model has none, so pass token ids")
         if not prompt.strip():
             raise ValueError("the prompt is empty")
+        check_text("the prompt", prompt)
+        if system is not None:
+            check_text("the system message", system)
         if chat:
             if not tokenizer.chat_template:
                 raise ValueError("this model's tokenizer has no chat template; generate without chat")
@@ -33,6 +36,15 @@ def prompt_ids(prompt: str | list[int] | torch.Tensor, tokenizer, vocab_size: in
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     return list(ids)
+
+
+def check_text(what: str, text: str) -> None:
+    """ValueError unless ``text`` is text (encodes as UTF-8): a lone surrogate ("\\ud800" is valid JSON; a command
+    line's undecodable byte becomes one) would reach the tokenizer as a TypeError, or be a stop string never met."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not text") from None
 
 
 def _ids_from(prompt: list[int] | torch.Tensor) -> list[int]:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import copy
 import math
 import time
+from functools import lru_cache
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, StopStringCriteria
 
+from lookahead.prompt import check_text
 from lookahead.tree import TokenTree
 from lookahead.verify import Verdict, accept, gumbel
 
@@ -21,6 +23,11 @@ UNSUPPORTED = {
     "return_dict_in_generate": False, "diversity_penalty": 0.0, "low_memory": None,
     "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,  # encoder-decoder options in generate()
 }
+# What one request may ask in stop strings. Those in use are few and short ("\n\n", "</s>", "Observation:", a closing
+# tag; OpenAI takes 4): 16 of 256 characters is far past them, and keeps a check (per emitted token) to the
+# strings of at most the last 1024 tokens (256 characters of 4 UTF-8 bytes) and 16 searches of them.
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
+PREFIX = "abcdef"  # the static prefix ``StopStringCriteria.clean_tokenizer_vocab`` reads each token after
 
 
 class Rules:
@@ -64,7 +71,7 @@ class Rules:
         stops = [s for s in stops if s]  # "" would end generation at once; ignored, as OpenAI ignores it
         if stops and tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        self.stop_strings = StopStringCriteria(tokenizer, stops) if stops else None
+        self.stop_strings = StopStrings(tokenizer, stops) if stops else None
         self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
         self.deadline = time.monotonic() + config.max_time if config.max_time is not None else None
 
@@ -118,4 +125,69 @@ class Rules:
         """Whether generation ends with the last token of ``sequence`` (EOS or a stop string)."""
         if sequence[-1] in self.eos_ids:
             return True
-        return self.stop_strings is not None and bool(self.stop_strings(torch.tensor([sequence]), None)[0])
+        return self.stop_strings is not None and self.stop_strings(sequence)
+
+
+class StopStrings:
+    """Stop strings matched where transformers' ``StopStringCriteria`` matches them: one ends generation at the token
+    that completes it (overhanging either end of that token; the prompt's last tokens count), each token read as
+    the string that criteria reads for it (bytes where the tokenizer's tokens are bytes). The criteria builds,
+    per request, tables of vocabulary x stop length (gigabytes for one long stop string, kept in a module cache);
+    here a check reads the strings of the last few tokens (``token_string``, cached per token)."""
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        """``stops``: non-empty strings, checked against the bounds (``MAX_STOP_STRINGS``, ``MAX_STOP_LENGTH``)."""
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(stops)} stop strings: at most {MAX_STOP_STRINGS} are taken")
+        longest = max(stops, key=len)
+        if len(longest) > MAX_STOP_LENGTH:
+            raise ValueError(f"a stop string of {len(longest)} characters: at most {MAX_STOP_LENGTH} are taken")
+        for stop in stops:
+            check_text("a stop string", stop)
+        mode = _token_form(tokenizer)[0]
+        self.tokenizer, self.empty = tokenizer, "" if mode is None else b""
+        self.stops = StopStringCriteria._get_stop_strings_for_matching(tuple(stops), mode)
+        self.window = max(map(len, self.stops))  # tokens read back at most, as the criteria reads them
+
+    def __call__(self, sequence: list[int]) -> bool:
+        """Whether a stop string ends inside the string of ``sequence``'s last token."""
+        pieces, length = [], 0  # the last tokens' strings, last first; their length
+        for token in reversed(sequence[-self.window :]):
+            piece = token_string(self.tokenizer, token)
+            if piece is None:  # outside the tokenizer's vocabulary: no stop string runs across it
+                break
+            pieces.append(piece)
+            length += len(piece)
+            if length - len(pieces[0]) >= self.window - 1:  # enough before the last token for the longest stop string
+                break
+        if not pieces:
+            return False
+        text = self.empty.join(reversed(pieces))
+        last = len(text) - len(pieces[0])  # where the last token's string starts: a stop string must end past it
+        return any(text.find(stop, max(last - len(stop) + 1, 0)) >= 0 for stop in self.stops)
+
+
+@lru_cache(maxsize=8)
+def _token_form(tokenizer) -> tuple[str | None, dict | None, list[str]]:
+    """What ``StopStringCriteria.clean_tokenizer_vocab`` reads a tokenizer's tokens with: its matching mode (None:
+    text; "byte_level", "byte_fallback": bytes), the byte-level decoder, the tokens of its static prefix."""
+    mode = StopStringCriteria._get_stop_string_matching_mode(tokenizer)
+    decoder = StopStringCriteria._byte_level_decoder() if mode == "byte_level" else None
+    prefix = [tokenizer._convert_id_to_token(t) for t in tokenizer(PREFIX, add_special_tokens=False)["input_ids"]]
+    return mode, decoder, prefix
+
+
+@lru_cache(maxsize=1 << 16)
+def token_string(tokenizer, token: int) -> str | bytes | None:
+    """The string ``StopStringCriteria`` reads for one token (its ``clean_tokenizer_vocab``, for this token alone);
+    None for an id outside the tokenizer's vocabulary. Cached: tokens recur, a vocabulary is bounded."""
+    name = tokenizer.convert_ids_to_tokens(token)
+    if name is None:
+        return None
+    mode, decoder, prefix = _token_form(tokenizer)
+    piece = StopStringCriteria._token_to_bytes(name, mode, decoder)
+    if piece is None:
+        text = tokenizer.convert_tokens_to_string(prefix + [name])
+        piece = text[text.index(PREFIX) + len(PREFIX) :]
+        piece = piece.encode("utf-8") if mode is not None else piece
+    return piece

@@ -41,6 +41,7 @@ from lookahead.config import MAX_BODY_BYTES, PREFILL_CHUNK
 from lookahead.drafting import SOURCES, DraftState
 from lookahead.generator import LookaheadGenerator
 from lookahead.lane import Lane
+from lookahead.prompt import check_text
 from lookahead.scheduler import Scheduler
 
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
@@ -99,6 +100,8 @@ class Server:
         a 400. In the worker thread: a chat template over a long conversation takes seconds."""
         try:
             if chat:
+                for i, m in enumerate(prompt):
+                    check_text(f"message {i} of the prompt", m["content"])
                 try:
                     prompt = self.gen.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
                 except Exception as e:  # a template that rejects the conversation (roles, order)
@@ -107,7 +110,8 @@ class Server:
         except ValueError as e:
             message = str(e).strip().splitlines()[0]
             on_prompt = any(word in message for word in ("prompt", "token id", "chat template"))
-            raise APIError(400, message, ("messages" if chat else "prompt") if on_prompt else None) from None
+            param = ("messages" if chat else "prompt") if on_prompt else "stop" if "stop string" in message else None
+            raise APIError(400, message, param) from None
 
     def submit(self, lane: Lane) -> asyncio.Future:
         """Queue a checked request into the running batch; the future gets its ``GenerationResult``."""

@@ -119,6 +119,20 @@ def test_an_empty_stop_string_is_ignored(tmp_path):
     assert empty["tokens"] == plain["tokens"] and len(empty["tokens"]) == 6
 
 
+def test_stop_strings_past_the_bounds_and_a_prompt_that_is_not_text_are_one_line(tmp_path):
+    from conftest import tiny_tokenizer
+
+    tiny_llama().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    args = ["generate", "--model", str(tmp_path), "--no-chat", "--max-new-tokens", "2", "--dtype", "float32"]
+    for extra, message in ((["hello", *(f"--stop=w{i}" for i in range(17))], "17 stop strings: at most 16"),
+                           (["hello", "--stop", "x" * 257], "a stop string of 257 characters: at most 256"),
+                           (["hello \udcff"], "the prompt holds a lone surrogate")):  # an undecodable byte of argv
+        bad = run(*args, *extra)
+        assert bad.exit_code == 1 and bad.output.strip().splitlines()[-1].startswith(f"Error: {message}"), bad.output
+        assert "Traceback" not in bad.output
+
+
 def test_models_lists_the_embedded_models(tmp_path):
     result = run("models", "--cache-dir", str(tmp_path))
     assert result.exit_code == 0

@@ -144,6 +144,28 @@ def test_bad_input_to_a_stream_is_a_400_before_it_starts(text_server, path, body
     assert server.pending == 0
 
 
+@pytest.mark.parametrize(
+    "path, body, message, param",
+    [
+        ("/v1/completions", {"prompt": "hello \ud800x"}, "the prompt holds a lone surrogate ('\\ud800' at character 6)", "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "\udcff"}]},
+         "message 1 of the prompt holds a lone surrogate", "messages"),
+        ("/v1/completions", {"prompt": "hello", "stop": ["w5", "\ud800"]}, "a stop string holds a lone surrogate", "stop"),
+        ("/v1/completions", {"prompt": "hello", "stop": ["w5", "x" * 257]}, "a stop string of 257 characters: at most 256", "stop"),
+        ("/v1/completions", {"prompt": "hello", "stop": [f"w{i}" for i in range(17)]}, "17 stop strings: at most 16", "stop"),
+    ],
+    ids=["surrogate-prompt", "surrogate-chat", "surrogate-stop", "long-stop", "many-stops"],
+)
+def test_text_that_is_not_text_and_stop_strings_past_the_bounds_get_a_400_naming_them(text_server, path, body, message, param):
+    server, url, _ = text_server
+    for stream in (False, True):
+        content = json.dumps(body | {"max_tokens": 2, "stream": stream})  # ASCII: a lone surrogate as its JSON escape
+        reply = httpx.post(url + path, content=content, headers={"content-type": "application/json"})
+        assert reply.status_code == 400, reply.text
+        assert message in reply.json()["error"]["message"] and reply.json()["error"]["param"] == param
+    assert server.pending == 0
+
+
 def test_a_slow_chat_template_leaves_the_server_responsive():
     """A chat template that takes long (a 12 MB conversation takes seconds) runs off the event loop: /health
     answers while the template is still held inside, then the chat completes."""
