@@ -21,6 +21,7 @@
    threads split the blocks two at a time, prefetching the next two as quant_linear.c does. */
 
 #include <immintrin.h>
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -100,7 +101,7 @@ typedef struct {
 } Rows; /* the quantized rows (row r's at r K, r K / qblock, r K / group) */
 
 /* ROWS rows x two blocks (their 4-k quads of one activation block unpacked in `quads`, 2 a quad; a lone last
-   block is read twice and its twin's sums land in out's padding), added to out (fp32, `stride` apart): for each
+   block is read twice, its twin's sums never written out), added to out (fp32, `stride` apart): for each
    group of the activation block, the integer sums scaled by the group's scales (+ the offsets times the group's
    sum of qx), in order; then those times the block's dx */
 #define TILE(INT8, ROWS)                                                                                          \
@@ -156,54 +157,57 @@ static const Tile tiles[2][5] = {{0, tile_01, tile_02, tile_03, tile_04}, {0, ti
 #define MAX_ROWS 4
 
 /* x (m, k) fp32, or bf16 where `bf16`; packed blocks; bias (n) fp32 or NULL -> y (m, n) fp32 or bf16; k a multiple
-   of 32, group 16 or 32. 1 where the buffers could not be allocated. */
+   of 32, group 16 or 32. One parallel region a call: the rows quantized, then each thread's pairs of blocks summed
+   into its own (m, 32) fp32 sums and written out (+ bias, rounded to y's type). 1 where the buffers could not be
+   allocated. */
 TARGET int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits,
                       int group, int offsets, int threads, int l2, int bf16) {
     const int qblock = qblock_of(k);
     const size_t rows = (size_t)m, width = (size_t)k, groups = width / group;
-    const int stride = (n + 31) / 32 * 32; /* out's row: n, and room for a lone last block's twin */
-    char *buffer = malloc(rows * width + rows * (width / qblock) * 4 + rows * groups * 8 + rows * stride * 4 + 64);
+    char *buffer = malloc(rows * width + rows * (width / qblock) * 4 + rows * groups * 8 + (size_t)threads * rows * 32 * 4 + 64);
     if (!buffer) return 1;
     int8_t *qx = (int8_t *)buffer;
     float *dx = (float *)(buffer + (rows * width + 3) / 4 * 4), *sums = dx + rows * (width / qblock);
     int32_t *biases = (int32_t *)(sums + rows * groups);
-    float *out = (float *)(biases + rows * groups); /* fp32 sums, + bias and rounded to y's type at the end */
-    memset(out, 0, rows * stride * 4);
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int r = 0; r < m; r++)
-        quantize_row((const char *)x + (size_t)r * k * (bf16 ? 2 : 4), bf16, k, qblock, group, qx + (size_t)r * k,
-                     dx + (size_t)r * (k / qblock), sums + (size_t)r * groups, biases + (size_t)r * groups);
+    float *outs = (float *)(biases + rows * groups); /* a thread's (m, 32) sums of its current pair */
     const Rows part = {qx, dx, sums, biases, k, qblock, group};
     const int int8 = bits == 8, quad_bytes = int8 ? 64 : 32;
     const __m512i order = order_of(int8 ? (const int[4]){0, 1, 2, 3} : (const int[4]){0, 2, 1, 3});
     const int blocks = n / 16, pairs = (blocks + 1) / 2;
     const size_t head = offsets ? 128 : 64, group_bytes = head + (size_t)group / 4 * quad_bytes, block = groups * group_bytes;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int q = 0; q < pairs; q++) {
+    _Pragma("omp parallel num_threads(threads)") {
+        _Pragma("omp for schedule(static)")
+        for (int r = 0; r < m; r++)
+            quantize_row((const char *)x + (size_t)r * k * (bf16 ? 2 : 4), bf16, k, qblock, group, qx + (size_t)r * k,
+                         dx + (size_t)r * (k / qblock), sums + (size_t)r * groups, biases + (size_t)r * groups);
+        float *out = outs + (size_t)omp_get_thread_num() * rows * 32;
         __m512i quads[2 * 256 / 4];
-        const char *w0 = packed + 2 * q * block, *w1 = 2 * q + 1 < blocks ? w0 + block : w0;
-        const char *next = q + 1 < pairs ? w0 + 2 * block : 0;
-        for (int b = 0; b < k / qblock; b++) {
-            const size_t first = (size_t)b * (qblock / group) * group_bytes, bytes = (size_t)(qblock / group) * group_bytes;
-            if (next)
-                for (size_t line = 0; line < bytes; line += 64) prefetch(next + first + line, l2), prefetch(next + block + first + line, l2);
-            for (int i = 0; i < qblock / 4; i++) {
-                const size_t at = first + (size_t)(i / (group / 4)) * group_bytes + head + (size_t)(i % (group / 4)) * quad_bytes;
-                quads[2 * i] = int8 ? quad_int8(w0 + at, order) : quad_nibbles(w0 + at, order);
-                quads[2 * i + 1] = w1 == w0 ? quads[2 * i] : int8 ? quad_int8(w1 + at, order) : quad_nibbles(w1 + at, order);
+        _Pragma("omp for schedule(static)")
+        for (int q = 0; q < pairs; q++) {
+            const char *w0 = packed + 2 * q * block, *w1 = 2 * q + 1 < blocks ? w0 + block : w0;
+            const char *next = q + 1 < pairs ? w0 + 2 * block : 0;
+            memset(out, 0, rows * 32 * 4);
+            for (int b = 0; b < k / qblock; b++) {
+                const size_t first = (size_t)b * (qblock / group) * group_bytes, bytes = (size_t)(qblock / group) * group_bytes;
+                if (next)
+                    for (size_t line = 0; line < bytes; line += 64) prefetch(next + first + line, l2), prefetch(next + block + first + line, l2);
+                for (int i = 0; i < qblock / 4; i++) {
+                    const size_t at = first + (size_t)(i / (group / 4)) * group_bytes + head + (size_t)(i % (group / 4)) * quad_bytes;
+                    quads[2 * i] = int8 ? quad_int8(w0 + at, order) : quad_nibbles(w0 + at, order);
+                    quads[2 * i + 1] = w1 == w0 ? quads[2 * i] : int8 ? quad_int8(w1 + at, order) : quad_nibbles(w1 + at, order);
+                }
+                for (int r = 0; r < m; r += MAX_ROWS)
+                    tiles[int8][m - r < MAX_ROWS ? m - r : MAX_ROWS](part, r, b, quads, w0, w1, group_bytes, offsets, out, 32);
             }
-            for (int r = 0; r < m; r += MAX_ROWS)
-                tiles[int8][m - r < MAX_ROWS ? m - r : MAX_ROWS](part, r, b, quads, w0, w1, group_bytes, offsets, out + 32 * q, stride);
+            for (int r = 0; r < m; r++)
+                for (int c = 32 * q; c < 32 * q + 32 && c < n; c += 16) { /* a lone last block's twin is not written */
+                    __m512 v = _mm512_loadu_ps(out + (size_t)r * 32 + c - 32 * q);
+                    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c));
+                    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + (size_t)r * n + c), (__m256i)_mm512_cvtneps_pbh(v));
+                    else _mm512_storeu_ps((float *)y + (size_t)r * n + c, v);
+                }
         }
     }
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int r = 0; r < m; r++)
-        for (int c = 0; c < n; c += 16) {
-            __m512 v = _mm512_loadu_ps(out + (size_t)r * stride + c);
-            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c));
-            if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + (size_t)r * n + c), (__m256i)_mm512_cvtneps_pbh(v));
-            else _mm512_storeu_ps((float *)y + (size_t)r * n + c, v);
-        }
     free(buffer);
     return 0;
 }
