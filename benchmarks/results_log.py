@@ -40,8 +40,12 @@ def headline(results: dict) -> str:
         return (f"a {results['file_gb']:.2f} GB GGUF loaded in {results['cold']['load_s']:.0f} s cold, {results['warm']['load_s']:.1f} s "
                 f"warm; peak {max(results['cold']['peak_rss_gb'], results['warm']['peak_rss_gb']):.2f} GB"
                 + (f"; llama.cpp {llama['load_s']:.1f} s, {llama['peak_rss_gb']:.2f} GB" if llama else ""))
-    runs = results.get("runs", {})  # benchmarks.peers
+    runs = results.get("runs", {})  # benchmarks.peers, benchmarks.window
     tps = {m: sum(len(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
+    if "lookahead without the window" in runs:
+        ran, steps = (sum(r[key] for r in runs["lookahead"]) for key in ("window_steps", "steps"))
+        return (f"{results['dtype']}: the window ran on {ran} of {steps} steps; lookahead {tps['lookahead']:.1f} tok/s, "
+                f"{tps['lookahead'] / tps['lookahead without the window']:.2f}x without it")
     peers = {m: v for m, v in tps.items() if m.startswith("llama.cpp")}
     if "lookahead bfloat16" not in tps or not peers:
         return "no lookahead or llama.cpp rows"

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from benchmarks import peers, pool_bench, results_log, run
+from benchmarks import peers, pool_bench, results_log, run, window
 
 
 def test_config_specs_parse_presets_and_fields():
@@ -120,3 +120,16 @@ def test_the_results_log_indexes_every_folder_and_keeps_its_history(tmp_path):
     assert "| `run-a` | abc1234 | Some CPU (family 1 | m, 64 | bfloat16: 90.0 tok/s, 3.00x fastest HF greedy, 1.50x our plain loop |" in text
     assert "| `peers-b` | def5678 | Other CPU | m, 128 | bf16: 80.0 tok/s, 1.60x llama.cpp bf16 plain |" in text
     assert "| `batch-c` | | | | see batch.md |" in text
+
+
+def test_the_window_report_says_what_the_window_ran_and_earned(tmp_path):
+    def rows(tokens_per_s: float, window_steps: int, tokens: list[int]) -> list[dict]:
+        return [{"set": "a", "prompt": "0", "tokens": tokens, "seconds": len(tokens) / tokens_per_s, "steps": 40,
+                 "window_steps": window_steps, "trajectory_tokens": 3 * window_steps}]
+    runs = {"lookahead": rows(30, 5, [1, 2, 3] * 20), "lookahead without the window": rows(25, 0, [1, 2, 3] * 20),
+            "our plain loop": rows(20, 0, [1, 2, 3] * 20)}
+    results = {"hardware": run.hardware(), "model": "m", "dtype": "int8", "weights": "gguf", "max_new_tokens": 60, "runs": runs}
+    window.write_report(results, tmp_path)
+    text = (tmp_path / "results.md").read_text()
+    assert "| lookahead | 30.0 | 1.50x | 40 | 5 | 15 | 100% |" in text
+    assert "| lookahead without the window | 25.0 | 1.25x | 40 | 0 | 0 | 100% |" in text

@@ -1,0 +1,81 @@
+"""What the Jacobi window earns: lookahead with it and without it (``window=0``), beside our plain loop, on the same
+model, weights, dtype and prompts, one request at a time; with how many steps the planner ran the window and how
+many draft tokens its trajectories got accepted.
+
+    python -m benchmarks.window --model qwen2.5-coder-1.5b --dtype int8 --limit 1 --max-new-tokens 64
+
+Each configuration has its own generator, whose drafting state (and the window's worth) is kept across its
+requests, as a server's is."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from benchmarks import datasets
+from benchmarks.prompts import prompt_ids
+from benchmarks.run import hardware
+from lookahead import LookaheadConfig, LookaheadGenerator, models
+
+CONFIGS = {"lookahead": LookaheadConfig(), "lookahead without the window": LookaheadConfig(window=0), "our plain loop": None}
+
+
+def run_all(args) -> dict:
+    cache_dir = args.cache_dir or models.default_cache_dir()
+    model, tok = models.load(args.model, dtype=args.dtype, cache_dir=cache_dir, kernels="packed", weights=args.weights)
+    prompts = datasets.load(args.sets, args.limit, cache_dir)
+    ids = [prompt_ids(tok, p.text, p.chat) for p in prompts]
+    runs: dict[str, list[dict]] = {}
+    for name, config in CONFIGS.items():
+        gen = LookaheadGenerator(model, tok, config or LookaheadConfig(), cache_dir=cache_dir)
+        gen.generate(ids[0][:16], 4, lookahead=config is not None, state=gen.new_state())  # warm-up, in a state of its own
+        runs[name] = []
+        for p, prompt in zip(prompts, ids):
+            start = time.perf_counter()
+            out = gen.generate(prompt, args.max_new_tokens, lookahead=config is not None)
+            runs[name].append({"set": p.set, "prompt": p.id, "tokens": out.tokens, "seconds": time.perf_counter() - start,
+                               "steps": out.stats.steps, "window_steps": out.stats.window_steps,
+                               "trajectory_tokens": out.stats.accepted_by_source.get("trajectory", 0)})
+        print(f"{name}: {sum(len(r['tokens']) for r in runs[name]) / sum(r['seconds'] for r in runs[name]):.1f} tok/s", flush=True)
+    return {"hardware": hardware(), "model": args.model, "dtype": args.dtype, "weights": args.weights,
+            "max_new_tokens": args.max_new_tokens, "runs": runs}
+
+
+def write_report(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    runs, hw = results["runs"], results["hardware"]
+    tps = {m: sum(len(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
+    plain = runs["our plain loop"]
+    lines = [f"# {results['model']}: what the Jacobi window earns", "",
+             f"{hw['cpu']}, {hw['cores']} cores; torch {hw['torch']}; commit {hw['commit']}; {results['dtype']}, "
+             f"{results['weights']} weights; {len(plain)} prompts, {results['max_new_tokens']} new tokens, greedy, one request at a time.", "",
+             "| configuration | tokens/s | vs our plain loop | steps | steps that ran the window | accepted draft tokens its trajectories proposed | same tokens as our plain loop |",
+             "|---|---|---|---|---|---|---|"]
+    for name, rs in runs.items():
+        same = sum(r["tokens"] == q["tokens"] for r, q in zip(rs, plain)) / len(rs)
+        lines.append(f"| {name} | {tps[name]:.1f} | {tps[name] / tps['our plain loop']:.2f}x | {sum(r['steps'] for r in rs)} | "
+                     f"{sum(r['window_steps'] for r in rs)} | {sum(r['trajectory_tokens'] for r in rs)} | {same:.0%} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=models.DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(models.DTYPES))
+    parser.add_argument("--weights", default="auto", choices=models.WEIGHTS)
+    parser.add_argument("--sets", default=",".join(datasets.SETS), help="comma-separated prompt sets")
+    parser.add_argument("--limit", type=int, default=2, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--cache-dir", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/window-latest"))
+    args = parser.parse_args(argv)
+    args.sets = args.sets.split(",")
+    write_report(run_all(args), args.out)
+    print((args.out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
