@@ -3,6 +3,7 @@ never imported), plus the project's own summarisation passages."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 from dataclasses import dataclass
@@ -63,3 +64,12 @@ def load(names: list[str], limit: int | None, cache_dir: Path) -> list[Prompt]:
     if unknown:
         raise ValueError(f"unknown prompt set(s) {unknown}; known: {sorted(SETS)}")
     return [p for name in names for p in SETS[name](cache_dir)[:limit]]
+
+
+def add_arguments(parser: argparse.ArgumentParser, limit: int) -> None:
+    """The options of a run over these prompts: --sets (a list), --limit (default ``limit``), --max-new-tokens,
+    --cache-dir."""
+    parser.add_argument("--sets", default=list(SETS), type=lambda text: text.split(","), help="comma-separated prompt sets")
+    parser.add_argument("--limit", type=int, default=limit, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--cache-dir", type=Path)

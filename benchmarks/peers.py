@@ -253,15 +253,11 @@ def _same_start(a: list[int], b: list[int]) -> int:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.EMBEDDED))
-    parser.add_argument("--sets", default=",".join(datasets.SETS), help="comma-separated prompt sets")
-    parser.add_argument("--limit", type=int, default=3, help="prompts per set")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    datasets.add_arguments(parser, limit=3)
     parser.add_argument("--llama-cpp", type=Path, help="a directory holding llama-server and llama-quantize (default: build them)")
     parser.add_argument("--build-only", action="store_true")
-    parser.add_argument("--cache-dir", type=Path)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/peers-latest"))
     args = parser.parse_args(argv)
-    args.sets = args.sets.split(",")
     if args.build_only:
         print(build_llama_cpp(args.cache_dir or models.default_cache_dir()))
         return
