@@ -1,13 +1,15 @@
-/* The integer quantized linear (AVX512-VNNI): y (M, N) = x (M, K) W^T (+ b) on quant_linear.c's blocks, with each
-   row of x rounded to 8 bits per 32 k's, as llama.cpp's Q8 activations are:
+/* The integer quantized linear (AVX512-VNNI and VBMI): y (M, N) = x (M, K) W^T (+ b) on quant_linear.c's blocks,
+   with each row of x rounded to 8 bits per activation block of B k's (256, else 128, 64, 32: the largest that
+   divides K), as llama.cpp's Q8 activations are:
 
-       x[k] ~ dx[k / 32] qx[k]     dx = max |x| / 127 over the 32, qx = x / dx rounded to the nearest integer
+       x[k] ~ dx[k / B] qx[k]     dx = max |x| / 127 over the block, qx = x / dx rounded to the nearest integer
 
-       y[n] = sum over groups g of  dx s[n][g] (sum_k q[n][k] qx[k])  (+ dx o[n][g] (sum_k qx[k]))
+       y[n] = sum over activation blocks b of  dx[b] (sum over its groups g of  s[n][g] (sum_k q[n][k] qx[k])
+                                                                               (+ o[n][g] (sum_k qx[k])))
 
-   The integer sums are vpdpbusd's (4 byte products added into each of 16 int32 lanes an instruction, 16x an fp32
-   FMA's work on 2-core Zen 4's one 512-bit unit); each group's scales are applied in fp32, one FMA chain a column
-   over the groups in order, + bias. So it is another arithmetic than the fp32 kernel's: a mode of its own
+   The integer sums are vpdpbusd's (64 byte products into 16 int32 lanes an instruction: 4x the multiply-adds of
+   an fp32 FMA); each group's scales are applied in fp32, an FMA chain a column over the block's groups in order,
+   then dx once a block, + bias. So it is another arithmetic than the fp32 kernel's: a dtype of its own
    (``--dtype int8``), whose products differ from the dequantized weights' by the activations' rounding.
 
    Row-invariant by construction: a row's quantization depends on that row alone, integer sums are exact in any
@@ -15,10 +17,11 @@
 
    The blocks are read as quant_linear.c lays them out (16 columns; per group 16 fp32 scales, 16 offsets where
    the type has them, then steps of k's and k + 1's 16 columns), four k's at a time: their 64 values transposed
-   by one vpermb (AVX512-VBMI) into 16 lanes of (k, k + 1, k + 2, k + 3), which vpdpbusd multiplies by the row's
-   four broadcast bytes. vpdpbusd takes unsigned weights: nibbles (0 .. 15) are; int8 weights are biased by 128
-   (an xor) and 128 sum_k qx[k] taken off their integer sum, exactly. A tile is up to 4 rows x two blocks; the
-   threads split the blocks two at a time, prefetching the next two as quant_linear.c does. */
+   by one vpermb into 16 lanes of (k, k + 1, k + 2, k + 3), which vpdpbusd multiplies by the row's four broadcast
+   bytes. vpdpbusd takes unsigned weights: nibbles (0 .. 15) are; int8 weights are biased by 128 (an xor) and 128
+   sum_k qx[k] taken off their integer sum, exactly. The threads split the blocks two at a time; a pair's quads
+   of one activation block are unpacked once into an L1 buffer, which every tile of up to 4 rows reads, so the
+   unpacking is paid once whatever M; the next pair's bytes are prefetched meanwhile. */
 
 #include <immintrin.h>
 #include <omp.h>
