@@ -20,6 +20,7 @@ report says which).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -31,7 +32,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -61,6 +62,19 @@ class Prepared:
 
     directory: Path
     index: dict  # index.json: {"gguf", "architecture", "tensors": [...], "left": [...]}
+
+
+@contextlib.contextmanager
+def directory_whole(target: Path) -> Iterator[Path]:
+    """A directory to fill that becomes ``target`` only when the block ends (a temporary one beside it, renamed):
+    a cache entry a reader finds whole or not at all; on an exception the temporary one is removed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def cache_key(gguf: Path, status: os.stat_result) -> str:
@@ -265,9 +279,7 @@ def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
     model = _skeleton(config, torch.float32)
     processor, blocks = _processor(architecture, config)
     entries, left = _entries(reader, model, processor, blocks)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
+    with directory_whole(target) as tmp:
         config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -278,9 +290,6 @@ def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
                     _check_finite(gguf, entry, q.scale, q.offset)
         index = {"gguf": str(gguf.resolve()), "architecture": architecture, "tensors": entries, "left": left}
         (tmp / "index.json").write_text(json.dumps(index))
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return Prepared(target, index)
 
 

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +24,7 @@ from lookahead import gguf_model
 from lookahead.cpu import default_cache_dir
 from lookahead.gguf_model import ModelLoadError, one_line
 from lookahead.native import INTEGER
+from ngram_pool.files import written_whole
 
 # the model's dtype for each --dtype: int8 (``native.INTEGER``) runs bf16 between the linears (norms, attention, cache)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, INTEGER: torch.bfloat16}
@@ -134,22 +132,16 @@ def fetch_embedded(name: str, cache_dir: Path, progress: Progress = _quiet) -> P
             bar.update()
     digest = hashlib.sha256()
     total = sum(size for _, size in sources)
-    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out, \
+    with written_whole(target) as out, \
             tqdm(total=total, desc=f"{name}: assembling", unit="B", unit_scale=True, disable=quiet, leave=False) as bar:
-        try:
-            for source, _ in sources:
-                with source:
-                    while block := source.read(1 << 22):
-                        digest.update(block)
-                        out.write(block)
-                        bar.update(len(block))
-        except BaseException:
-            os.unlink(out.name)
-            raise
-    if digest.hexdigest() != model.sha256:
-        os.unlink(out.name)
-        raise ModelLoadError(f"{name}: assembled GGUF has sha256 {digest.hexdigest()}, expected {model.sha256}")
-    os.replace(out.name, target)
+        for source, _ in sources:
+            with source:
+                while block := source.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+                    bar.update(len(block))
+        if digest.hexdigest() != model.sha256:  # raised inside: the file never appears
+            raise ModelLoadError(f"{name}: assembled GGUF has sha256 {digest.hexdigest()}, expected {model.sha256}")
     return target
 
 
@@ -184,14 +176,9 @@ def convert_gguf(gguf: Path, target: Path, progress: Progress = _quiet) -> Path:
     # The weights are plain dequantized tensors now; only the GGUF quantizer's marker blocks saving.
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
+    with gguf_model.directory_whole(target) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
