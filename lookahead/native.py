@@ -341,8 +341,8 @@ class Linear:
         if tiles and not amx():
             raise ValueError("this CPU or process cannot use AMX tiles")
         quantized = isinstance(packed, QuantLayout)
-        whole = quantized and packed.integer  # the integer kernel: bf16 or fp32 activations, said in its last argument
-        if whole and not integer_runs():
+        integer = quantized and packed.integer  # the integer kernel: bf16 or fp32 activations, said in its last argument
+        if integer and not integer_runs():
             raise ValueError("this CPU or build has no integer linear (AVX512-VNNI and VBMI)")
         if quantized:
             self.dtype, self.n, self.k = packed.dtype, packed.n, packed.k
@@ -353,10 +353,10 @@ class Linear:
             self.n, self.k = packed.shape[0] * BLOCK, packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
             self.format, weights = (), packed
         bf16 = self.dtype == torch.bfloat16
-        on_tiles = bf16 and self.k % 32 == 0 and not whole and (amx() if tiles is None else tiles)
+        on_tiles = bf16 and self.k % 32 == 0 and not integer and (amx() if tiles is None else tiles)
         name = f"amx_{'quant' if quantized else 'bf16'}_linear" if on_tiles else f"{'quant_' if quantized else ''}{'bf16' if bf16 else 'fp32'}_linear"
-        self.run = getattr(library(), "int_linear" if whole else name)
-        self.tail = (int(bf16),) if whole else ()
+        self.run = getattr(library(), "int_linear" if integer else name)
+        self.tail = (int(bf16),) if integer else ()
         self.pointers = weights.data_ptr(), None if bias is None else bias.data_ptr()
         self.l2 = prefetch_into_l2()
 
