@@ -62,7 +62,7 @@ def headline(results: dict) -> str:
 
 def index(results_dir: Path) -> list[str]:
     """The table, one row per folder, in name order."""
-    rows = ["| folder | commit | CPU | model, new tokens | headline |", "|---|---|---|---|---|"]
+    rows = ["| folder | commit | machine | model, new tokens | headline |", "|---|---|---|---|---|"]
     for folder in sorted(p for p in results_dir.iterdir() if p.is_dir()):
         file = folder / "results.json"
         if not file.is_file():
@@ -71,7 +71,7 @@ def index(results_dir: Path) -> list[str]:
             continue
         results = json.loads(file.read_text())
         hw = results.get("hardware", {})
-        cpu = str(hw.get("cpu", "?")).split(";")[0].replace("|", "/")
+        cpu = hw.get("gpu") or str(hw.get("cpu", "?")).split(";")[0].replace("|", "/")  # the device measured
         rows.append(f"| `{folder.name}` | {hw.get('commit', '?')} | {cpu} | {results.get('model', '?')}, "
                     f"{results.get('max_new_tokens', '?')} | {headline(results)} |")
     return rows
