@@ -44,11 +44,12 @@ TARGET static inline __m512 load_row(const void *x, int bf16, int at) {
 TARGET static inline __m512i quad_int8(const char *step, __m512i order) {
     return _mm512_xor_si512(_mm512_permutexvar_epi8(order, _mm512_loadu_si512(step)), _mm512_set1_epi8((char)0x80));
 }
-TARGET static inline __m512i quad_nibbles(const char *step, __m512i order) {
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)step), low = _mm256_set1_epi8(15);
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
-                                            _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);
-    return _mm512_permutexvar_epi8(order, both); /* both: chunks k, k + 2 (low nibbles), k + 1, k + 3 (high) */
+/* eight k's of one block (four steps, 64 bytes: low nibbles k, k + 2, k + 4, k + 6, high k + 1, k + 3, k + 5, k + 7)
+   as two quads, each by one two-source vpermb of the low and the high nibbles */
+TARGET static inline void octet_nibbles(const char *step, __m512i first, __m512i second, __m512i *a, __m512i *b) {
+    const __m512i bytes = _mm512_loadu_si512(step), low = _mm512_set1_epi8(15);
+    const __m512i lows = _mm512_and_si512(bytes, low), highs = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+    *a = _mm512_permutex2var_epi8(lows, first, highs), *b = _mm512_permutex2var_epi8(lows, second, highs);
 }
 
 /* acc + the products of a's unsigned and b's signed bytes, four to a lane: vpdpbusd, in place (gcc's intrinsic
@@ -58,7 +59,8 @@ TARGET static inline __m512i dot(__m512i acc, __m512i a, __m512i b) {
     return acc;
 }
 
-/* the vpermb index: lane c's byte j from chunk chunks[j] (16 bytes a chunk), column c */
+/* the vpermb index: lane c's byte j from chunk chunks[j] (16 bytes a chunk, 64 a source: 4 and up, the second
+   source of a two-source vpermb), column c */
 TARGET static __m512i order_of(const int chunks[4]) {
     uint8_t index[64];
     for (int c = 0; c < 16; c++)
@@ -175,7 +177,10 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
     float *outs = (float *)(biases + rows * groups); /* a thread's (m, 32) sums of its current pair */
     const Rows part = {qx, dx, sums, biases, k, qblock, group};
     const int int8 = bits == 8, quad_bytes = int8 ? 64 : 32;
-    const __m512i order = order_of(int8 ? (const int[4]){0, 1, 2, 3} : (const int[4]){0, 2, 1, 3});
+    /* int8: a quad's four steps in place; nibbles: k, k + 1, k + 2, k + 3 from the lows' and highs' chunks 0, 1,
+       then k + 4 ... from their chunks 2, 3 */
+    const __m512i order = order_of((const int[4]){0, 1, 2, 3}), first = order_of((const int[4]){0, 4, 1, 5}),
+                  second = order_of((const int[4]){2, 6, 3, 7});
     const int blocks = n / 16, pairs = (blocks + 1) / 2;
     const size_t head = offsets ? 128 : 64, group_bytes = head + (size_t)group / 4 * quad_bytes, block = groups * group_bytes;
     _Pragma("omp parallel num_threads(threads)") {
@@ -191,13 +196,20 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
             const char *next = q + 1 < pairs ? w0 + 2 * block : 0;
             memset(out, 0, rows * 32 * 4);
             for (int b = 0; b < k / qblock; b++) {
-                const size_t first = (size_t)b * (qblock / group) * group_bytes, bytes = (size_t)(qblock / group) * group_bytes;
-                if (next)
-                    for (size_t line = 0; line < bytes; line += 64) prefetch(next + first + line, l2), prefetch(next + block + first + line, l2);
-                for (int i = 0; i < qblock / 4; i++) {
-                    const size_t at = first + (size_t)(i / (group / 4)) * group_bytes + head + (size_t)(i % (group / 4)) * quad_bytes;
-                    quads[2 * i] = int8 ? quad_int8(w0 + at, order) : quad_nibbles(w0 + at, order);
-                    quads[2 * i + 1] = w1 == w0 ? quads[2 * i] : int8 ? quad_int8(w1 + at, order) : quad_nibbles(w1 + at, order);
+                const size_t start = (size_t)b * (qblock / group) * group_bytes, bytes = (size_t)(qblock / group) * group_bytes;
+                const size_t lines = bytes / 64, quad_count = (size_t)qblock / 4;
+                for (int i = 0; i < qblock / 4; i += 2) { /* two quads (8 k's) at a time: a group holds an even number */
+                    if (next) /* the next pair's lines of this activation block, spread over its quads: not in one burst */
+                        for (size_t line = i * lines / quad_count; line < (i + 2) * lines / quad_count; line++)
+                            prefetch(next + start + 64 * line, l2), prefetch(next + block + start + 64 * line, l2);
+                    const size_t at = start + (size_t)(i / (group / 4)) * group_bytes + head + (size_t)(i % (group / 4)) * quad_bytes;
+                    for (int half = 0; half < 2; half++) { /* w0's quads, then w1's (a lone last block's twin: its own) */
+                        const char *w = half && w1 != w0 ? w1 : w0;
+                        if (int8)
+                            quads[2 * i + half] = quad_int8(w + at, order), quads[2 * i + 2 + half] = quad_int8(w + at + 64, order);
+                        else
+                            octet_nibbles(w + at, first, second, &quads[2 * i + half], &quads[2 * i + 2 + half]);
+                    }
                 }
                 for (int r = 0; r < m; r += MAX_ROWS)
                     tiles[int8][m - r < MAX_ROWS ? m - r : MAX_ROWS](part, r, b, quads, w0, w1, group_bytes, offsets, out, 32);
