@@ -41,7 +41,7 @@ from torch import nn
 from lookahead import native, quants
 from lookahead.kernels import SIBLINGS
 
-LAYOUT = 2  # the cache's layout: a change to it (or to pack_quantized's blocks) must bump this
+LAYOUT = 3  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
 ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
 CHUNK = 4096  # rows decoded and laid out at a time (a multiple of native.BLOCK: blocks of rows are independent)
 GGUF_VERSIONS = (2, 3)  # the versions gguf-py reads
@@ -283,7 +283,7 @@ def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
         config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _lay_out(gguf, entries, model, blocks == "heads", tmp / "blocks.bin")
+        _lay_out(gguf, entries, model, blocks == "heads", tmp)
         for entry in entries:  # the embedding's scales, checked once here (its rows are decoded as they are looked up)
             if entry["role"] == "embedding":
                 for q in _decoded(entry, _read(gguf, entry)):
@@ -329,12 +329,13 @@ def _entries(reader, model: nn.Module, processor, blocks: str | None) -> tuple[l
     return entries, left
 
 
-def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, path: Path) -> None:
-    """Write each "blocks" entry's weight in the kernels' layout to ``path`` (siblings adjacent, each aligned), and
-    record where in its entry. ``heads``: Llama's q and k rows reordered as transformers' processor does."""
+def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, directory: Path) -> None:
+    """Write each "blocks" entry's weight in the kernels' layout to ``blocks.bin`` and, for the K types, in the
+    integer kernel's (``native.pack_supers``) to ``supers.bin`` (siblings adjacent, each aligned), and record where
+    in its entry. ``heads``: Llama's q and k rows reordered as transformers' processor does."""
     config = model.config
     counts = {"q_proj": config.num_attention_heads, "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
-    with open(path, "wb") as out:
+    with open(directory / "blocks.bin", "wb") as out, open(directory / "supers.bin", "wb") as supers:
         for entry in sorted((e for e in entries if e["role"] == "blocks"), key=lambda e: _sibling_order(e["hf"][: -len(".weight")])):
             linear = model.get_submodule(entry["hf"][: -len(".weight")])
             n, k = linear.out_features, linear.in_features
@@ -342,12 +343,16 @@ def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, pat
             leaf = entry["hf"].split(".")[-2]
             if heads and leaf in counts and n % (2 * counts[leaf]) == 0:
                 raw = raw[quants.head_order(n, counts[leaf]).numpy()]
-            out.write(b"\0" * (-out.tell() % ALIGN))
-            entry.update(at=out.tell(), n=n, k=k)
+            for f in (out, supers):
+                f.write(b"\0" * (-f.tell() % ALIGN))
+            entry.update(at=out.tell(), n=n, k=k, supers_at=supers.tell())
             for q in _decoded(entry, raw):
                 _check_finite(gguf, entry, q.scale, q.offset)
                 out.write(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32).packed.numpy().data)
+                if native.supers_fit(q):
+                    supers.write(native.pack_supers(q, torch.float32).packed.numpy().data)
             entry.update(size=out.tell() - entry["at"], bits=q.bits, group=q.group, offsets=q.offset is not None)
+            entry.update(supers_size=supers.tell() - entry["supers_at"])
 
 
 def _decoded(entry: dict, raw: np.ndarray):
@@ -358,9 +363,10 @@ def _decoded(entry: dict, raw: np.ndarray):
         yield quants.from_blocks(raw[start:start + CHUNK], entry["type"], min(CHUNK, n - start), k)
 
 
-def weight_kinds(prepared: Prepared) -> str:
+def weight_kinds(prepared: Prepared, integer: bool = False) -> str:
     """What ``kernels.weight_kinds`` will say of the model ``load`` builds (the cost curve's key), from the index."""
-    kinds = {quants.kind(e["bits"], e["group"], e["offsets"]) for e in prepared.index["tensors"] if e["role"] == "blocks"}
+    kinds = {quants.kind(e["bits"], e["group"], e["offsets"], integer and e["supers_size"] > 0)
+             for e in prepared.index["tensors"] if e["role"] == "blocks"}
     return ", ".join(sorted(kinds | ({"dense"} if prepared.index["left"] else set()))) or "dense"
 
 
@@ -371,11 +377,12 @@ def dense_parameters(prepared: Prepared) -> int:
     return linears + sum(int(np.prod(e["shape"])) for e in tensors if e["role"] != "blocks")
 
 
-def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, dense: bool = False):
+def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, dense: bool = False, integer: bool = False):
     """(model, tokenizer or None, {module name: laid-out blocks}, lines for the linears left dense); see the module
     doc. ``kernels.pack(model, quantized=layouts)`` finishes it: its linears on the blocks are on the meta device
     until then. ``dense``: every tensor dequantized instead (``--weights dense``, the stock kernels), still
-    straight from the file: the model holds its dense weights once, and nothing dense is written anywhere."""
+    straight from the file: the model holds its dense weights once, and nothing dense is written anywhere.
+    ``integer``: for the integer kernel, the K types' blocks as it reads them (``supers.bin``)."""
     import gguf as gguf_py
     from transformers import AutoConfig, AutoTokenizer
 
@@ -387,14 +394,18 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
     model = _skeleton(config, dtype)
     processor, _ = _processor(index["architecture"], config)
     blocks = _blocks(directory / "blocks.bin") if not dense else None
+    supers = _blocks(directory / "supers.bin") if integer and not dense else None
     layouts = {}
     for entry in index["tensors"]:
         module_name, _, leaf = entry["hf"].rpartition(".")
         if dense and entry["role"] == "blocks" and entry["gguf"] == "token_embd.weight":
             continue  # a tied output layer: the embedding's own table (tied below)
         if not dense and entry["role"] == "blocks":
-            packed = blocks[entry["at"]: entry["at"] + entry["size"]].view(entry["n"] // native.BLOCK, -1)
-            layouts[module_name] = native.QuantLayout(packed, entry["n"], entry["k"], entry["bits"], entry["group"], entry["offsets"], dtype)
+            on_supers = supers is not None and entry["supers_size"] > 0
+            source, at, size = (supers, entry["supers_at"], entry["supers_size"]) if on_supers else (blocks, entry["at"], entry["size"])
+            packed = source[at: at + size].view(entry["n"] // native.BLOCK, -1)
+            layouts[module_name] = native.QuantLayout(packed, entry["n"], entry["k"], entry["bits"], entry["group"], entry["offsets"], dtype,
+                                                      integer=on_supers, supers=on_supers)
         elif not dense and entry["role"] == "embedding":
             original = model.get_submodule(module_name)
             raw = np.memmap(gguf, dtype=np.uint8, mode="r", offset=entry["offset"], shape=(entry["nbytes"],))

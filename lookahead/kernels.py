@@ -84,7 +84,7 @@ class Product:
             self.own, self.packed = True, native.cat_layouts(quantized, dtype, integer)
         elif quantized:
             q = Quantized.cat(quantized) if len(quantized) > 1 else quantized[0]
-            self.own, self.packed = True, native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer)
+            self.own, self.packed = True, native.lay_out(q, dtype, integer)
         else:
             weights = [linear.weight.detach() for linear in linears]
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]

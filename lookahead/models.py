@@ -287,7 +287,8 @@ def load(
     progress(f"loading {spec} ({dtype}, {device}, {weights} weights)")
     gguf = gguf or gguf_file(spec, cache_dir, progress)  # a GGUF model is built from its file, whatever its weights
     if gguf is not None:
-        model, tokenizer, quantized, left = gguf_model.load(gguf, DTYPES[dtype], cache_dir, progress, dense=weights != "gguf")
+        model, tokenizer, quantized, left = gguf_model.load(gguf, DTYPES[dtype], cache_dir, progress, dense=weights != "gguf",
+                                                            integer=dtype == INTEGER)
         if device != "cpu":  # dense then (its blocks run on the CPU): built on the CPU, moved whole
             model.to(device)
         quantized = quants.q8_linears(model) if weights == "q8" else quantized

@@ -185,7 +185,7 @@ def build(directory: Path, tier: str) -> ctypes.CDLL | str:
         "quant_fp32_linear": (linear + [ctypes.c_int] * 3, None),  # ... k, bits, group, offsets, threads, l2
         "quant_bf16_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
         "amx_quant_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
-        "int_linear": (linear + [ctypes.c_int] * 4, ctypes.c_int),  # ... offsets, threads, l2, bf16; 1: out of memory
+        "int_linear": (linear + [ctypes.c_int] * 5, ctypes.c_int),  # ... offsets, supers, threads, l2, bf16; 1: out of memory
         "tree_attention": ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
                            + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "rms_norm": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),
@@ -231,6 +231,7 @@ class QuantLayout:
     offsets: bool  # whether each group has an offset too
     dtype: torch.dtype  # the activations' (and outputs') dtype: which kernel runs it
     integer: bool = False  # activations rounded to 8 bits, integer products (csrc/int_linear.c), where ``integer_runs()``
+    supers: bool = False  # the K types' scales per 256 k's (``pack_supers``: the integer kernel's alone)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -239,7 +240,7 @@ class QuantLayout:
     @property
     def kind(self) -> str:
         """What must agree for weights to share one product (``quants.kind``)."""
-        return quants.kind(self.bits, self.group, self.offsets)
+        return quants.kind(self.bits, self.group, self.offsets, self.supers)
 
     def nbytes(self) -> int:
         return self.packed.numel()
@@ -259,14 +260,53 @@ def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
     (k's 16 columns, then k + 1's; nibbles: value i in byte i % 16, the high nibble from i = 16)."""
     n, k = q.shape
     groups = k // group
-    steps = q.view(n // BLOCK, BLOCK, groups, group // 2, 2).permute(0, 2, 3, 4, 1).reshape(n // BLOCK, groups, group // 2, 32)
+    heads = [_columns(t.float(), groups) for t in (scale, offset) if t is not None]  # (NB, G, 64) each
+    packed = torch.cat([*heads, _steps(q, group, bits)], dim=-1).reshape(n // BLOCK, -1).contiguous()
+    return QuantLayout(packed, n, k, bits, group, offset is not None, dtype, integer)
+
+
+def supers_fit(q: quants.Quantized) -> bool:
+    """Whether ``q`` can be laid out by ``pack_supers``: a K type's (``q.supers``), K a multiple of 256."""
+    return q.supers is not None and q.shape[1] % 256 == 0 and quant_fits(*q.shape, q.group, integer=True)
+
+
+def lay_out(q: quants.Quantized, dtype: torch.dtype, integer: bool = False) -> QuantLayout:
+    """``q`` for the quantized kernel with ``dtype`` activations, or for the integer one where ``integer``: in the
+    K types' own scales where they fit (``pack_supers``), else ``pack_quantized``'s."""
+    if integer and supers_fit(q):
+        return pack_supers(q, dtype)
+    return pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer)
+
+
+def pack_supers(q: quants.Quantized, dtype: torch.dtype) -> QuantLayout:
+    """A K type's weight (``q.supers`` set; K a multiple of 256) -> the integer kernel's blocks: per block of 16
+    rows and 256 k's, the 16 fp32 d (and dmin), then each group's 16 int8 sc (and then each group's m), then the
+    steps of ``pack_quantized``, group after group. Q4_K: 2432 bytes for 4096 weights (4.75 bits each, as in the
+    file) where ``pack_quantized`` takes 3072."""
+    n, k = q.shape
+    supers, groups = q.supers, k // q.group
+    per = 256 // q.group  # groups a super-block
+    wide = [_columns(t, k // 256) for t in (supers.d, supers.dmin) if t is not None]  # (NB, S, 64) each
+    small = [_columns(t, groups).reshape(n // BLOCK, k // 256, per * BLOCK) for t in (supers.sc, supers.m) if t is not None]
+    steps = _steps(q.q, q.group, q.bits).reshape(n // BLOCK, k // 256, -1)
+    packed = torch.cat([*wide, *small, steps], dim=-1).reshape(n // BLOCK, -1).contiguous()
+    return QuantLayout(packed, n, k, q.bits, q.group, supers.dmin is not None, dtype, integer=True, supers=True)
+
+
+def _columns(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """(N, groups) values -> (N / 16, groups, 16 values' bytes): each group's values for a block's 16 columns."""
+    return t.view(t.shape[0] // BLOCK, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def _steps(q: torch.Tensor, group: int, bits: int) -> torch.Tensor:
+    """q (N, K) -> (N / 16, K / group, bytes): each group's steps of 32 values (k's 16 columns, then k + 1's),
+    nibbles two a byte (value i in byte i % 16, the high nibble from i = 16) where ``bits`` is 4."""
+    n, k = q.shape
+    steps = q.view(n // BLOCK, BLOCK, k // group, group // 2, 2).permute(0, 2, 3, 4, 1).reshape(n // BLOCK, k // group, group // 2, 32)
     steps = steps.contiguous().view(torch.uint8)
     if bits == 4:
         steps = steps[..., :16] | (steps[..., 16:] << 4)
-    heads = [t.float().view(n // BLOCK, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
-             for t in (scale, offset) if t is not None]  # (NB, G, 64) each
-    packed = torch.cat([*heads, steps.reshape(n // BLOCK, groups, -1)], dim=-1).reshape(n // BLOCK, -1).contiguous()
-    return QuantLayout(packed, n, k, bits, group, offset is not None, dtype, integer)
+    return steps.reshape(n // BLOCK, k // group, -1)
 
 
 def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype, integer: bool = False) -> QuantLayout:
@@ -284,16 +324,26 @@ def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype, integer: bool = Fa
         packed = torch.empty(0, dtype=torch.uint8).set_(storage, first.packed.storage_offset(), (n // BLOCK, first.packed.shape[1]))
     else:
         packed = torch.cat([p.packed for p in parts])
-    return QuantLayout(packed, n, first.k, first.bits, first.group, first.offsets, dtype, integer)
+    return QuantLayout(packed, n, first.k, first.bits, first.group, first.offsets, dtype, integer or first.supers, first.supers)
 
 
 def unpack_quantized(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``pack_quantized``'s inverse: (q, scale, offset)."""
+    """``pack_quantized``'s (and ``pack_supers``') inverse: (q, scale, offset)."""
     n, k, group = layout.n, layout.k, layout.group
-    blocks = layout.packed.view(n // BLOCK, k // group, -1)
     heads = 2 if layout.offsets else 1
-    floats = [blocks[..., 64 * i:64 * (i + 1)].contiguous().view(torch.float32).transpose(1, 2).reshape(n, -1) for i in range(heads)]
-    steps = blocks[..., 64 * heads:].reshape(n // BLOCK, k // group, group // 2, -1)
+    if layout.supers:  # the scales d sc and -(dmin m), as the decoders compute them; the steps after the heads
+        per = 256 // group
+        blocks = layout.packed.view(n // BLOCK, k // 256, -1)
+        at = [64 * i for i in range(heads)] + [64 * heads + 16 * per * i for i in range(heads + 1)]
+        wide = [blocks[..., at[i]:at[i] + 64].contiguous().view(torch.float32).transpose(1, 2).reshape(n, -1, 1) for i in range(heads)]
+        small = [blocks[..., at[heads + i]:at[heads + i + 1]].contiguous().view(torch.int8).view(n // BLOCK, k // 256, per, BLOCK)
+                 .permute(0, 3, 1, 2).reshape(n, -1, per).float() for i in range(heads)]
+        floats = [(wide[0] * small[0]).reshape(n, -1)] + ([-(wide[1] * small[1]).reshape(n, -1)] if heads == 2 else [])
+        steps = blocks[..., at[-1]:].reshape(n // BLOCK, k // group, group // 2, -1)
+    else:
+        blocks = layout.packed.view(n // BLOCK, k // group, -1)
+        floats = [blocks[..., 64 * i:64 * (i + 1)].contiguous().view(torch.float32).transpose(1, 2).reshape(n, -1) for i in range(heads)]
+        steps = blocks[..., 64 * heads:].reshape(n // BLOCK, k // group, group // 2, -1)
     if layout.bits == 4:
         steps = torch.cat([steps & 15, steps >> 4], dim=-1)
     steps = steps.contiguous().view(torch.int8).view(n // BLOCK, k // group, group // 2, 2, BLOCK)
@@ -346,7 +396,7 @@ class Linear:
             raise ValueError("this CPU or build has no integer linear (AVX512-VNNI and VBMI)")
         if quantized:
             self.dtype, self.n, self.k = packed.dtype, packed.n, packed.k
-            self.format = (packed.bits, packed.group, int(packed.offsets))  # the quantized kernels' extra arguments
+            self.format = (packed.bits, packed.group, int(packed.offsets)) + ((int(packed.supers),) if integer else ())  # the kernels' extra arguments
             weights = packed.packed
         else:
             self.dtype = packed.dtype

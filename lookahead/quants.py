@@ -24,14 +24,35 @@ QK = 32  # k's a block of the legacy types (Q4_0 ... Q8_0)
 QK_K = 256  # k's a super-block of the K types
 
 
-def kind(bits: int, group: int, offsets: bool) -> str:
-    """A quantized weight's kind in a few characters: "q8/32" (int8, groups of 32), "q4/32+offsets" ..."""
-    return f"q{bits}/{group}{'+offsets' if offsets else ''}"
+def kind(bits: int, group: int, offsets: bool, supers: bool = False) -> str:
+    """A quantized weight's kind in a few characters: "q8/32" (int8, groups of 32), "q4/32+offsets" ...; "... in
+    256s" where the scales are laid out as the K types hold them (``Supers``)."""
+    return f"q{bits}/{group}{'+offsets' if offsets else ''}{' in 256s' if supers else ''}"
 
 
 # each GGUF type's kind once kept here (``from_blocks``)
 KINDS = {"Q8_0": kind(8, 32, False), "Q5_0": kind(8, 32, False), "Q4_0": kind(8, 32, False), "Q6_K": kind(8, 16, False),
          "Q3_K": kind(8, 16, False), "Q5_K": kind(8, 32, True), "Q4_1": kind(4, 32, True), "Q4_K": kind(4, 32, True)}
+
+
+@dataclass
+class Supers:
+    """A K type's scales as its file holds them: an fp32 ``d`` (and ``dmin``) per 256 k's, a small integer ``sc``
+    (and ``m``) per group, so that ``scale = d sc`` and ``offset = -(dmin m)``, each one fp32 product. The integer
+    kernel's layout keeps these (a byte a group) instead of an fp32 scale and offset a group: Q4_K then streams
+    4.75 bits a weight, not 6."""
+
+    d: torch.Tensor  # (N, K / 256) fp32
+    sc: torch.Tensor  # (N, K / group) int8
+    dmin: torch.Tensor | None = None  # (N, K / 256) fp32, where the type has offsets
+    m: torch.Tensor | None = None  # (N, K / group) int8
+
+    def rows(self, index: torch.Tensor | slice) -> "Supers":
+        return Supers(self.d[index], self.sc[index], *(None if t is None else t[index] for t in (self.dmin, self.m)))
+
+    @staticmethod
+    def cat(parts: list["Supers"]) -> "Supers":
+        return Supers(*(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts]) for f in ("d", "sc", "dmin", "m")))
 
 
 @dataclass
@@ -43,6 +64,7 @@ class Quantized:
     offset: torch.Tensor | None  # (N, K / group) fp32, or None
     group: int
     bits: int  # 8, or 4 (q in 0 .. 15: packed as nibbles)
+    supers: Supers | None = None  # the K types': where scale and offset came from
 
     def __post_init__(self) -> None:
         n, k = self.q.shape
@@ -65,15 +87,17 @@ class Quantized:
         return (w if self.offset is None else w + self.offset.unsqueeze(-1)).view(self.q.shape)
 
     def rows(self, index: torch.Tensor | slice) -> "Quantized":
-        return Quantized(self.q[index], self.scale[index], None if self.offset is None else self.offset[index], self.group, self.bits)
+        return Quantized(self.q[index], self.scale[index], None if self.offset is None else self.offset[index], self.group, self.bits,
+                         None if self.supers is None else self.supers.rows(index))
 
     @staticmethod
     def cat(parts: list["Quantized"]) -> "Quantized":
-        """The weights stacked by rows (one ``kind``)."""
+        """The weights stacked by rows (one ``kind``; ``supers`` kept where every part has them)."""
         if len({p.kind for p in parts}) != 1:
             raise ValueError("quantized weights of different kinds cannot be stacked")
         offsets = None if parts[0].offset is None else torch.cat([p.offset for p in parts])
-        return Quantized(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offsets, parts[0].group, parts[0].bits)
+        supers = Supers.cat([p.supers for p in parts]) if all(p.supers is not None for p in parts) else None
+        return Quantized(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offsets, parts[0].group, parts[0].bits, supers)
 
     def nbytes(self) -> int:
         """Bytes in the kernels' layout."""
@@ -128,7 +152,7 @@ def _q4_k(raw: np.ndarray, n: int, k: int) -> Quantized:
     sc, mn = _k_scales(b[..., 4:16], n)
     qs = b[..., 16:].reshape(n, -1, 4, 32)  # four chunks of 32 bytes: groups 2c (low nibbles), 2c + 1 (high)
     q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k).astype(np.int8)
-    return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), torch.from_numpy(-(dmin * mn).reshape(n, -1)), QK, 4)
+    return _with_supers(q, d, sc, dmin, mn, QK, 4)
 
 
 def _q5_k(raw: np.ndarray, n: int, k: int) -> Quantized:
@@ -140,7 +164,7 @@ def _q5_k(raw: np.ndarray, n: int, k: int) -> Quantized:
     low = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1, 8, 32)
     high = (b[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
     q = (low | (high << 4)).astype(np.int8).reshape(n, k)
-    return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), torch.from_numpy(-(dmin * mn).reshape(n, -1)), QK, 8)
+    return _with_supers(q, d, sc, dmin, mn, QK, 8)
 
 
 def _q3_k(raw: np.ndarray, n: int, k: int) -> Quantized:
@@ -153,7 +177,7 @@ def _q3_k(raw: np.ndarray, n: int, k: int) -> Quantized:
     ql = (qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
     qh = ((hmask.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1) ^ 1
     q = (ql.reshape(n, -1, 256).astype(np.int8) - (qh.reshape(n, -1, 256) << 2).astype(np.int8)).reshape(n, k)
-    return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), None, 16, 8)
+    return _with_supers(q, d, sc, None, None, 16, 8)
 
 
 def _q6_k(raw: np.ndarray, n: int, k: int) -> Quantized:
@@ -163,7 +187,18 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Quantized:
     low = np.stack([ql.reshape(n, -1, 2, 64) & 0x0F, ql.reshape(n, -1, 2, 64) >> 4], axis=3).reshape(n, -1, 2, 4, 32)
     high = (qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
     q = ((low | (high << 4)).astype(np.int8) - 32).reshape(n, k)
-    return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), None, 16, 8)
+    return _with_supers(q, d, sc, None, None, 16, 8)
+
+
+def _with_supers(q: np.ndarray, d: np.ndarray, sc: np.ndarray, dmin: np.ndarray | None, mn: np.ndarray | None, group: int,
+                 bits: int) -> Quantized:
+    """A K type's ``Quantized``: ``d`` (and ``dmin``) (n, super-blocks, 1), ``sc`` (and ``mn``) (n, super-blocks,
+    groups) small integers as fp32; scale ``d sc``, offset ``-(dmin mn)``, and those factors kept (``Supers``)."""
+    n = q.shape[0]
+    flat = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))  # noqa: E731
+    small = lambda a: flat(a.astype(np.int8))  # noqa: E731
+    supers = Supers(flat(d), small(sc), None if dmin is None else flat(dmin), None if mn is None else small(mn))
+    return Quantized(torch.from_numpy(q), flat(d * sc), None if dmin is None else flat(-(dmin * mn)), group, bits, supers)
 
 
 DECODERS = {**{kind: partial(_legacy, kind=kind) for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1")}, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,

