@@ -41,7 +41,7 @@ from torch import nn
 from lookahead import native, quants
 from lookahead.kernels import SIBLINGS
 
-LAYOUT = 3  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
+LAYOUT = 4  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
 ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
 CHUNK = 4096  # rows decoded and laid out at a time (a multiple of native.BLOCK: blocks of rows are independent)
 GGUF_VERSIONS = (2, 3)  # the versions gguf-py reads
@@ -350,7 +350,9 @@ def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, dir
                 _check_finite(gguf, entry, q.scale, q.offset)
                 out.write(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32).packed.numpy().data)
                 if native.supers_fit(q):
-                    supers.write(native.pack_supers(q, torch.float32).packed.numpy().data)
+                    layout = native.pack_supers(q, torch.float32)
+                    supers.write(layout.packed.numpy().data)
+                    entry.update(supers_bits=layout.bits)
             entry.update(size=out.tell() - entry["at"], bits=q.bits, group=q.group, offsets=q.offset is not None)
             entry.update(supers_size=supers.tell() - entry["supers_at"])
 
@@ -365,8 +367,8 @@ def _decoded(entry: dict, raw: np.ndarray):
 
 def weight_kinds(prepared: Prepared, integer: bool = False) -> str:
     """What ``kernels.weight_kinds`` will say of the model ``load`` builds (the cost curve's key), from the index."""
-    kinds = {quants.kind(e["bits"], e["group"], e["offsets"], integer and e["supers_size"] > 0)
-             for e in prepared.index["tensors"] if e["role"] == "blocks"}
+    kinds = {quants.kind(e["supers_bits"], e["group"], e["offsets"], True) if integer and e["supers_size"]
+             else quants.kind(e["bits"], e["group"], e["offsets"]) for e in prepared.index["tensors"] if e["role"] == "blocks"}
     return ", ".join(sorted(kinds | ({"dense"} if prepared.index["left"] else set()))) or "dense"
 
 
@@ -404,8 +406,8 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
             on_supers = supers is not None and entry["supers_size"] > 0
             source, at, size = (supers, entry["supers_at"], entry["supers_size"]) if on_supers else (blocks, entry["at"], entry["size"])
             packed = source[at: at + size].view(entry["n"] // native.BLOCK, -1)
-            layouts[module_name] = native.QuantLayout(packed, entry["n"], entry["k"], entry["bits"], entry["group"], entry["offsets"], dtype,
-                                                      integer=on_supers, supers=on_supers)
+            layouts[module_name] = native.QuantLayout(packed, entry["n"], entry["k"], entry["supers_bits"] if on_supers else entry["bits"],
+                                                      entry["group"], entry["offsets"], dtype, integer=on_supers, supers=on_supers)
         elif not dense and entry["role"] == "embedding":
             original = model.get_submodule(module_name)
             raw = np.memmap(gguf, dtype=np.uint8, mode="r", offset=entry["offset"], shape=(entry["nbytes"],))

@@ -140,7 +140,7 @@ class PackedLinear(nn.Module):
         if self.product.quantized:
             q, scale, offset = native.unpack_quantized(self.product.packed)
             layout = self.product.packed
-            dense = Quantized(q, scale, offset, layout.group, layout.bits).dequantize().to(layout.dtype)
+            dense = Quantized(q, scale, offset, layout.group, 4 if layout.bits == 4 else 8).dequantize().to(layout.dtype)  # 6-bit planes unpack to int8
         else:
             dense = native.unpack(self.packed_weight) if self.product.own else self.packed_weight.to_dense()
         return dense[start : start + self.out_features]

@@ -226,7 +226,7 @@ class QuantLayout:
     packed: torch.Tensor  # (N / 16, bytes a block) uint8
     n: int
     k: int
-    bits: int  # 8: int8 q, 4: nibbles
+    bits: int  # 8: int8 q, 4: nibbles, 6: 6-bit planes (``pack_supers``' int8 K types)
     group: int  # k's a scale covers
     offsets: bool  # whether each group has an offset too
     dtype: torch.dtype  # the activations' (and outputs') dtype: which kernel runs it
@@ -281,16 +281,39 @@ def lay_out(q: quants.Quantized, dtype: torch.dtype, integer: bool = False) -> Q
 def pack_supers(q: quants.Quantized, dtype: torch.dtype) -> QuantLayout:
     """A K type's weight (``q.supers`` set; K a multiple of 256) -> the integer kernel's blocks: per block of 16
     rows and 256 k's, the 16 fp32 d (and dmin), then each group's 16 int8 sc (and then each group's m), then the
-    steps of ``pack_quantized``, group after group. Q4_K: 2432 bytes for 4096 weights (4.75 bits each, as in the
-    file) where ``pack_quantized`` takes 3072."""
+    values: nibbles as ``pack_quantized``'s steps, group after group; the int8 ones (Q6_K, Q5_K, Q3_K: -32 .. 31)
+    as 6 bits (``_planes``). Q4_K: 2432 bytes for 4096 weights (4.75 bits each, as in the file) where
+    ``pack_quantized`` takes 3072; Q6_K 3392 (6.625 bits, as in the file) where it takes 5120."""
     n, k = q.shape
     supers, groups = q.supers, k // q.group
     per = 256 // q.group  # groups a super-block
     wide = [_columns(t, k // 256) for t in (supers.d, supers.dmin) if t is not None]  # (NB, S, 64) each
     small = [_columns(t, groups).reshape(n // BLOCK, k // 256, per * BLOCK) for t in (supers.sc, supers.m) if t is not None]
-    steps = _steps(q.q, q.group, q.bits).reshape(n // BLOCK, k // 256, -1)
-    packed = torch.cat([*wide, *small, steps], dim=-1).reshape(n // BLOCK, -1).contiguous()
-    return QuantLayout(packed, n, k, q.bits, q.group, supers.dmin is not None, dtype, integer=True, supers=True)
+    values = _planes(q.q) if q.bits == 8 else _steps(q.q, q.group, q.bits)
+    packed = torch.cat([*wide, *small, values.reshape(n // BLOCK, k // 256, -1)], dim=-1).reshape(n // BLOCK, -1).contiguous()
+    return QuantLayout(packed, n, k, 6 if q.bits == 8 else q.bits, q.group, supers.dmin is not None, dtype, integer=True, supers=True)
+
+
+def _planes(q: torch.Tensor) -> torch.Tensor:
+    """q (N, K) int8 in -32 .. 31 -> (N / 16, K / 16, 192): per 16 k's, u = q + 32 (6 bits) in the integer kernel's
+    own order, four quads of 64 bytes (byte 4c + j: k + 4t + j of column c, quad t): 64 bytes of quads 0 and 1's
+    low nibbles (0's low), 64 of quads 2 and 3's, then 64 of the four quads' high two bits (quad t's at bit 2t)."""
+    n, k = q.shape
+    if q.numel() and (int(q.min()) < -32 or int(q.max()) > 31):
+        raise ValueError("6-bit planes hold values in -32 .. 31")
+    u = (q + 32).to(torch.uint8).view(n // BLOCK, BLOCK, k // 16, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // BLOCK, k // 16, 4, 64)
+    low, high = u & 15, u >> 4
+    return torch.cat([low[:, :, 0] | (low[:, :, 1] << 4), low[:, :, 2] | (low[:, :, 3] << 4),
+                      high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)], dim=-1)
+
+
+def _unplanes(planes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """``_planes``' inverse: (N / 16, K / 16, 192) -> q (N, K) int8."""
+    a, b, h = planes[..., :64], planes[..., 64:128], planes[..., 128:]
+    low = torch.stack([a & 15, a >> 4, b & 15, b >> 4], dim=2)  # (NB, K / 16, 4, 64)
+    high = torch.stack([(h >> (2 * t)) & 3 for t in range(4)], dim=2)
+    u = (low | (high << 4)).view(n // BLOCK, k // 16, 4, BLOCK, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
+    return u.to(torch.int8) - 32
 
 
 def _columns(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -339,6 +362,8 @@ def unpack_quantized(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, t
         small = [blocks[..., at[heads + i]:at[heads + i + 1]].contiguous().view(torch.int8).view(n // BLOCK, k // 256, per, BLOCK)
                  .permute(0, 3, 1, 2).reshape(n, -1, per).float() for i in range(heads)]
         floats = [(wide[0] * small[0]).reshape(n, -1)] + ([-(wide[1] * small[1]).reshape(n, -1)] if heads == 2 else [])
+        if layout.bits == 6:
+            return _unplanes(blocks[..., at[-1]:].reshape(n // BLOCK, k // 16, 192), n, k), *floats, *([None] * (2 - heads))
         steps = blocks[..., at[-1]:].reshape(n // BLOCK, k // group, group // 2, -1)
     else:
         blocks = layout.packed.view(n // BLOCK, k // group, -1)

@@ -52,6 +52,19 @@ TARGET static inline void octet_nibbles(const char *step, __m512i first, __m512i
     *a = _mm512_permutex2var_epi8(lows, first, highs), *b = _mm512_permutex2var_epi8(lows, second, highs);
 }
 
+/* sixteen k's of 6-bit values (q + 32), laid out by native.pack_supers in the quads' own order: 64 bytes of low
+   nibbles of quads 0 (low) and 1 (high), 64 of quads 2 and 3, then 64 of their high two bits (quad t's at bits
+   2t, 2t + 1); each quad is its low nibbles or its high two bits, shifted into bits 4 and 5 */
+TARGET static inline void quartet_planes(const char *unit, __m512i *quads, int stride) {
+    const __m512i a = _mm512_loadu_si512(unit), b = _mm512_loadu_si512(unit + 64), h = _mm512_loadu_si512(unit + 128);
+    const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(0x30);
+    /* (x & low) | y, y already in bits 4 and 5: vpternlog of (a & c) | b, c = low, is table 0xEC */
+    quads[0] = _mm512_ternarylogic_epi32(a, _mm512_and_si512(_mm512_slli_epi16(h, 4), two), low, 0xEC);
+    quads[stride] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 4), _mm512_and_si512(_mm512_slli_epi16(h, 2), two), low, 0xEC);
+    quads[2 * stride] = _mm512_ternarylogic_epi32(b, _mm512_and_si512(h, two), low, 0xEC);
+    quads[3 * stride] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), _mm512_and_si512(_mm512_srli_epi16(h, 2), two), low, 0xEC);
+}
+
 /* acc + the products of a's unsigned and b's signed bytes, four to a lane: vpdpbusd, in place (gcc's intrinsic
    copied every accumulator twice a step in the tiles' loops: a third slower) */
 TARGET static inline __m512i dot(__m512i acc, __m512i a, __m512i b) {
@@ -77,9 +90,9 @@ static int qblock_of(int k) {
 }
 
 /* a row of x (fp32 or bf16) -> qx (K int8), dx (K / qblock fp32), and per group of `group` k's: their sum of qx as
-   a float (for the offsets) and 128 times it (the int8 weights' bias) */
-TARGET static void quantize_row(const void *x, int bf16, int k, int qblock, int group, int8_t *qx, float *dx, float *sums,
-                                int32_t *biases) {
+   a float (for the offsets) and `bias` times it (the weights' bias: 128 for int8, 32 for 6-bit planes) */
+TARGET static void quantize_row(const void *x, int bf16, int k, int qblock, int group, int bias, int8_t *qx, float *dx,
+                                float *sums, int32_t *biases) {
     for (int b = 0; b < k / qblock; b++) {
         __m512 amax = _mm512_setzero_ps();
         for (int at = b * qblock; at < (b + 1) * qblock; at += 16)
@@ -94,7 +107,7 @@ TARGET static void quantize_row(const void *x, int bf16, int k, int qblock, int 
     for (int g = 0; g < k / group; g++) {
         int32_t total = 0;
         for (int i = g * group; i < (g + 1) * group; i++) total += qx[i];
-        sums[g] = (float)total, biases[g] = 128 * total;
+        sums[g] = (float)total, biases[g] = bias * total;
     }
 }
 
@@ -183,7 +196,7 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
     int32_t *biases = (int32_t *)(sums + rows * groups);
     float *outs = (float *)(biases + rows * groups); /* a thread's (m, 32) sums of its current pair */
     const Rows part = {qx, dx, sums, biases, k, qblock, group};
-    const int int8 = bits == 8, quad_bytes = int8 ? 64 : 32, per_block = qblock / group; /* groups an activation block */
+    const int int8 = bits == 8, six = bits == 6, quad_bytes = int8 ? 64 : 32, per_block = qblock / group; /* groups an activation block */
     /* int8: a quad's four steps in place; nibbles: k, k + 1, k + 2, k + 3 from the lows' and highs' chunks 0, 1,
        then k + 4 ... from their chunks 2, 3 */
     const __m512i order = order_of((const int[4]){0, 1, 2, 3}), first = order_of((const int[4]){0, 4, 1, 5}),
@@ -193,12 +206,13 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
        fp32 d (and dmin), its groups' int8 sc (and m), then its quads */
     const size_t head = offsets ? 128 : 64, group_bytes = head + (size_t)group / 4 * quad_bytes;
     const size_t super_head = head + (size_t)per_block * 16 * (offsets ? 2 : 1);
-    const size_t span = supers ? super_head + (size_t)qblock / 4 * quad_bytes : per_block * group_bytes; /* an activation block's */
+    const size_t quads_bytes = six ? (size_t)qblock / 16 * 192 : (size_t)qblock / 4 * quad_bytes; /* 6 bits: 192 bytes a 16 k's */
+    const size_t span = supers ? super_head + quads_bytes : per_block * group_bytes; /* an activation block's */
     const size_t block = (size_t)(k / qblock) * span;
     _Pragma("omp parallel num_threads(threads)") {
         _Pragma("omp for schedule(static)")
         for (int r = 0; r < m; r++)
-            quantize_row((const char *)x + (size_t)r * k * (bf16 ? 2 : 4), bf16, k, qblock, group, qx + (size_t)r * k,
+            quantize_row((const char *)x + (size_t)r * k * (bf16 ? 2 : 4), bf16, k, qblock, group, int8 ? 128 : six ? 32 : 0, qx + (size_t)r * k,
                          dx + (size_t)r * (k / qblock), sums + (size_t)r * groups, biases + (size_t)r * groups);
         float *out = outs + (size_t)omp_get_thread_num() * rows * 32;
         __m512i quads[2 * 256 / 4];
@@ -210,10 +224,16 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
             memset(out, 0, rows * 32 * 4);
             for (int b = 0; b < k / qblock; b++) {
                 const size_t start = (size_t)b * span, lines = span / 64, quad_count = (size_t)qblock / 4;
-                for (int i = 0; i < qblock / 4; i += 2) { /* two quads (8 k's) at a time: a group holds an even number */
+                const int unit = six ? 4 : 2; /* quads unpacked at a time: 16 k's of 6 bits, else 8 (a group holds whole units) */
+                for (int i = 0; i < qblock / 4; i += unit) {
                     if (next) /* the next pair's lines of this activation block, spread over its quads: not in one burst */
-                        for (size_t line = i * lines / quad_count; line < (i + 2) * lines / quad_count; line++)
+                        for (size_t line = i * lines / quad_count; line < (i + unit) * lines / quad_count; line++)
                             prefetch(next + start + 64 * line, l2), prefetch(next + block + start + 64 * line, l2);
+                    if (six) {
+                        for (int half = 0; half < 2; half++)
+                            quartet_planes((half && w1 != w0 ? w1 : w0) + start + super_head + (size_t)i / 4 * 192, quads + 2 * i + half, 2);
+                        continue;
+                    }
                     const size_t at = supers ? start + super_head + (size_t)i * quad_bytes
                                              : start + (size_t)(i / (group / 4)) * group_bytes + head + (size_t)(i % (group / 4)) * quad_bytes;
                     for (int half = 0; half < 2; half++) { /* w0's quads, then w1's (a lone last block's twin: its own) */
@@ -241,7 +261,7 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                     }
                 }
                 for (int r = 0; r < m; r += MAX_ROWS)
-                    tiles[int8][m - r < MAX_ROWS ? m - r : MAX_ROWS](part, r, b, quads, scales, offs, offsets, out, 32);
+                    tiles[int8 || six][m - r < MAX_ROWS ? m - r : MAX_ROWS](part, r, b, quads, scales, offs, offsets, out, 32);
             }
             for (int r = 0; r < m; r++)
                 for (int c = 32 * q; c < 32 * q + 32 && c < n; c += 16) { /* a lone last block's twin is not written */
