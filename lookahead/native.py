@@ -352,27 +352,34 @@ def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype, integer: bool = Fa
 
 def unpack_quantized(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``pack_quantized``'s (and ``pack_supers``') inverse: (q, scale, offset)."""
-    n, k, group = layout.n, layout.k, layout.group
-    heads = 2 if layout.offsets else 1
-    if layout.supers:  # the scales d sc and -(dmin m), as the decoders compute them; the steps after the heads
-        per = 256 // group
-        blocks = layout.packed.view(n // BLOCK, k // 256, -1)
-        at = [64 * i for i in range(heads)] + [64 * heads + 16 * per * i for i in range(heads + 1)]
-        wide = [blocks[..., at[i]:at[i] + 64].contiguous().view(torch.float32).transpose(1, 2).reshape(n, -1, 1) for i in range(heads)]
-        small = [blocks[..., at[heads + i]:at[heads + i + 1]].contiguous().view(torch.int8).view(n // BLOCK, k // 256, per, BLOCK)
-                 .permute(0, 3, 1, 2).reshape(n, -1, per).float() for i in range(heads)]
-        floats = [(wide[0] * small[0]).reshape(n, -1)] + ([-(wide[1] * small[1]).reshape(n, -1)] if heads == 2 else [])
-        if layout.bits == 6:
-            return _unplanes(blocks[..., at[-1]:].reshape(n // BLOCK, k // 16, 192), n, k), *floats, *([None] * (2 - heads))
-        steps = blocks[..., at[-1]:].reshape(n // BLOCK, k // group, group // 2, -1)
-    else:
-        blocks = layout.packed.view(n // BLOCK, k // group, -1)
-        floats = [blocks[..., 64 * i:64 * (i + 1)].contiguous().view(torch.float32).transpose(1, 2).reshape(n, -1) for i in range(heads)]
-        steps = blocks[..., 64 * heads:].reshape(n // BLOCK, k // group, group // 2, -1)
-    if layout.bits == 4:
+    if layout.supers:
+        return _unpack_supers(layout)
+    n, k, group, heads = layout.n, layout.k, layout.group, 2 if layout.offsets else 1
+    blocks = layout.packed.view(n // BLOCK, k // group, -1)
+    floats = [blocks[..., 64 * i:64 * (i + 1)].contiguous().view(torch.float32).transpose(1, 2).reshape(n, -1) for i in range(heads)]
+    return _unsteps(blocks[..., 64 * heads:], n, k, group, layout.bits), floats[0], floats[1] if layout.offsets else None
+
+
+def _unpack_supers(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``pack_supers``' inverse: the scales ``d sc`` and offsets ``-(dmin m)`` as the decoders compute them."""
+    n, k, group, heads, per = layout.n, layout.k, layout.group, 2 if layout.offsets else 1, 256 // layout.group
+    blocks = layout.packed.view(n // BLOCK, k // 256, -1)
+    at = [64 * i for i in range(heads)] + [64 * heads + 16 * per * i for i in range(heads + 1)]  # d, dmin, sc, m, values
+    wide = [blocks[..., at[i]:at[i] + 64].contiguous().view(torch.float32).transpose(1, 2).reshape(n, -1, 1) for i in range(heads)]
+    small = [blocks[..., at[heads + i]:at[heads + i + 1]].contiguous().view(torch.int8).view(n // BLOCK, k // 256, per, BLOCK)
+             .permute(0, 3, 1, 2).reshape(n, -1, per).float() for i in range(heads)]
+    values = blocks[..., at[-1]:]
+    q = _unplanes(values.reshape(n // BLOCK, k // 16, 192), n, k) if layout.bits == 6 else _unsteps(values, n, k, group, layout.bits)
+    return q, (wide[0] * small[0]).reshape(n, -1), -(wide[1] * small[1]).reshape(n, -1) if layout.offsets else None
+
+
+def _unsteps(steps: torch.Tensor, n: int, k: int, group: int, bits: int) -> torch.Tensor:
+    """``_steps``' inverse: (N / 16, K / group (or K / 256), bytes) -> q (N, K) int8."""
+    steps = steps.reshape(n // BLOCK, k // group, group // 2, -1)
+    if bits == 4:
         steps = torch.cat([steps & 15, steps >> 4], dim=-1)
     steps = steps.contiguous().view(torch.int8).view(n // BLOCK, k // group, group // 2, 2, BLOCK)
-    return steps.permute(0, 4, 1, 2, 3).reshape(n, k), floats[0], floats[1] if layout.offsets else None
+    return steps.permute(0, 4, 1, 2, 3).reshape(n, k)
 
 
 NON_TEMPORAL = ("Zen 5",)  # the CPUs whose loop ran fastest with the weights prefetched non-temporally (linear.c)

@@ -19,9 +19,16 @@
    the type has them, then steps of k's and k + 1's 16 columns), four k's at a time: their 64 values transposed
    by one vpermb into 16 lanes of (k, k + 1, k + 2, k + 3), which vpdpbusd multiplies by the row's four broadcast
    bytes. vpdpbusd takes unsigned weights: nibbles (0 .. 15) are; int8 weights are biased by 128 (an xor) and 128
-   sum_k qx[k] taken off their integer sum, exactly. The threads split the blocks two at a time; a pair's quads
-   of one activation block are unpacked once into an L1 buffer, which every tile of up to 4 rows reads, so the
-   unpacking is paid once whatever M; the next pair's bytes are prefetched meanwhile. */
+   sum_k qx[k] taken off their integer sum, exactly.
+
+   Or, where `supers`, the K types as native.pack_supers lays them out, as their file holds them: per 16 columns
+   and 256 k's (an activation block), 16 fp32 d (and dmin), a byte of sc (and m) a group and column, then the
+   values, nibbles as above or 6 bits (q + 32, bias 32) in the quads' own order; s = d sc and o = -(dmin m) are
+   made here as quants.py's decoders make them, so the products are the same bit for bit.
+
+   The threads split the blocks two at a time; a pair's quads and scales of one activation block are unpacked
+   once into L1 buffers, which every tile of up to 4 rows reads, so the unpacking is paid once whatever M; the
+   next pair's bytes are prefetched meanwhile, a few lines a unit. */
 
 #include <immintrin.h>
 #include <omp.h>
