@@ -185,7 +185,8 @@ def run_all(args) -> dict:
                 return tokens, seconds, t["predicted_ms"] / max(t["predicted_n"] - 1, 1)
             timed(method + (" (--no-repack)" if "--no-repack" in flags else ""), call)
     return {"hardware": machine, "model": args.model, "isa": native.isa(), "max_new_tokens": n, "llama_cpp": LLAMA_CPP,
-            "weight_bytes": weight_bytes, "quantized_bytes": quantized_bytes["bfloat16"], "gguf": quantized.name,
+            "weight_bytes": weight_bytes, "quantized_bytes": quantized_bytes["bfloat16"], "integer_bytes": quantized_bytes.get(native.INTEGER),
+            "gguf": quantized.name,
             "read_bytes_per_s": stream_rate() * 1e9, "runs": rows}
 
 
@@ -214,7 +215,9 @@ def write_report(results: dict, out: Path) -> None:
              f"Streaming the {results['weight_bytes'] / 1e6:.0f} MB of bf16 linear weights once at the measured "
              f"{results['read_bytes_per_s'] / 1e9:.1f} GB/s takes {stream_ms:.1f} ms: a plain decode step's floor"
              + (f"; the {results['quantized_bytes'] / 1e6:.0f} MB of {gguf}'s blocks in our layout, "
-                f"{results['quantized_bytes'] / results['read_bytes_per_s'] * 1000:.1f} ms." if gguf else "."), "",
+                f"{results['quantized_bytes'] / results['read_bytes_per_s'] * 1000:.1f} ms" if gguf else "")
+             + (f"; the {results['integer_bytes'] / 1e6:.0f} MB in the integer kernel's (the K types as the file holds them), "
+                f"{results['integer_bytes'] / results['read_bytes_per_s'] * 1000:.1f} ms" if results.get("integer_bytes") else "") + ".", "",
              f"| engine | tokens/s | vs {best_peer} | plain decode step (ms) | same tokens as our plain loop on the same weights |",
              "|---|---|---|---|---|"]
     for method, rs in runs.items():
