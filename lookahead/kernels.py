@@ -55,7 +55,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lookahead import native, norms, quants
+from lookahead import layers, native, norms, quants
 from lookahead.quants import Quantized
 
 KERNELS = ("packed", "stock")
@@ -102,19 +102,19 @@ class Product:
 
     def __call__(self, x: torch.Tensor, part: int) -> torch.Tensor:  # (..., in) -> (..., splits[part])
         if len(self.splits) == 1:
-            return self._matmul(x)
+            return self.matmul(x)
         held = self.held
         if getattr(held, "input", None) is not x or held.taken[part]:
             # the input is held (so no other tensor can be it) until every part took its output; a sibling
             # never called (a layer that reuses another's K/V) leaves it held until the next call
-            held.input, held.outputs, held.taken = x, self._matmul(x).split(self.splits, -1), [False] * len(self.splits)
+            held.input, held.outputs, held.taken = x, self.matmul(x).split(self.splits, -1), [False] * len(self.splits)
         held.taken[part] = True
         out = held.outputs[part]
         if all(held.taken):
             held.input, held.outputs = None, ()
         return out
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., sum(splits)): every sibling's output
         if self.own:
             return self.native(x)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
@@ -219,6 +219,7 @@ class KernelReport:
     extra_bytes: int = 0  # packed copies of weights still held elsewhere (tied embeddings)
     shared: int = 0  # products that serve several sibling linears (``Product``)
     norms: int = 0  # RMSNorm modules swapped for our kernel's (``norms.fuse``)
+    layers: int = 0  # decoder layers swapped for one module each (``layers.fuse``)
     notice: str | None = None  # why packing was skipped, or why a bf16 model's products are not on our kernel
     weights: str = "dense"  # what the linears' weights are (``weights_of``)
 
@@ -319,7 +320,8 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
     why_not_own = own_kernel(dtype) if packed and dtype == torch.bfloat16 else None  # fp32 on oneDNN is as before: no notice
     notice = f"own bf16 kernel unavailable ({why_not_own}); packed products run on oneDNN" if why_not_own else why_dense
     fused = norms.fuse(model, dtype) if packed and own_kernel(dtype) is None and native.has("rms_norm") else 0
-    return KernelReport(kernels_of(model), packed, kept, extra, products, fused, notice, weights_of(model))
+    whole = layers.fuse(model, grouped_sdpa) if fused and model.config._attn_implementation == GROUPED_SDPA else 0
+    return KernelReport(kernels_of(model), packed, kept, extra, products, fused, whole, notice, weights_of(model))
 
 
 def quantized_unavailable(dtype: torch.dtype, integer: bool = False) -> str | None:

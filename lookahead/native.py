@@ -63,9 +63,9 @@ class Tier:
 TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
                         ("linear.c", "amx_linear.c", "quant_linear.c", "int_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c",
-                         "move_columns.c"),
+                         "move_columns.c", "rope.c"),
                         BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
-    "avx512f": Tier(("avx512f", "avx512bw", "avx512vl"), ("linear.c", "quant_linear.c", "rms_norm.c", "top_k.c", "move_columns.c"),
+    "avx512f": Tier(("avx512f", "avx512bw", "avx512vl"), ("linear.c", "quant_linear.c", "rms_norm.c", "top_k.c", "move_columns.c", "rope.c"),
                     BASE_FLAGS),
     "avx2": Tier(("avx2", "fma"), ("linear_avx2.c", "quant_linear_avx2.c", "move_columns.c"),
                  ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")),
@@ -189,6 +189,8 @@ def build(directory: Path, tier: str) -> ctypes.CDLL | str:
         "tree_attention": ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
                            + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "rms_norm": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),
+        "add_rms_norm": ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),
+        "rope": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 5, None),
         "top_k": ([ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "move_columns": ([ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int], None),
     }
@@ -463,17 +465,51 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: int) -> torch.Tensor:
     """(..., N) -> (..., N), bf16 or fp32 as ``x`` and ``weight`` (N,): transformers' RMSNorm, the weight applied as
     Llama's (``offset`` 0: w * dtype(x r)) or Gemma 3's (1: dtype(x r (1 + w))); see ``csrc/rms_norm.c``."""
-    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] != weight.numel():
-        raise ValueError(f"rms_norm takes bf16 or fp32 input and weight of one dtype and width, got {x.dtype} {tuple(x.shape)} "
-                         f"and {weight.dtype} {tuple(weight.shape)}")
-    if x.dtype == torch.bfloat16 and not has("bf16_linear"):
-        raise ValueError("the bf16 RMSNorm needs the AVX-512 BF16 kernels")
-    x, weight = x.contiguous(), weight.contiguous()
+    x, weight = _normed(x, weight)
     y = torch.empty_like(x)
     if x.numel():
         library().rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.dtype == torch.bfloat16, x.numel() // x.shape[-1],
                            x.shape[-1], eps, offset, torch.get_num_threads())
     return y
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, ``rms_norm(s, ...)``) for s = x + delta (..., N), rounded as torch's sum, in one call."""
+    if delta.shape != x.shape or delta.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm adds tensors of one shape and dtype, got {x.dtype} {tuple(x.shape)} and {delta.dtype} {tuple(delta.shape)}")
+    x, weight = _normed(x, weight)
+    delta = delta.contiguous()
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    if x.numel():
+        library().add_rms_norm(x.data_ptr(), delta.data_ptr(), s.data_ptr(), weight.data_ptr(), y.data_ptr(), x.dtype == torch.bfloat16,
+                               x.numel() // x.shape[-1], x.shape[-1], eps, offset, torch.get_num_threads())
+    return s, y
+
+
+def _normed(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and ``weight`` contiguous, once checked for the norm kernels."""
+    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] != weight.numel():
+        raise ValueError(f"rms_norm takes bf16 or fp32 input and weight of one dtype and width, got {x.dtype} {tuple(x.shape)} "
+                         f"and {weight.dtype} {tuple(weight.shape)}")
+    if x.dtype == torch.bfloat16 and not has("bf16_linear"):
+        raise ValueError("the bf16 RMSNorm needs the AVX-512 BF16 kernels")
+    return x.contiguous(), weight.contiguous()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotary embedding, as transformers' ``apply_rotary_pos_emb`` (rotate_half), on the first ``heads`` heads of
+    ``head_dim`` of each row of ``x`` (..., width) in place (a step's q/k/v product: q's heads, then k's), with that
+    row's ``cos`` and ``sin`` (..., head_dim), all bf16 or all fp32; see ``csrc/rope.c``."""
+    rows = x.numel() // x.shape[-1]
+    if (x.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != x.dtype or sin.dtype != x.dtype or not x.is_contiguous()
+            or head_dim % 2 or heads * head_dim > x.shape[-1] or cos.shape != (*x.shape[:-1], head_dim) or sin.shape != cos.shape):
+        raise ValueError(f"rope takes a contiguous bf16 or fp32 x and a cos and sin of one row a row, got {x.dtype} {tuple(x.shape)}, "
+                         f"{cos.dtype} {tuple(cos.shape)} for {heads} heads of {head_dim}")
+    if x.dtype == torch.bfloat16 and not has("bf16_linear"):
+        raise ValueError("the bf16 rope needs the AVX-512 BF16 kernels")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if rows:
+        library().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.dtype == torch.bfloat16, rows, x.shape[-1], heads, head_dim)
 
 
 def attention_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> bool:

@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from conftest import tiny_gemma3, tiny_llama
-from lookahead import kernels, native, norms
+from lookahead import kernels, layers, native, norms
 
 pytestmark = pytest.mark.skipif(kernels.own_kernel(torch.bfloat16) is not None, reason="our own kernels cannot run here")
 CLASSES = [(LlamaRMSNorm, 0), (Qwen2RMSNorm, 0), (Gemma3RMSNorm, 1)]
@@ -83,14 +83,15 @@ def test_a_norm_whose_weight_is_of_another_dtype_stays():
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3])
-def test_packed_models_norms_are_fused_and_bf16_logits_are_the_stock_norms(build):
+def test_packed_models_norms_are_fused_and_bf16_logits_are_the_stock_norms(build, monkeypatch):
     """A packed model's norms are fused (Gemma 3's q/k head norms too), and its logits are the ones it gives with the
-    stock norms, to bf16 rounding."""
+    stock norms, to bf16 rounding (in stock layers: a ``FusedLayer`` calls our norm kernel itself)."""
     model = build().to(torch.bfloat16)
     count = sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
     unfused = copy.deepcopy(model)
     report = kernels.pack(model)
     assert report.norms == count == sum(isinstance(m, norms.FusedRMSNorm) for m in model.modules()) > 0
+    monkeypatch.setattr(layers, "fuse", lambda model, attend: 0)
     kernels.pack(unfused)
     for parent in list(unfused.modules()):  # the same packed model with its norms put back
         for name, child in list(parent.named_children()):

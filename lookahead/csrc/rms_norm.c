@@ -37,27 +37,45 @@ static inline void store(void *p, int bf16, long i, __mmask16 m, __m512 v) {
         _mm512_mask_storeu_ps((float *)p + i, m, v);
 }
 
+/* one row: y = the norm of x (n,) */
+static inline void norm_row(const void *x, const void *w, void *y, int bf16, long row, int n, float eps, int offset) {
+    __m512 sums = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 v = load(x, bf16, row + i, m);
+        sums = _mm512_add_ps(sums, _mm512_mul_ps(v, v));
+    }
+    const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sums) / (float)n + eps));
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 h = _mm512_mul_ps(load(x, bf16, row + i, m), scale), wi = load(w, bf16, i, m);
+        __m512 out;
+        if (offset)
+            out = _mm512_mul_ps(h, _mm512_add_ps(_mm512_set1_ps(1.0f), wi));
+        else
+            out = _mm512_mul_ps(wi, bf16 ? to_bf16_and_back(h) : h);
+        store(y, bf16, row + i, m, out);
+    }
+}
+
 /* x, y (rows, n) contiguous, w (n,), all bf16 (bf16 = 1) or all fp32; offset 0 or 1 (see above) */
 void rms_norm(const void *x, const void *w, void *y, int bf16, int rows, int n, float eps, int offset, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 64)
+    for (int r = 0; r < rows; r++)
+        norm_row(x, w, y, bf16, (long)r * n, n, eps, offset);
+}
+
+/* A decoder layer's residual sum and the norm after it in one call: s = x + d, rounded to the dtype as torch's
+   sum is, then y = the norm of s. x, d, s, y (rows, n) contiguous. */
+void add_rms_norm(const void *x, const void *d, void *s, const void *w, void *y, int bf16, int rows, int n, float eps, int offset,
+                  int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 64)
     for (int r = 0; r < rows; r++) {
         const long row = (long)r * n;
-        __m512 sums = _mm512_setzero_ps();
         for (int i = 0; i < n; i += 16) {
             const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-            const __m512 v = load(x, bf16, row + i, m);
-            sums = _mm512_add_ps(sums, _mm512_mul_ps(v, v));
+            store(s, bf16, row + i, m, _mm512_add_ps(load(x, bf16, row + i, m), load(d, bf16, row + i, m)));
         }
-        const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sums) / (float)n + eps));
-        for (int i = 0; i < n; i += 16) {
-            const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-            const __m512 h = _mm512_mul_ps(load(x, bf16, row + i, m), scale), wi = load(w, bf16, i, m);
-            __m512 out;
-            if (offset)
-                out = _mm512_mul_ps(h, _mm512_add_ps(_mm512_set1_ps(1.0f), wi));
-            else
-                out = _mm512_mul_ps(wi, bf16 ? to_bf16_and_back(h) : h);
-            store(y, bf16, row + i, m, out);
-        }
+        norm_row(s, w, y, bf16, row, n, eps, offset);
     }
 }
