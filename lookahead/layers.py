@@ -32,15 +32,16 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 class FusedLayer(nn.Module):
-    """A Llama-shaped decoder layer's forward in few calls (see the module doc). Holds the original's norms and
-    attention module (its ``layer_idx``, ``scaling``, ``is_causal``: what the attention function reads) and
-    calls the products its packed linears share."""
+    """A Llama-shaped decoder layer's forward in few calls (see the module doc). Holds the original's norms, its
+    attention module (its ``layer_idx``, ``scaling``, ``is_causal``: what the attention function reads) and MLP, so
+    the model's modules are still its linears (what ``kernels.weights_of`` and the cost curve's key read), and calls
+    the products those packed linears share."""
 
     def __init__(self, layer: nn.Module, attend: Callable) -> None:
         super().__init__()
         attention, mlp = layer.self_attn, layer.mlp
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
-        self.self_attn, self.attend = attention, attend
+        self.self_attn, self.mlp, self.attend = attention, mlp, attend
         self.qkv, self.o = _products(attention, ATTENTION[:3]), _products(attention, ATTENTION[3:])
         self.gate_up, self.down = _products(mlp, MLP[:2]), _products(mlp, MLP[2:])
         self.head_dim = attention.head_dim
