@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from lookahead import kernels, kv, layers, native
@@ -16,11 +18,21 @@ from lookahead.planner import chain_tree
 pytestmark = pytest.mark.skipif(kernels.own_kernel(torch.bfloat16) is not None, reason="our own kernels cannot run here")
 COMMON = dict(vocab_size=96, hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+BUILDS = {  # every shape ``FusedLayer`` does: Llama's (SiLU or GELU), Qwen2's biases, Qwen3's and Gemma 3's head norms,
+            # Gemma 3's sandwiched norms and sliding layers
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+    "llama-gelu": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, hidden_act="gelu")),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=32)),
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**COMMON, head_dim=32, sliding_window=4,
+                                                         layer_types=["sliding_attention", "full_attention"])),
+}
 
 
-def tiny(cls, config, dtype: torch.dtype, **extra):
+def tiny(name: str, dtype: torch.dtype):
     torch.manual_seed(0)
-    return cls(config(**COMMON, **extra)).eval().to(dtype)
+    return BUILDS[name]().eval().to(dtype)
 
 
 def packed(model, fused: bool, monkeypatch) -> torch.nn.Module:
@@ -33,24 +45,26 @@ def packed(model, fused: bool, monkeypatch) -> torch.nn.Module:
 
 
 def logits(model, prompt: list[int], step: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompt's logits, then a 4-row chain step's under its 4D mask, two sequences at once."""
+    """The prompt's logits, then a chain step's under its 4D masks (a sliding layer's too), two sequences at once."""
     cache = kv.BatchCache()
+    windows = {kind: getattr(model.config, "sliding_window", None) if kind == "sliding_attention" else None
+               for kind in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
     with torch.inference_mode():
         first = model(input_ids=torch.tensor([prompt, prompt[::-1]]), **kv.cache_kwarg(model, cache.cache)).logits
         cache.append(torch.arange(len(prompt)).repeat(2, 1))
         layout = stack([build_layout(0, 0, chain_tree(0.5, len(step) - 1))] * 2)
         query = torch.full((2, 1), len(prompt)) + layout.offsets  # (2, T)
-        masks = cache.masks(layout.allowed, query, {"full_attention": None}, model.dtype, model.device)
-        second = model(input_ids=torch.tensor([step, step[::-1]]), position_ids=query, attention_mask=masks["full_attention"],
-                       **kv.cache_kwarg(model, cache.cache)).logits
+        masks = cache.masks(layout.allowed, query, windows, model.dtype, model.device)
+        second = model(input_ids=torch.tensor([step, step[::-1]]), position_ids=query,
+                       attention_mask=masks if len(masks) > 1 else next(iter(masks.values())), **kv.cache_kwarg(model, cache.cache)).logits
     return first, second
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cls, config", [(LlamaForCausalLM, LlamaConfig), (Qwen2ForCausalLM, Qwen2Config)])
-def test_fused_layers_give_the_stock_layers_logits_bit_for_bit(cls, config, dtype, monkeypatch):
-    """Qwen2's q/k/v biases included; a prefill of two sequences, then a masked 4-row step of each."""
-    fused, stock = packed(tiny(cls, config, dtype), True, monkeypatch), packed(tiny(cls, config, dtype), False, monkeypatch)
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_fused_layers_give_the_stock_layers_logits_bit_for_bit(name, dtype, monkeypatch):
+    """A prefill of two sequences, then a masked 4-row step of each."""
+    fused, stock = packed(tiny(name, dtype), True, monkeypatch), packed(tiny(name, dtype), False, monkeypatch)
     assert all(isinstance(layer, layers.FusedLayer) for layer in fused.model.layers)
     prompt, step = [5, 17, 3, 88, 41, 9, 60, 2, 33], [7, 19, 23, 71]
     for got, want in zip(logits(fused, prompt, step), logits(stock, prompt, step)):
@@ -58,9 +72,17 @@ def test_fused_layers_give_the_stock_layers_logits_bit_for_bit(cls, config, dtyp
 
 
 def test_a_layer_the_fused_one_does_not_compute_stays_stock(monkeypatch):
-    """A GELU MLP is not what ``FusedLayer`` does: those layers keep their own forward."""
-    model = packed(tiny(LlamaForCausalLM, LlamaConfig, torch.float32, hidden_act="gelu"), False, monkeypatch)
-    assert layers.fuse(model, kernels.grouped_sdpa) == 0 and not any(isinstance(m, layers.FusedLayer) for m in model.modules())
+    """A layer whose forward is not the stock one (here: remote code's of the same class name, doubling its output)
+    fails the check on load and keeps its own forward; the others are fused."""
+
+    class LlamaDecoderLayer(modeling_llama.LlamaDecoderLayer):
+        def forward(self, *args, **kwargs):
+            return 2 * super().forward(*args, **kwargs)
+
+    model = tiny("llama", torch.float32)
+    model.model.layers[0].__class__ = LlamaDecoderLayer
+    assert kernels.pack(model).layers == 1
+    assert type(model.model.layers[0]) is LlamaDecoderLayer and isinstance(model.model.layers[1], layers.FusedLayer)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,6 +16,7 @@ import torch
 from benchmarks.prompts import PROMPTS, prompt_ids
 from conftest import assert_greedy_equal, hf_greedy, on_fixed_cost
 from lookahead import LookaheadConfig, LookaheadGenerator, kernels, models
+from lookahead.layers import FusedLayer
 
 pytestmark = pytest.mark.slow
 
@@ -136,6 +137,7 @@ def long_prompt(tok, min_tokens: int) -> list[int]:
 def test_gemma3_equals_generate_beyond_its_sliding_window(gemma3):
     model, tok, packed = gemma3
     assert model.config.sliding_window == 512
+    assert all(isinstance(layer, FusedLayer) for layer in packed.model.layers)  # sandwiched norms, head norms, sliding layers
     long_ids = long_prompt(tok, 600)
     assert len(long_ids) > 512
     for config in (LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=8),
