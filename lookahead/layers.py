@@ -25,7 +25,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from lookahead import native
-from lookahead.norms import FusedRMSNorm
+from lookahead.norms import FusedRMSNorm, swap
 
 LAYERS = {"LlamaDecoderLayer": False, "MistralDecoderLayer": False, "Qwen2DecoderLayer": False, "Qwen3DecoderLayer": False,
           "Gemma3DecoderLayer": True}  # the classes whose forward ``FusedLayer`` does: whether their norms are sandwiched
@@ -112,13 +112,7 @@ def _products(parent: nn.Module, names: tuple[str, ...]) -> list | None:
 def fuse(model: nn.Module, attend: Callable) -> int:
     """Swap ``model``'s decoder layers of ``LAYERS`` (in place) for ``FusedLayer`` where it computes what they do,
     bit for bit; how many. ``attend``: the attention function the model runs (its ``_attn_implementation``'s)."""
-    fused = 0
-    for parent in list(model.modules()):
-        for name, layer in list(parent.named_children()):
-            if (swap := _fused(layer, attend)) is not None:
-                setattr(parent, name, swap)
-                fused += 1
-    return fused
+    return swap(model, lambda layer: _fused(layer, attend))
 
 
 def _fused(layer: nn.Module, attend: Callable) -> FusedLayer | None:

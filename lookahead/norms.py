@@ -14,6 +14,8 @@ an fp32 output; a bf16 output rarely, by one unit in its last place.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -40,13 +42,18 @@ class FusedRMSNorm(nn.Module):
 def fuse(model: nn.Module, dtype: torch.dtype) -> int:
     """Swap ``model``'s RMSNorm modules of ``dtype`` (in place) for ``FusedRMSNorm`` where it computes what they do;
     how many. (The dtype is given: once its linears are packed a model may have no parameter left to read it from.)"""
-    fused = 0
+    return swap(model, lambda norm: _fused(norm, dtype))
+
+
+def swap(model: nn.Module, replacement: Callable[[nn.Module], nn.Module | None]) -> int:
+    """Replace each module of ``model`` (in place) that ``replacement`` gives a replacement for; how many."""
+    swapped = 0
     for parent in list(model.modules()):
-        for name, norm in list(parent.named_children()):
-            if (swap := _fused(norm, dtype)) is not None:
-                setattr(parent, name, swap)
-                fused += 1
-    return fused
+        for name, child in list(parent.named_children()):
+            if (new := replacement(child)) is not None:
+                setattr(parent, name, new)
+                swapped += 1
+    return swapped
 
 
 def _fused(norm: nn.Module, dtype: torch.dtype) -> FusedRMSNorm | None:
