@@ -92,12 +92,12 @@ def test_rope_is_apply_rotary_pos_emb_bit_for_bit_each_row_alone(dtype):
     qkv = (torch.randn(b, t, (heads + 2 * kv_heads) * d, generator=rng) * 3).to(dtype)
     angles = torch.randn(b, t, d // 2, generator=rng) * 40
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
-    q, k, _ = qkv.view(b, t, -1, d).transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
+    q, k, v = qkv.view(b, t, -1, d).transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
     got = qkv.clone()
     native.rope(got, cos, sin, heads + kv_heads, d)
     got_q, got_k, got_v = got.view(b, t, -1, d).transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
-    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, _)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, v)  # v untouched
     row = qkv[1:, 3:4].clone()
     native.rope(row, cos[1:, 3:4], sin[1:, 3:4], heads + kv_heads, d)
     assert torch.equal(row, got[1:, 3:4])
