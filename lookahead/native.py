@@ -76,13 +76,13 @@ Longs = ctypes.c_long * 3
 
 
 @functools.cache
-def build_id(tier: str) -> str:
-    """A hash of what a tier's build depends on (its sources, flags and gcc): the library's file name, and part
-    of a cost curve's cache key, so a changed kernel is probed again."""
+def build_id(tier: str, csrc: Path = CSRC) -> str:
+    """A hash of what a tier's build depends on (its sources in ``csrc``, flags and gcc): the library's file name,
+    and part of a cost curve's cache key, so a changed kernel is probed again."""
     gcc = shutil.which("gcc") or "gcc"
     version = subprocess.run([gcc, "--version"], capture_output=True, text=True).stdout.partition("\n")[0]
     t = TIERS[tier]
-    return hashlib.sha256(b"".join((CSRC / s).read_bytes() for s in t.sources) + repr((t.flags, version)).encode()).hexdigest()[:16]
+    return hashlib.sha256(b"".join((csrc / s).read_bytes() for s in t.sources) + repr((t.flags, version)).encode()).hexdigest()[:16]
 
 
 def runs(tier: str) -> bool:
@@ -153,8 +153,9 @@ def tier() -> str | None:
     return None if isinstance(library(), str) else library.tier
 
 
-def build(directory: Path, tier: str) -> ctypes.CDLL | str:
-    """The kernels of ``tier``, built into ``directory`` (kept: a later call finds them), or why they cannot be."""
+def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
+    """The kernels of ``tier``, built from the sources in ``csrc`` (another revision's: ``benchmarks.kernel_ab``)
+    into ``directory`` (kept: a later call finds them), or why they cannot be."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({platform.machine()})"
     if not runs(tier):
@@ -164,11 +165,11 @@ def build(directory: Path, tier: str) -> ctypes.CDLL | str:
         return "no gcc to build it"
     t = TIERS[tier]
     try:
-        target = directory / f"lookahead-{tier}-{build_id(tier)}.so"
+        target = directory / f"lookahead-{tier}-{build_id(tier, csrc)}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_suffix(f".{os.getpid()}.partial")  # renamed into place whole: a parallel build is harmless
-            built = subprocess.run([gcc, *t.flags, *(str(CSRC / s) for s in t.sources), "-o", str(partial)],
+            built = subprocess.run([gcc, *t.flags, *(str(csrc / s) for s in t.sources), "-o", str(partial)],
                                    capture_output=True, text=True)
             if built.returncode:
                 return f"gcc could not build it ({(built.stderr.strip().splitlines() or ['?'])[0][:120]})"
@@ -451,10 +452,16 @@ class Linear:
             raise ValueError(f"input has {x.shape[-1]} features, the weight {self.k}")
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], self.n, dtype=self.dtype)
-        if (rows := x.numel() // self.k) and self.run(x.data_ptr(), *self.pointers, y.data_ptr(), rows, self.n, self.k, *self.format,
-                                                      torch.get_num_threads(), self.l2, *self.tail):
-            raise MemoryError(f"the quantized linear could not allocate {rows} x {self.k} floats")
+        if self.into(x, y):
+            raise MemoryError(f"the quantized linear could not allocate {x.numel() // self.k} x {self.k} floats")
         return y
+
+    def into(self, x: torch.Tensor, y: torch.Tensor, run=None) -> int:
+        """The kernel on ``x`` (contiguous, checked) into ``y``: its status (1: out of memory). ``run``: the same
+        kernel of another build (``benchmarks.kernel_ab``)."""
+        rows = x.numel() // self.k
+        return rows and (run or self.run)(x.data_ptr(), *self.pointers, y.data_ptr(), rows, self.n, self.k, *self.format,
+                                          torch.get_num_threads(), self.l2, *self.tail)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

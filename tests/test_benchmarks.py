@@ -1,11 +1,12 @@
 """The benchmark runners in their smallest modes, so they cannot rot."""
 
 import json
+import subprocess
 import sys
 
 import pytest
 
-from benchmarks import peers, pool_bench, results_log, run, window
+from benchmarks import kernel_ab, peers, pool_bench, results_log, run, window
 
 
 def test_config_specs_parse_presets_and_fields():
@@ -133,3 +134,12 @@ def test_the_window_report_says_what_the_window_ran_and_earned(tmp_path):
     text = (tmp_path / "results.md").read_text()
     assert "| lookahead | 30.0 | 1.50x | 40 | 5 | 15 | 100% |" in text
     assert "| lookahead without the window | 25.0 | 1.25x | 40 | 0 | 0 | 100% |" in text
+
+
+@pytest.mark.slow
+def test_kernel_ab_builds_a_revisions_kernels_beside_the_working_trees(capsys):
+    kernel_ab.main(["--before", "HEAD", "--model", "smollm2-135m", "--dtype", "float32", "--weights", "dense", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "| before (HEAD) |" in out and "| after (working tree) |" in out
+    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", kernel_ab.CSRC]).returncode == 0
+    assert ("equal bit for bit" in out) if unchanged else ("are equal bit for bit" in out or "NOT equal" in out)
