@@ -101,10 +101,10 @@ class GrowingLayer(DynamicLayer):
         if not self._in_buffer or length > self._keys.shape[-2]:
             self._keys, self._values = self._grown(self.keys, key_states, held, length), self._grown(self.values, value_states, held, length)
         self._dropped = 0
-        self._keys[:, :, held:length] = key_states
-        self._values[:, :, held:length] = value_states
-        self.keys, self.values = self._view = self._keys[:, :, :length], self._values[:, :, :length]
-        return self.keys, self.values
+        self._keys.narrow(2, held, length - held).copy_(key_states)  # narrow, not indexing: ~3x cheaper a call
+        self._values.narrow(2, held, length - held).copy_(value_states)
+        self.keys, self.values = self._view = self._keys.narrow(2, 0, length), self._values.narrow(2, 0, length)
+        return self._view
 
     def stack(self, other: "GrowingLayer", pad_self: int, pad_other: int) -> None:
         """Append ``other``'s sequences after this layer's, each side padded on the left with zero (masked)

@@ -22,7 +22,9 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import DynamicCache
+from transformers.activations import SiLUActivation
 
 from lookahead import native
 from lookahead.norms import FusedRMSNorm, swap
@@ -32,23 +34,31 @@ LAYERS = {"LlamaDecoderLayer": False, "MistralDecoderLayer": False, "Qwen2Decode
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 SANDWICH = ("pre_feedforward_layernorm", "post_feedforward_layernorm")  # Gemma 3's norms besides Llama's two
+SILU = (nn.SiLU, SiLUActivation)  # activations that are ``F.silu`` itself: called as it, not as a module
 
 
 class FusedLayer(nn.Module):
     """A decoder layer's forward in few calls (see the module doc). Holds the original's norms, its attention module
-    (its ``layer_idx``, ``scaling``, ``is_causal``: what the attention function reads) and MLP (its activation), so
-    the model's modules are still its linears (what ``kernels.weights_of`` and the cost curve's key read), and calls
-    the products those packed linears share."""
+    (what the attention function reads: ``is_causal``, ``layer_idx``) and MLP, so the model's modules are still its
+    linears (what ``kernels.weights_of`` and the cost curve's key read), and calls the products those packed linears
+    share. What a forward reads is looked up once here, in plain attributes: a module's attribute lookup, a missing
+    attribute's exception and a module call cost microseconds each, and in a step every cache line they touch is
+    cold (the products stream the weights through it), so a layer's Python is a share of a small model's step."""
 
     def __init__(self, layer: nn.Module, attend: Callable, sandwich: bool) -> None:
         super().__init__()
         attention, mlp = layer.self_attn, layer.mlp
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = (getattr(layer, name) if sandwich else None for name in SANDWICH)
-        self.self_attn, self.mlp, self.attend, self.sandwich = attention, mlp, attend, sandwich
-        self.qkv, self.o = _products(attention, ATTENTION[:3]), _products(attention, ATTENTION[3:])
-        self.gate_up, self.down = _products(mlp, MLP[:2]), _products(mlp, MLP[2:])
-        self.head_dim = attention.head_dim
+        self.self_attn, self.mlp, self.attend = attention, mlp, attend
+        self.norms = (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
+        head_norms = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+        self.head_norms = head_norms if head_norms[0] is not None else None  # Gemma 3, Qwen3: each q and k head normed
+        self.qkv, self.o = _joined(_products(attention, ATTENTION[:3])), _joined(_products(attention, ATTENTION[3:]))
+        self.gate_up, self.down = _joined(_products(mlp, MLP[:2])), _joined(_products(mlp, MLP[2:]))
+        self.act = F.silu if type(mlp.act_fn) in SILU else mlp.act_fn.__call__  # a bound method: not registered twice
+        self.head_dim, self.layer_idx, self.scaling = attention.head_dim, attention.layer_idx, attention.scaling
+        self.sliding_window = getattr(attention, "sliding_window", None)
         self.heads = [getattr(attention, name).out_features // self.head_dim for name in ATTENTION[:3]]  # query, key and value heads
         self.width = mlp.gate_proj.out_features
 
@@ -56,31 +66,34 @@ class FusedLayer(nn.Module):
                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:  # (B, T, E)
         b, t, _ = hidden_states.shape
-        attention, (h, g, _) = self.self_attn, self.heads
-        qkv = _matmul(self.qkv, self.input_layernorm(hidden_states))  # (B, T, (H + 2 G) D)
-        cos, sin = (c.expand(b, t, -1) for c in position_embeddings)  # (B, T, D): a prompt's are (1, T, D)
-        q, k, v = qkv.view(b, t, -1, self.head_dim).split(self.heads, dim=2)  # (B, T, H or G, D) views
-        if getattr(attention, "q_norm", None) is not None:  # Gemma 3, Qwen3: each head normed, then rotated
-            q, k = attention.q_norm(q), attention.k_norm(k)  # contiguous
-            native.rope(q.view(b, t, -1), cos, sin, h, self.head_dim)
-            native.rope(k.view(b, t, -1), cos, sin, g, self.head_dim)
+        (h, g, _), d = self.heads, self.head_dim
+        first, second, before_mlp, after_mlp = self.norms
+        qkv = self.qkv(first.forward(hidden_states))  # (B, T, (H + 2 G) D)
+        cos, sin = position_embeddings  # (B, T, D), a prompt's (1, T, D)
+        if cos.shape[0] != b:
+            cos, sin = cos.expand(b, t, d), sin.expand(b, t, d)
+        q, k, v = qkv.view(b, t, -1, d).split_with_sizes(self.heads, 2)  # (B, T, H or G, D) views
+        if self.head_norms:  # normed (contiguous), then rotated
+            q, k = self.head_norms[0](q), self.head_norms[1](k)
+            native.rope(q.view(b, t, -1), cos, sin, h, d)
+            native.rope(k.view(b, t, -1), cos, sin, g, d)
         else:
-            native.rope(qkv, cos, sin, h + g, self.head_dim)  # q and k, in place
+            native.rope(qkv, cos, sin, h + g, d)  # q and k, in place
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or G, T, D)
         if cache is not None:
-            k, v = cache.update(k, v, attention.layer_idx, kwargs=kwargs)
-        out, _ = self.attend(attention, q, k, v, attention_mask, dropout=0.0, scaling=attention.scaling,
-                             sliding_window=getattr(attention, "sliding_window", None), **kwargs)  # (B, T, H, D)
-        attended = _matmul(self.o, out.reshape(b, t, -1))
-        if self.sandwich:
-            hidden_states, x = _add_norm(hidden_states, self.post_attention_layernorm(attended), self.pre_feedforward_layernorm)
-            return hidden_states + self.post_feedforward_layernorm(self._mlp(x))
-        hidden_states, x = _add_norm(hidden_states, attended, self.post_attention_layernorm)
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        out, _ = self.attend(self.self_attn, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                             sliding_window=self.sliding_window, **kwargs)  # (B, T, H, D)
+        attended = self.o(out.reshape(b, t, -1))
+        if after_mlp is not None:  # sandwich
+            hidden_states, x = _add_norm(hidden_states, second.forward(attended), before_mlp)
+            return hidden_states + after_mlp.forward(self._mlp(x))
+        hidden_states, x = _add_norm(hidden_states, attended, second)
         return hidden_states + self._mlp(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _matmul(self.gate_up, x).split(self.width, -1)
-        return _matmul(self.down, self.mlp.act_fn(gate) * up)
+        both, width = self.gate_up(x), self.width  # (..., 2 width): gate, up
+        return self.down(self.act(both.narrow(-1, 0, width)) * both.narrow(-1, width, width))
 
 
 def _add_norm(x: torch.Tensor, delta: torch.Tensor, norm: FusedRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,10 +101,12 @@ def _add_norm(x: torch.Tensor, delta: torch.Tensor, norm: FusedRMSNorm) -> tuple
     return native.add_rms_norm(x, delta, norm.weight, norm.eps, norm.offset)
 
 
-def _matmul(products: list, x: torch.Tensor) -> torch.Tensor:
-    """The linears' outputs side by side: one call where they share one product (a GGUF's siblings of two kinds
-    have two)."""
-    return products[0].matmul(x) if len(products) == 1 else torch.cat([product.matmul(x) for product in products], -1)
+def _joined(products: list) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The linears' outputs side by side in one call where they share one product (its kernel itself where it is
+    ours); a GGUF's siblings of two kinds have two, concatenated."""
+    if len(products) == 1:
+        return products[0].native or products[0].matmul
+    return lambda x: torch.cat([product.matmul(x) for product in products], -1)
 
 
 def _products(parent: nn.Module, names: tuple[str, ...]) -> list | None:
