@@ -56,10 +56,10 @@ class Tier:
 
 
 # the best tier this CPU has serves the process; an AVX-512F CPU without BF16 (Skylake-X, Cascade Lake, Ice
-# Lake) gets the fp32 linears (dense and quantized), the fp32 RMSNorm, the top-k and the KV moves (their bf16 code
-# is not compiled); an AVX2 one (Haswell and later, Zen 1-3) the fp32 linears (linear_avx2.c and
-# quant_linear_avx2.c: the same bits; -ffp-contract=off keeps the dequantization's product and sum apart) and the
-# KV moves
+# Lake) gets the fp32 linears (dense and quantized), the fp32 RMSNorm and RoPE, the top-k and the KV moves (their
+# bf16 code is not compiled); an AVX2 one (Haswell and later, Zen 1-3) the fp32 linears, RMSNorm and RoPE
+# (linear_avx2.c, quant_linear_avx2.c, rms_norm_avx2.c, rope_avx2.c: the same bits; -ffp-contract=off keeps each
+# product and sum apart where the AVX-512 code rounds them apart) and the KV moves
 TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
                         ("linear.c", "amx_linear.c", "quant_linear.c", "int_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c",
@@ -67,7 +67,7 @@ TIERS = {
                         BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
     "avx512f": Tier(("avx512f", "avx512bw", "avx512vl"), ("linear.c", "quant_linear.c", "rms_norm.c", "top_k.c", "move_columns.c", "rope.c"),
                     BASE_FLAGS),
-    "avx2": Tier(("avx2", "fma"), ("linear_avx2.c", "quant_linear_avx2.c", "move_columns.c"),
+    "avx2": Tier(("avx2", "fma"), ("linear_avx2.c", "quant_linear_avx2.c", "rms_norm_avx2.c", "rope_avx2.c", "move_columns.c"),
                  ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")),
 }
 INTEGER = "int8"  # the --dtype whose quantized linears round their activations to 8 bits and multiply integers

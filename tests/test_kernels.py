@@ -287,7 +287,9 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
     assert {t: hasattr(lib, "bf16_linear") for t, lib in libs.items()} == {t: t == "avx512-bf16" for t in tiers}
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 576), torch.randn(96), torch.randn(13, 576)
-    packed, scores, norm_weight = native.pack(weight), torch.randn(5, 1000), torch.randn(576)
+    packed, scores, norm_weight, delta = native.pack(weight), torch.randn(5, 1000), torch.randn(576), torch.randn(13, 576)
+    angles = torch.randn(13, 32) * 30
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (13, 64): each row's
     blocks = [quants.quantize_q8_0(weight),  # and a 4-bit kind, with offsets and a bias
               quants.Quantized(torch.randint(0, 16, (96, 576), dtype=torch.int8), torch.rand(96, 18), torch.randn(96, 18), 32, 4)]
     layouts = [native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32) for q in blocks]
@@ -312,9 +314,23 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
             dense, dequantized = torch.empty(13, 96), native.pack(q.dequantize())
             lib.fp32_linear(x.data_ptr(), dequantized.data_ptr(), bias.data_ptr(), dense.data_ptr(), 13, 96, 576, 2, 1)
             assert torch.equal(out[f"quant {q.kind} 13"], dense) and torch.equal(out[f"quant {q.kind} 1"], dense[:1])
-        if hasattr(lib, "rms_norm"):
-            out["norm"] = torch.empty_like(x)
-            lib.rms_norm(x.data_ptr(), norm_weight.data_ptr(), out["norm"].data_ptr(), 0, 13, 576, 1e-5, 0, 2)
+        if hasattr(lib, "rms_norm"):  # both weightings, and the residual sum before the norm
+            for offset, name in ((0, "norm"), (1, "gemma norm")):
+                out[name] = torch.empty_like(x)
+                lib.rms_norm(x.data_ptr(), norm_weight.data_ptr(), out[name].data_ptr(), 0, 13, 576, 1e-5, offset, 2)
+            out["sum"], out["summed norm"] = torch.empty_like(x), torch.empty_like(x)
+            lib.add_rms_norm(x.data_ptr(), delta.data_ptr(), out["sum"].data_ptr(), norm_weight.data_ptr(), out["summed norm"].data_ptr(),
+                             0, 13, 576, 1e-5, 0, 2)
+            r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+            assert torch.allclose(out["norm"], norm_weight * (x * r), rtol=1e-5, atol=1e-6)
+            assert torch.allclose(out["gemma norm"], x * r * (1 + norm_weight), rtol=1e-5, atol=1e-6)
+            assert torch.equal(out["sum"], x + delta)
+        if hasattr(lib, "rope"):  # heads 0-7 of 64 rotated in place as torch's ops round, the rest untouched
+            out["rope"] = x.clone()
+            lib.rope(out["rope"].data_ptr(), cos.data_ptr(), sin.data_ptr(), 0, 13, 576, 8, 64)
+            heads = x[:, :512].view(13, 8, 64)
+            want = heads * cos[:, None] + torch.cat([-heads[..., 32:], heads[..., :32]], -1) * sin[:, None]
+            assert torch.equal(out["rope"][:, :512].view(13, 8, 64), want) and torch.equal(out["rope"][:, 512:], x[:, 512:])
         if hasattr(lib, "top_k"):
             top = np.empty((5, 8), np.int64)
             assert lib.top_k(scores.data_ptr(), 0, 5, 1000, 8, top.ctypes.data, 2) == 0
@@ -327,8 +343,9 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
     for t, out in outputs.items():
         for other, theirs in outputs.items():
             assert all(torch.equal(out[name], theirs[name]) for name in out.keys() & theirs.keys()), (t, other)
-    if "avx2" in outputs:  # the AVX2 tier: the fp32 linears and the KV moves only
-        assert set(outputs["avx2"]) == {"linear 1", "linear 5", "linear 13", "moved"} | {f"quant {q.kind} {r}" for q in blocks for r in (1, 13)}
+    if "avx2" in outputs:  # the AVX2 tier: the fp32 linears, norms and RoPE, and the KV moves
+        assert set(outputs["avx2"]) == ({"linear 1", "linear 5", "linear 13", "moved", "norm", "gemma norm", "sum", "summed norm", "rope"}
+                                         | {f"quant {q.kind} {r}" for q in blocks for r in (1, 13)})
 
 
 def test_tiles_are_refused_where_amx_cannot_run(monkeypatch):

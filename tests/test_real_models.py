@@ -8,6 +8,9 @@ import dataclasses
 import gc
 import hashlib
 import importlib.metadata
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ import torch
 
 from benchmarks.prompts import PROMPTS, prompt_ids
 from conftest import assert_greedy_equal, hf_greedy, on_fixed_cost
-from lookahead import LookaheadConfig, LookaheadGenerator, kernels, models
+from lookahead import LookaheadConfig, LookaheadGenerator, kernels, models, native
 from lookahead.layers import FusedLayer
 
 pytestmark = pytest.mark.slow
@@ -51,6 +54,31 @@ def test_smollm2_accepts_several_tokens_per_step_on_input_grounded_prompts(smoll
     stats = gen.generate(ids, max_new_tokens=64).stats
     assert stats.compression > 1.8 and max(stats.accepted_hist) >= 5
     assert stats.accepted_by_source["suffix"] > 0 and stats.accepted_by_source["recycle"] > 0
+
+
+AVX2_RUN = """
+import json, sys
+from lookahead import LookaheadGenerator, models, native
+from lookahead.layers import FusedLayer
+native.library(tier="avx2")
+model, tok = models.load("smollm2-135m", dtype="float32", kernels="packed")
+assert native.isa() == "avx2" and all(isinstance(layer, FusedLayer) for layer in model.model.layers), native.isa()
+gen = LookaheadGenerator(model, tok)
+print(json.dumps([gen.generate(ids, max_new_tokens=64).tokens for ids in json.loads(sys.argv[1])]))
+"""
+
+
+@pytest.mark.skipif(not native.runs("avx2"), reason="this CPU has no AVX2")
+def test_smollm2_fp32_on_the_avx2_kernels_runs_fused_layers_and_equals_generate(smollm2, smollm_references):
+    """The AVX2 tier has the fp32 norms and RoPE (``rms_norm_avx2.c``, ``rope_avx2.c``), so its layers are fused too,
+    and fp32 lookahead still equals stock ``generate()``. A process runs one tier: this one is held in a child."""
+    names = list(smollm_references)
+    done = subprocess.run([sys.executable, "-c", AVX2_RUN, json.dumps([smollm_references[name][0] for name in names])],
+                          capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name, out in zip(names, json.loads(done.stdout.strip().splitlines()[-1])):
+        ids, ref = smollm_references[name]
+        assert_greedy_equal(smollm2[0], ids, out, ref)
 
 
 def test_smollm2_bf16_equals_bf16_generate_up_to_bf16_ties():

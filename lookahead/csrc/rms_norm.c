@@ -2,7 +2,7 @@
    ~8 torch ops a call (to fp32, pow, mean, add, rsqrt, mul, to, mul), ~15 us, and a SmolLM2 forward makes 61
    of them. The arithmetic is theirs, in fp32:
 
-       r   = 1 / sqrt(sum_i x_i^2 / n + eps)      x_i^2 rounded, then summed (16 lanes, then across them)
+       r   = 1 / sqrt(sum_i x_i^2 / n + eps)      in 16 lanes, an FMA each x_i, then across the lanes
        y_i = w_i * dtype(x_i r)                   offset 0: Llama, Qwen2 (in bf16 the product is rounded again)
        y_i = dtype(x_i r (1 + w_i))               offset 1: Gemma 3
 
@@ -43,7 +43,7 @@ static inline void norm_row(const void *x, const void *w, void *y, int bf16, lon
     for (int i = 0; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
         const __m512 v = load(x, bf16, row + i, m);
-        sums = _mm512_add_ps(sums, _mm512_mul_ps(v, v));
+        sums = _mm512_fmadd_ps(v, v, sums);
     }
     const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sums) / (float)n + eps));
     for (int i = 0; i < n; i += 16) {
