@@ -29,8 +29,11 @@ CSRC = "lookahead/csrc"
 
 
 def sources_at(revision: str, directory: Path) -> Path:
-    """``revision``'s kernel sources, written into ``directory``."""
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{CSRC}"], capture_output=True, text=True, check=True).stdout.split()
+    """``revision``'s kernel sources, written into ``directory``; SystemExit where git has no such revision."""
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{CSRC}"], capture_output=True, text=True)
+    if listed.returncode:
+        raise SystemExit(f"no kernel sources at {revision!r}: {(listed.stderr.strip().splitlines() or ['?'])[0]}")
+    names = listed.stdout.split()
     for name in names:
         (directory / name).write_bytes(subprocess.run(["git", "show", f"{revision}:{CSRC}/{name}"], capture_output=True, check=True).stdout)
     return directory
@@ -67,12 +70,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
-    model = models.load(args.model, dtype=args.dtype, kernels="packed", weights=args.weights)[0]
-    tier = native.tier()
-    if tier is None:
-        raise SystemExit(f"our kernels do not run here: {native.library()}")
     with tempfile.TemporaryDirectory() as tmp:
-        before = native.build(Path(tmp), tier, sources_at(args.before, Path(tmp)))
+        sources = sources_at(args.before, Path(tmp))  # a wrong revision is said before the model loads
+        model = models.load(args.model, dtype=args.dtype, kernels="packed", weights=args.weights)[0]
+        tier = native.tier()
+        if tier is None:
+            raise SystemExit(f"our kernels do not run here: {native.library()}")
+        before = native.build(Path(tmp), tier, sources)
         if isinstance(before, str):
             raise SystemExit(f"{args.before}'s kernels: {before}")
         builds = {f"before ({args.before})": before, "after (working tree)": native.library()}
