@@ -204,6 +204,7 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
     float *outs = (float *)(biases + rows * groups); /* a thread's (m, 32) sums of its current pair */
     const Rows part = {qx, dx, sums, biases, k, qblock, group};
     const int int8 = bits == 8, six = bits == 6, quad_bytes = int8 ? 64 : 32, per_block = qblock / group; /* groups an activation block */
+    const int quad_shift = __builtin_ctz(group / 4); /* a group's quads: 4 or 8 */
     /* int8: a quad's four steps in place; nibbles: k, k + 1, k + 2, k + 3 from the lows' and highs' chunks 0, 1,
        then k + 4 ... from their chunks 2, 3 */
     const __m512i order = order_of((const int[4]){0, 1, 2, 3}), first = order_of((const int[4]){0, 4, 1, 5}),
@@ -230,19 +231,23 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
             const char *next = q + 1 < pairs ? w0 + 2 * block : 0;
             memset(out, 0, rows * 32 * 4);
             for (int b = 0; b < k / qblock; b++) {
-                const size_t start = (size_t)b * span, lines = span / 64, quad_count = (size_t)qblock / 4;
-                const int unit = six ? 4 : 2; /* quads unpacked at a time: 16 k's of 6 bits, else 8 (a group holds whole units) */
-                for (int i = 0; i < qblock / 4; i += unit) {
-                    if (next) /* the next pair's lines of this activation block, spread over its quads: not in one burst */
-                        for (size_t line = i * lines / quad_count; line < (i + unit) * lines / quad_count; line++)
+                const size_t start = (size_t)b * span;
+                /* the next pair's lines of this activation block, spread over its units (not in one burst): after
+                   unit u, (u + 1) lines / units of them, counted without a division */
+                const int unit = six ? 4 : 2, units = qblock / 4 / unit; /* quads unpacked at a time: 16 k's of 6 bits, else 8 */
+                size_t line = 0, owed = 0;
+                for (int u = 0; u < units; u++) {
+                    if (next)
+                        for (owed += span / 64; owed >= (size_t)units; owed -= units, line++)
                             prefetch(next + start + 64 * line, l2), prefetch(next + block + start + 64 * line, l2);
+                    const int i = u * unit;
                     if (six) {
                         for (int half = 0; half < 2; half++)
-                            quartet_planes((half && w1 != w0 ? w1 : w0) + start + super_head + (size_t)i / 4 * 192, quads + 2 * i + half, 2);
+                            quartet_planes((half && w1 != w0 ? w1 : w0) + start + super_head + (size_t)u * 192, quads + 2 * i + half, 2);
                         continue;
                     }
-                    const size_t at = supers ? start + super_head + (size_t)i * quad_bytes
-                                             : start + (size_t)(i / (group / 4)) * group_bytes + head + (size_t)(i % (group / 4)) * quad_bytes;
+                    const int g = i >> quad_shift, j = i - (g << quad_shift); /* a group holds whole units */
+                    const size_t at = start + (supers ? super_head + (size_t)i * quad_bytes : (size_t)g * group_bytes + head + (size_t)j * quad_bytes);
                     for (int half = 0; half < 2; half++) { /* w0's quads, then w1's (a lone last block's twin: its own) */
                         const char *w = half && w1 != w0 ? w1 : w0;
                         if (int8)
