@@ -96,15 +96,23 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        held = self.get_seq_length()  # (batch, heads, seq, head_dim)
-        length = held + key_states.shape[-2]
-        if not self._in_buffer or length > self._keys.shape[-2]:
-            self._keys, self._values = self._grown(self.keys, key_states, held, length), self._grown(self.values, value_states, held, length)
-        self._dropped = 0
-        self._keys.narrow(2, held, length - held).copy_(key_states)  # narrow, not indexing: ~3x cheaper a call
-        self._values.narrow(2, held, length - held).copy_(value_states)
-        self.keys, self.values = self._view = self._keys.narrow(2, 0, length), self._values.narrow(2, 0, length)
+        rows = key_states.shape[-2]
+        held = self.reserve(rows, key_states, value_states)
+        self._keys.narrow(2, held, rows).copy_(key_states)  # narrow, not indexing: ~3x cheaper a call
+        self._values.narrow(2, held, rows).copy_(value_states)
         return self._view
+
+    def reserve(self, rows: int, key_like: torch.Tensor, value_like: torch.Tensor) -> int:
+        """Room in the buffers (``_keys``, ``_values``) for ``rows`` more columns, and the views over them, their
+        values for the caller to write: how many columns were held before. ``key_like``, ``value_like``: tensors
+        of the layer's (batch, heads, ., head_dim) and dtype, for a new buffer."""
+        held = self.get_seq_length()  # (batch, heads, seq, head_dim)
+        length = held + rows
+        if not self._in_buffer or length > self._keys.shape[-2]:
+            self._keys, self._values = self._grown(self.keys, key_like, held, length), self._grown(self.values, value_like, held, length)
+        self._dropped = 0
+        self.keys, self.values = self._view = self._keys.narrow(2, 0, length), self._values.narrow(2, 0, length)
+        return held
 
     def stack(self, other: "GrowingLayer", pad_self: int, pad_other: int) -> None:
         """Append ``other``'s sequences after this layer's, each side padded on the left with zero (masked)
@@ -141,6 +149,22 @@ class GrowingLayer(DynamicLayer):
             self._dropped -= tokens_to_remove  # the views are cut when read, the columns overwritten by the next update
             return
         super().crop(tokens_to_remove)
+
+
+def reserve(cache: Cache, layer_idx: int, rows: int, shape: tuple[int, int, int], held: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """Room for ``rows`` more columns of layer ``layer_idx``'s bf16 keys and values (batch, heads, ., head_dim =
+    ``shape``), for a fused layer's kernel to write: its buffers (B, G, capacity, D) and the columns held before;
+    None, with nothing done, where that layer is not a ``GrowingLayer`` of that shape, or holds other than ``held``."""
+    layers = getattr(cache, "layers", ())
+    layer = layers[layer_idx] if layer_idx < len(layers) else None
+    if not isinstance(layer, GrowingLayer) or not layer.is_initialized or held is not None and layer.get_seq_length() != held:
+        return None
+    keys, values = layer.keys, layer.values
+    if keys.dim() != 4 or keys.dtype != torch.bfloat16 or (keys.shape[0], keys.shape[1], keys.shape[3]) != shape or values.shape != keys.shape:
+        return None
+    start = layer.reserve(rows, keys, values)
+    return layer._keys, layer._values, start
 
 
 class GrowingCache(DynamicCache):

@@ -63,7 +63,7 @@ class Tier:
 TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
                         ("linear.c", "amx_linear.c", "quant_linear.c", "int_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c",
-                         "move_columns.c", "rope.c"),
+                         "move_columns.c", "rope.c", "layer_front.c"),
                         BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
     "avx512f": Tier(("avx512f", "avx512bw", "avx512vl"), ("linear.c", "quant_linear.c", "rms_norm.c", "top_k.c", "move_columns.c", "rope.c"),
                     BASE_FLAGS),
@@ -73,6 +73,14 @@ TIERS = {
 INTEGER = "int8"  # the --dtype whose quantized linears round their activations to 8 bits and multiply integers
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 Longs = ctypes.c_long * 3
+PRODUCTS = ("bf16_linear", "amx_bf16_linear", "quant_bf16_linear", "amx_quant_linear", "int_linear")  # csrc/layer_front.c's kinds
+
+
+class Product(ctypes.Structure):
+    """A bf16 product's kernel (its index in ``PRODUCTS``) and weights, as ``csrc/layer_front.c`` calls it."""
+
+    _fields_ = [("kind", ctypes.c_int), ("packed", ctypes.c_void_p), ("bias", ctypes.c_void_p)] + [
+        (name, ctypes.c_int) for name in ("n", "k", "bits", "group", "offsets", "supers", "l2")]
 
 
 @functools.cache
@@ -194,6 +202,9 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
         "rope": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 5, None),
         "top_k": ([ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "move_columns": ([ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int], None),
+        "layer_front": ([ctypes.c_void_p] * 3 + [ctypes.POINTER(Product)] * 3 + [ctypes.c_void_p, ctypes.c_float] * 2
+                        + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [Longs, ctypes.c_int, ctypes.c_void_p, Longs]
+                        + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
     }
     for name, (arguments, result) in signatures.items():
         if hasattr(lib, name):
@@ -444,6 +455,9 @@ class Linear:
         self.tail = (int(bf16),) if integer else ()
         self.pointers = weights.data_ptr(), None if bias is None else bias.data_ptr()
         self.l2 = prefetch_into_l2()
+        kernel = "int_linear" if integer else name
+        self.product = Product(PRODUCTS.index(kernel), *self.pointers, self.n, self.k, *(self.format + (0,) * 4)[:4], self.l2) \
+            if bf16 and kernel in PRODUCTS else None  # what ``layer_front`` calls: its bf16 kernels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:
@@ -526,11 +540,21 @@ def attention_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if query.dtype != torch.bfloat16 or query.device.type != "cpu" or not has("tree_attention"):
         return False
     (b, h, t, d), (kb, g, s, kd) = query.shape, key.shape
-    masked = causal if mask is None else (mask.dtype == torch.bfloat16 and mask.dim() == 4 and mask.shape[0] in (1, b)
-                                          and tuple(mask.shape[1:]) == (1, t, s) and mask.stride(-1) == 1)
-    return (masked and key.dtype == value.dtype == torch.bfloat16 and value.shape == key.shape and key.stride() == value.stride()
-            and kb == b and kd == d and d % 32 == 0 and d <= 256 and h % g == 0 and 0 < t <= s
+    return (mask_fits(mask, b, t, s, causal) and key.dtype == value.dtype == torch.bfloat16 and value.shape == key.shape
+            and key.stride() == value.stride() and kb == b and kd == d and heads_fit(h, g, d) and 0 < t <= s
             and query.stride(-1) == key.stride(-1) == 1)
+
+
+def mask_fits(mask: torch.Tensor | None, b: int, t: int, s: int, causal: bool) -> bool:
+    """Whether the attention kernel takes ``mask`` for ``b`` sequences' ``t`` rows over ``s`` keys: additive bf16
+    (B or 1, 1, T, S), or none where the attention is causal."""
+    return causal if mask is None else (mask.dtype == torch.bfloat16 and mask.dim() == 4 and mask.shape[0] in (1, b)
+                                        and tuple(mask.shape[1:]) == (1, t, s) and mask.stride(-1) == 1)
+
+
+def heads_fit(h: int, g: int, d: int) -> bool:
+    """Whether the attention kernel takes ``h`` query heads on ``g`` K/V heads of ``d``."""
+    return d % 32 == 0 and d <= 256 and h % g == 0
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor | None:
@@ -541,11 +565,38 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     b, h, t, d = query.shape
     g, s = key.shape[1], key.shape[2]
     out = torch.empty(b, t, h, d, dtype=torch.bfloat16)
-    strides = Longs(0 if mask is None or mask.shape[0] == 1 else mask.stride(0), 0 if mask is None else mask.stride(2), 0)
     failed = library().tree_attention(query.data_ptr(), Longs(*query.stride()[:3]), key.data_ptr(), value.data_ptr(),
-                                      Longs(*key.stride()[:3]), None if mask is None else mask.data_ptr(), strides, out.data_ptr(),
+                                      Longs(*key.stride()[:3]), _pointer(mask), _mask_strides(mask), out.data_ptr(),
                                       b, h, g, t, s, d, scale, torch.get_num_threads())
     return None if failed else out
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _mask_strides(mask: torch.Tensor | None) -> Longs:
+    """An additive mask's strides as the attention kernel reads them: a sequence's (0: shared), a row's."""
+    return Longs(0 if mask is None or mask.shape[0] == 1 else mask.stride(0), 0 if mask is None else mask.stride(2), 0)
+
+
+def layer_front(x: torch.Tensor, linears: tuple, norms: tuple, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, held: int, mask: torch.Tensor | None, heads: tuple[int, int, int], scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Llama-shaped decoder layer up to its activation in one call (``csrc/layer_front.c``), bf16: x (B, T, E) ->
+    (h, both), h the residual sum after attention (B, T, E), both the gate/up product (B, T, 2 width). ``linears``:
+    the q/k/v, output and gate/up ``Linear``s (each with a ``product``); ``norms``: (weight, eps) of the input and
+    post-attention norms (Llama's weighting); cos, sin (B or 1, T, D) contiguous; keys, values: the cache's buffers
+    (B, G, capacity, D), room made for T columns after ``held``; ``mask`` as ``mask_fits``; heads (H, G, D)."""
+    b, t, _ = x.shape
+    (qkv, o, gate_up), ((w1, eps1), (w2, eps2)) = linears, norms
+    h, both = torch.empty_like(x), torch.empty(b, t, gate_up.n, dtype=x.dtype)
+    if library().layer_front(x.data_ptr(), h.data_ptr(), both.data_ptr(), qkv.product, o.product, gate_up.product, w1.data_ptr(), eps1,
+                             w2.data_ptr(), eps2, cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
+                             keys.data_ptr(), values.data_ptr(), Longs(*keys.stride()[:3]), held, _pointer(mask), _mask_strides(mask),
+                             b, t, *heads, scale, torch.get_num_threads()):
+        raise MemoryError(f"a decoder layer's kernels could not allocate their buffers for {b * t} rows")
+    return h, both
 
 
 def top_k(scores: torch.Tensor, k: int) -> np.ndarray:

@@ -4,6 +4,7 @@ norm kernels are torch's arithmetic bit for bit."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
@@ -69,6 +70,47 @@ def test_fused_layers_give_the_stock_layers_logits_bit_for_bit(name, dtype, monk
     prompt, step = [5, 17, 3, 88, 41, 9, 60, 2, 33], [7, 19, 23, 71]
     for got, want in zip(logits(fused, prompt, step), logits(stock, prompt, step)):
         assert torch.equal(got, want) and got.abs().sum() > 0
+
+
+def steps(model, prompt: list[int], rows: list[list[int]]) -> tuple[list[torch.Tensor], kv.BatchCache]:
+    """The prompt's logits, then each step's (a chain under its 4D mask, two sequences at once), the last two
+    columns of each step cropped after it as a rejected draft's are; and the cache."""
+    cache = kv.BatchCache()
+    with torch.inference_mode():
+        out = [model(input_ids=torch.tensor([prompt, prompt[::-1]]), **kv.cache_kwarg(model, cache.cache)).logits]
+        cache.append(torch.arange(len(prompt)).repeat(2, 1))
+        for step in rows:
+            layout = stack([build_layout(0, 0, chain_tree(0.5, len(step) - 1))] * 2)
+            query = int(cache.positions.max()) + 1 + layout.offsets  # (2, T)
+            mask = cache.masks(layout.allowed, query, {"full_attention": None}, model.dtype, model.device)["full_attention"]
+            out.append(model(input_ids=torch.tensor([step, step[::-1]]), position_ids=query, attention_mask=mask,
+                             **kv.cache_kwarg(model, cache.cache)).logits)
+            kept = max(len(step) - 2, 1)
+            cache.compact(len(step), [np.arange(kept)] * 2, [row[:kept] for row in query.numpy()])
+    return out, cache
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_a_bf16_steps_front_in_one_call_is_the_module_by_module_path(name, monkeypatch):
+    """bf16 Llama-shaped layers run a step up to the activation in one call (``native.layer_front``), writing the
+    step's keys and values into the cache there: every step's logits and the cache are the module-by-module
+    path's, bit for bit (a prefill, then steps of 4, 1 and 3 rows, each cropped after as a rejected draft)."""
+    model = packed(tiny(name, torch.bfloat16), True, monkeypatch)
+    fronts = [layer.front for layer in model.model.layers]
+    assert all(fronts)
+    calls, front = [], native.layer_front
+    monkeypatch.setattr(native, "layer_front", lambda *args: calls.append(args[0].shape) or front(*args))
+    runs = []
+    for on in (True, False):
+        for layer, linears in zip(model.model.layers, fronts):
+            layer.front = linears if on else None
+        calls.clear()
+        runs.append(steps(model, [5, 17, 3, 88, 41, 9, 60, 2, 33], [[7, 19, 23, 71], [4], [8, 50, 6]]))
+        assert calls == ([(2, t, 128) for t in (4, 1, 3) for _ in fronts] if on else [])
+    (got, got_cache), (want, want_cache) = runs
+    assert all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in zip(got, want))
+    for a, b in zip(got_cache.cache.layers, want_cache.cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 def test_a_layer_the_fused_one_does_not_compute_stays_stock(monkeypatch):
