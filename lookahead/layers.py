@@ -11,11 +11,10 @@ the cache's update, the attention, the output product, its residual sum with the
 residual sum. Two shapes of layer (``LAYERS``): Llama's (Llama, Mistral, Qwen2, and Qwen3 with its q/k head
 norms), and Gemma 3's, whose attention and MLP outputs are normed before their residual sums ("sandwich").
 
-In bf16 (and int8, bf16 between its products), a Llama-shaped layer without head norms on our kernels runs a step's
-front, everything up to the activation, in one C call (``native.layer_front``: the same kernels in the same order,
-the step's keys and values written straight into the engine's cache buffer), then the activation, the down product
-and the residual sum: 5 calls from Python instead of ~15, which took ~1.7 ms of SmolLM2's ~9.5 ms one-row int8 step
-(Zen 4, one process).
+In bf16 (and int8, bf16 between its products), a Llama-shaped layer without head norms on our kernels runs a step in
+one C call (``native.decoder_layer``: the same kernels in the same order, SiLU as torch computes it, the step's keys
+and values written straight into the engine's cache buffer); with another activation, everything up to it, then
+the rest from Python.
 
 Every operation is the module's own or rounds as torch's does (``csrc/rope.c``, ``csrc/rms_norm.c``), so a fused
 layer's output equals the layer it replaces (on our kernels) bit for bit: ``fuse`` checks that on each layer at
@@ -67,9 +66,12 @@ class FusedLayer(nn.Module):
         self.heads = [getattr(attention, name).out_features // self.head_dim for name in ATTENTION[:3]]  # query, key and value heads
         self.width = mlp.gate_proj.out_features
         self.causal = getattr(attention, "is_causal", True)
-        linears = self.qkv, self.o, self.gate_up
-        self.front = linears if (  # a bf16 step's front in one call (``native.layer_front``): Llama's shape on our bf16 kernels
-            not sandwich and self.head_norms is None and native.has("layer_front") and all(getattr(p, "product", None) for p in linears)
+        bf16 = self.input_layernorm.weight.dtype == torch.bfloat16
+        self.silu = bf16 and self.act is F.silu and self.width % 16 == 0 and native.has("silu_mul")  # the activation in one call
+        linears = self.qkv, self.o, self.gate_up, self.down if self.silu else None
+        self.whole = linears if (  # a bf16 step's layer in one call (``native.decoder_layer``): Llama's shape on our bf16 kernels
+            bf16 and not sandwich and self.head_norms is None and native.has("decoder_layer")
+            and all(getattr(p, "product", None) for p in linears if p is not None)
             and native.heads_fit(self.heads[0], self.heads[1], self.head_dim) and self.heads[1] == self.heads[2]
             and all(norm.offset == 0 for norm in self.norms[:2])) else None
 
@@ -80,11 +82,11 @@ class FusedLayer(nn.Module):
         (h, g, _), d = self.heads, self.head_dim
         first, second, before_mlp, after_mlp = self.norms
         cos, sin = position_embeddings  # (B, T, D), a prompt's (1, T, D)
-        if self.front and cache is not None:
-            front = self._front(hidden_states, attention_mask, cos, sin, cache)
-            if front is not None:
-                hidden_states, both = front
-                return hidden_states + self._mlp(both)
+        if self.whole and cache is not None:
+            done = self._in_one_call(hidden_states, attention_mask, cos, sin, cache)
+            if done is not None:
+                out, both = done
+                return out if both is None else out + self._mlp(both)
         qkv = self.qkv(first.forward(hidden_states))  # (B, T, (H + 2 G) D)
         if cos.shape[0] != b:
             cos, sin = cos.expand(b, t, d), sin.expand(b, t, d)
@@ -110,11 +112,14 @@ class FusedLayer(nn.Module):
     def _mlp(self, both: torch.Tensor) -> torch.Tensor:
         """The MLP after its gate/up product ``both`` (..., 2 width): gate, up."""
         width = self.width
+        if self.silu:
+            return self.down(native.silu_mul(both))
         return self.down(self.act(both.narrow(-1, 0, width)) * both.narrow(-1, width, width))
 
-    def _front(self, x: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache) -> tuple | None:
-        """(x + attention, the gate/up product) in one call (``native.layer_front``), the step's keys and values
-        written into ``cache``; None, with nothing done, where that call does not take this step."""
+    def _in_one_call(self, x: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache) -> tuple | None:
+        """``native.decoder_layer``'s (the layer's output, None), or (x + attention, the gate/up product) where the
+        activation is not SiLU, the step's keys and values written into ``cache``; None, with nothing done, where
+        that call does not take this step."""
         b, t, _ = x.shape
         (h, g, _), d = self.heads, self.head_dim
         if (x.dtype != torch.bfloat16 or not x.is_contiguous() or cos.dtype != x.dtype or cos.shape[1:] != (t, d) or cos.shape[0] not in (1, b)
@@ -126,8 +131,8 @@ class FusedLayer(nn.Module):
             return None
         keys, values, held = room
         first, second = self.norms[:2]
-        return native.layer_front(x, self.front, ((first.weight, first.eps), (second.weight, second.eps)), cos, sin, keys, values, held,
-                                  mask, (h, g, d), self.scaling)
+        return native.decoder_layer(x, self.whole, ((first.weight, first.eps), (second.weight, second.eps)), cos, sin, keys, values, held,
+                                    mask, (h, g, d), self.scaling)
 
 
 def _add_norm(x: torch.Tensor, delta: torch.Tensor, norm: FusedRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +202,7 @@ def _agrees(layer: nn.Module, swap: FusedLayer) -> bool:
     outs = []
     with torch.inference_mode():
         for module in (layer, swap):
-            cache = kv.GrowingCache()  # the engine's: a step after the first takes the one-call front where it runs
+            cache = kv.GrowingCache()  # the engine's: a step after the first runs in one call where it can
             for rows in (slice(0, 5), slice(5, 8)):
                 out = module(x[:, rows], position_ids=positions[:, rows], cache=cache, use_cache=True,
                              position_embeddings=(cos[:, rows], sin[:, rows]))

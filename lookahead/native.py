@@ -63,7 +63,7 @@ class Tier:
 TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
                         ("linear.c", "amx_linear.c", "quant_linear.c", "int_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c",
-                         "move_columns.c", "rope.c", "layer_front.c"),
+                         "move_columns.c", "rope.c", "decoder_layer.c"),
                         BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
     "avx512f": Tier(("avx512f", "avx512bw", "avx512vl"), ("linear.c", "quant_linear.c", "rms_norm.c", "top_k.c", "move_columns.c", "rope.c"),
                     BASE_FLAGS),
@@ -73,11 +73,11 @@ TIERS = {
 INTEGER = "int8"  # the --dtype whose quantized linears round their activations to 8 bits and multiply integers
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 Longs = ctypes.c_long * 3
-PRODUCTS = ("bf16_linear", "amx_bf16_linear", "quant_bf16_linear", "amx_quant_linear", "int_linear")  # csrc/layer_front.c's kinds
+PRODUCTS = ("bf16_linear", "amx_bf16_linear", "quant_bf16_linear", "amx_quant_linear", "int_linear")  # csrc/decoder_layer.c's kinds
 
 
 class Product(ctypes.Structure):
-    """A bf16 product's kernel (its index in ``PRODUCTS``) and weights, as ``csrc/layer_front.c`` calls it."""
+    """A bf16 product's kernel (its index in ``PRODUCTS``) and weights, as ``csrc/decoder_layer.c`` calls it."""
 
     _fields_ = [("kind", ctypes.c_int), ("packed", ctypes.c_void_p), ("bias", ctypes.c_void_p)] + [
         (name, ctypes.c_int) for name in ("n", "k", "bits", "group", "offsets", "supers", "l2")]
@@ -202,9 +202,10 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
         "rope": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 5, None),
         "top_k": ([ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "move_columns": ([ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int], None),
-        "layer_front": ([ctypes.c_void_p] * 3 + [ctypes.POINTER(Product)] * 3 + [ctypes.c_void_p, ctypes.c_float] * 2
-                        + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [Longs, ctypes.c_int, ctypes.c_void_p, Longs]
-                        + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
+        "decoder_layer": ([ctypes.c_void_p] * 3 + [ctypes.POINTER(Product)] * 4 + [ctypes.c_void_p, ctypes.c_float] * 2
+                          + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [Longs, ctypes.c_int, ctypes.c_void_p, Longs]
+                          + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
+        "silu_mul": ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 2, None),
     }
     for name, (arguments, result) in signatures.items():
         if hasattr(lib, name):
@@ -457,7 +458,7 @@ class Linear:
         self.l2 = prefetch_into_l2()
         kernel = "int_linear" if integer else name
         self.product = Product(PRODUCTS.index(kernel), *self.pointers, self.n, self.k, *(self.format + (0,) * 4)[:4], self.l2) \
-            if bf16 and kernel in PRODUCTS else None  # what ``layer_front`` calls: its bf16 kernels
+            if bf16 and kernel in PRODUCTS else None  # what ``decoder_layer`` calls: its bf16 kernels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:
@@ -580,23 +581,37 @@ def _mask_strides(mask: torch.Tensor | None) -> Longs:
     return Longs(0 if mask is None or mask.shape[0] == 1 else mask.stride(0), 0 if mask is None else mask.stride(2), 0)
 
 
-def layer_front(x: torch.Tensor, linears: tuple, norms: tuple, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, held: int, mask: torch.Tensor | None, heads: tuple[int, int, int], scale: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Llama-shaped decoder layer up to its activation in one call (``csrc/layer_front.c``), bf16: x (B, T, E) ->
-    (h, both), h the residual sum after attention (B, T, E), both the gate/up product (B, T, 2 width). ``linears``:
-    the q/k/v, output and gate/up ``Linear``s (each with a ``product``); ``norms``: (weight, eps) of the input and
+def decoder_layer(x: torch.Tensor, linears: tuple, norms: tuple, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor, held: int, mask: torch.Tensor | None, heads: tuple[int, int, int], scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A Llama-shaped decoder layer in one call (``csrc/decoder_layer.c``), bf16, x (B, T, E): (its output, None) where
+    ``linears`` has a down product (the activation is SiLU), else (h, both) for the caller to finish: h the residual
+    sum after attention (B, T, E), both the gate/up product (B, T, 2 width). ``linears``: the q/k/v, output, gate/up
+    and down (or None) ``Linear``s, each with a ``product``; ``norms``: (weight, eps) of the input and
     post-attention norms (Llama's weighting); cos, sin (B or 1, T, D) contiguous; keys, values: the cache's buffers
     (B, G, capacity, D), room made for T columns after ``held``; ``mask`` as ``mask_fits``; heads (H, G, D)."""
     b, t, _ = x.shape
-    (qkv, o, gate_up), ((w1, eps1), (w2, eps2)) = linears, norms
-    h, both = torch.empty_like(x), torch.empty(b, t, gate_up.n, dtype=x.dtype)
-    if library().layer_front(x.data_ptr(), h.data_ptr(), both.data_ptr(), qkv.product, o.product, gate_up.product, w1.data_ptr(), eps1,
-                             w2.data_ptr(), eps2, cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
-                             keys.data_ptr(), values.data_ptr(), Longs(*keys.stride()[:3]), held, _pointer(mask), _mask_strides(mask),
-                             b, t, *heads, scale, torch.get_num_threads()):
+    (qkv, o, gate_up, down), ((w1, eps1), (w2, eps2)) = linears, norms
+    out, both = torch.empty_like(x), None if down else torch.empty(b, t, gate_up.n, dtype=x.dtype)
+    if library().decoder_layer(x.data_ptr(), out.data_ptr(), _pointer(both), qkv.product, o.product, gate_up.product, down and down.product,
+                               w1.data_ptr(), eps1, w2.data_ptr(), eps2, cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
+                               keys.data_ptr(), values.data_ptr(), Longs(*keys.stride()[:3]), held, _pointer(mask), _mask_strides(mask),
+                               b, t, *heads, scale, torch.get_num_threads()):
         raise MemoryError(f"a decoder layer's kernels could not allocate their buffers for {b * t} rows")
-    return h, both
+    return out, both
+
+
+def silu_mul(both: torch.Tensor) -> torch.Tensor:
+    """(..., 2 width) bf16 gate, up -> (..., width): ``F.silu(gate) * up`` bit for bit (``csrc/decoder_layer.c``), in one
+    call; width a multiple of 16."""
+    both = both.contiguous()
+    width = both.shape[-1] // 2
+    if both.dtype != torch.bfloat16 or width % 16 or not has("silu_mul"):
+        raise ValueError(f"silu_mul takes bf16 (..., 2 width) where the bf16 kernels run, width a multiple of 16, got {both.dtype} "
+                         f"{tuple(both.shape)}")
+    out = torch.empty(*both.shape[:-1], width, dtype=both.dtype)
+    library().silu_mul(both.data_ptr(), out.data_ptr(), both.numel() // both.shape[-1], width)
+    return out
 
 
 def top_k(scores: torch.Tensor, k: int) -> np.ndarray:

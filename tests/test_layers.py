@@ -90,27 +90,39 @@ def steps(model, prompt: list[int], rows: list[list[int]]) -> tuple[list[torch.T
     return out, cache
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_a_bf16_steps_front_in_one_call_is_the_module_by_module_path(name, monkeypatch):
-    """bf16 Llama-shaped layers run a step up to the activation in one call (``native.layer_front``), writing the
-    step's keys and values into the cache there: every step's logits and the cache are the module-by-module
-    path's, bit for bit (a prefill, then steps of 4, 1 and 3 rows, each cropped after as a rejected draft)."""
+@pytest.mark.parametrize("name", ["llama", "llama-gelu", "qwen2"])
+def test_a_bf16_step_in_one_call_is_the_module_by_module_path(name, monkeypatch):
+    """bf16 Llama-shaped layers run a step in one call (``native.decoder_layer``; with GELU, up to the activation),
+    writing the step's keys and values into the cache there: every step's logits and the cache are the
+    module-by-module path's, bit for bit (a prefill, then steps of 4, 1 and 3 rows, each cropped after as a
+    rejected draft's rows are)."""
     model = packed(tiny(name, torch.bfloat16), True, monkeypatch)
-    fronts = [layer.front for layer in model.model.layers]
-    assert all(fronts)
-    calls, front = [], native.layer_front
-    monkeypatch.setattr(native, "layer_front", lambda *args: calls.append(args[0].shape) or front(*args))
+    wholes = [layer.whole for layer in model.model.layers]
+    assert all(wholes) and all((whole[3] is None) == (name == "llama-gelu") for whole in wholes)
+    calls, whole = [], native.decoder_layer
+    monkeypatch.setattr(native, "decoder_layer", lambda *args: calls.append(args[0].shape) or whole(*args))
     runs = []
     for on in (True, False):
-        for layer, linears in zip(model.model.layers, fronts):
-            layer.front = linears if on else None
+        for layer, linears in zip(model.model.layers, wholes):
+            layer.whole = linears if on else None
         calls.clear()
         runs.append(steps(model, [5, 17, 3, 88, 41, 9, 60, 2, 33], [[7, 19, 23, 71], [4], [8, 50, 6]]))
-        assert calls == ([(2, t, 128) for t in (4, 1, 3) for _ in fronts] if on else [])
+        assert calls == ([(2, t, 128) for t in (4, 1, 3) for _ in wholes] if on else [])
     (got, got_cache), (want, want_cache) = runs
     assert all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in zip(got, want))
     for a, b in zip(got_cache.cache.layers, want_cache.cache.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_silu_mul_is_torchs_silu_times_up_for_every_bf16():
+    """All 65536 bf16 gates (NaNs as NaNs), each times a random up: torch's vectorised SiLU (Sleef's expf) and
+    torch's rounding to bf16, denormals kept."""
+    gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = (torch.randn(65536, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    for ups in (up, torch.ones_like(up)):
+        want, got = torch.nn.functional.silu(gate) * ups, native.silu_mul(torch.cat([gate, ups])[None])[0]
+        numbers = ~torch.isnan(want)
+        assert torch.equal(torch.isnan(got), ~numbers) and torch.equal(got[numbers].view(torch.int16), want[numbers].view(torch.int16))
 
 
 def test_a_layer_the_fused_one_does_not_compute_stays_stock(monkeypatch):
