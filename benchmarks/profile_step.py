@@ -5,7 +5,9 @@ class (linears, attention, norms, the rest), plus what the engine adds around th
 
 Op times are torch.profiler's self CPU times (the profiler's own cost included, so they overstate slightly);
 "outside ops" is the wall time of an unprofiled forward minus the ops' sum: Python, module dispatch and what
-no op accounts for. Each number is the fastest of ``--reps`` forwards.
+no op accounts for. Each number is the fastest of ``--reps`` forwards. Where a step's decoder layers are one C call
+each (bf16 and int8 on our kernels: ``native.decoder_layer``), their products, attention and norms are that call's
+time ("layers in one call"), and the columns that need them apart say "–".
 
 Then how close each forward is to what the machine allows: the linears' roofline, the larger of streaming
 their weights once from memory (at the rate a sum over a tensor far larger than the caches reads) and their
@@ -34,7 +36,7 @@ CLASSES = {  # op name fragment -> class, first match wins
     # our own kernels' calls, seen through ``annotated``, are "bf16_linear" and "tree_attention"
     "linear": "linears", "tree_attention": "attention", "addmm": "linears", "aten::mm": "linears", "matmul": "linears", "bmm": "attention",
     "scaled_dot_product": "attention", "softmax": "attention",
-    "rms_norm": "norms", "layer_norm": "norms", "aten::pow": "norms", "aten::mean": "norms", "aten::rsqrt": "norms",
+    "decoder_layer": "layers in one call", "rms_norm": "norms", "layer_norm": "norms", "aten::pow": "norms", "aten::mean": "norms", "aten::rsqrt": "norms",
     "aten::cos": "rotary", "aten::sin": "rotary", "cat": "copies and views", "copy_": "copies and views",
     "contiguous": "copies and views", "clone": "copies and views",
 }
@@ -59,7 +61,8 @@ def annotated():
     """Our own kernels are ctypes calls, no torch ops: while profiling, each call is a ``record_function`` span
     named for its C function (~4 us each, so only here). The linears call a ``native.Linear`` each, the norms
     ``native.rms_norm`` and the attention ``native.attention``."""
-    spans = [(native.Linear, "__call__", "bf16_linear"), (native, "attention", "tree_attention"), (native, "rms_norm", "rms_norm")]
+    spans = [(native.Linear, "__call__", "bf16_linear"), (native, "attention", "tree_attention"), (native, "rms_norm", "rms_norm"),
+             (native, "decoder_layer", "decoder_layer")]
     plain = [getattr(owner, name) for owner, name, _ in spans]
 
     def spanned(span: str, function):
@@ -174,10 +177,12 @@ def main(argv=None) -> None:
         by_size = {size: profile_size(model, size, args.context, args.reps) for size in sizes}
         for size, r in by_size.items():
             rows.append((name, size, r))
-            linears = r["by_class_ms"]["linears"]
+            linears, attention = (r["by_class_ms"].get(c, 0.0) for c in ("linears", "attention"))
             roof = max(linear_bytes(model) / stream, linear_flops(model, size) / peak) / 1e6  # ms
-            bounds.append((name, size, linears, roof, attention_flops(model, size, args.context) / r["by_class_ms"]["attention"] / 1e6,
-                           r["wall_ms"] / by_size[1]["wall_ms"], (r["wall_ms"] - linears + roof) / by_size[1]["wall_ms"]))
+            apart = "layers in one call" not in r["by_class_ms"]  # else most linears and the attention are inside that call
+            bounds.append((name, size, linears if apart else None, roof,
+                           attention_flops(model, size, args.context) / attention / 1e6 if apart and attention else None,
+                           r["wall_ms"] / by_size[1]["wall_ms"], (r["wall_ms"] - linears + roof) / by_size[1]["wall_ms"] if apart else None))
         print(f"{name}: weights stream at {stream:.0f} GB/s, the hot 64-row product runs at {peak:.0f} GFLOP/s")
     classes = sorted({c for *_, r in rows for c in r["by_class_ms"]})
     print("\n| dtype, kernels | T | forward (wall) | " + " | ".join(classes) + " | outside ops | step mask (ours) |")
@@ -188,7 +193,11 @@ def main(argv=None) -> None:
     print("\n| dtype, kernels | T | linears (ms) | their roofline (ms) | attention GFLOP/s | r(T) | r(T), linears at roofline |")
     print("|---|---|---|---|---|---|---|")
     for name, size, linears, roof, attention, ratio, at_roof in bounds:
-        print(f"| {name} | {size} | {linears:.1f} | {roof:.1f} | {attention:.0f} | {ratio:.2f} | {at_roof:.2f} |")
+        print(f"| {name} | {size} | {_or_dash(linears, '.1f')} | {roof:.1f} | {_or_dash(attention, '.0f')} | {ratio:.2f} | {_or_dash(at_roof, '.2f')} |")
+
+
+def _or_dash(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
 
 if __name__ == "__main__":
     main()
