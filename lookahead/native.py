@@ -606,7 +606,7 @@ def silu_mul(both: torch.Tensor) -> torch.Tensor:
     call; width a multiple of 16."""
     both = both.contiguous()
     width = both.shape[-1] // 2
-    if both.dtype != torch.bfloat16 or width % 16 or not has("silu_mul"):
+    if both.dtype != torch.bfloat16 or both.shape[-1] != 2 * width or width % 16 or not has("silu_mul"):
         raise ValueError(f"silu_mul takes bf16 (..., 2 width) where the bf16 kernels run, width a multiple of 16, got {both.dtype} "
                          f"{tuple(both.shape)}")
     out = torch.empty(*both.shape[:-1], width, dtype=both.dtype)

@@ -123,6 +123,8 @@ def test_silu_mul_is_torchs_silu_times_up_for_every_bf16():
         want, got = torch.nn.functional.silu(gate) * ups, native.silu_mul(torch.cat([gate, ups])[None])[0]
         numbers = ~torch.isnan(want)
         assert torch.equal(torch.isnan(got), ~numbers) and torch.equal(got[numbers].view(torch.int16), want[numbers].view(torch.int16))
+    with pytest.raises(ValueError, match="2 width"):
+        native.silu_mul(torch.cat([gate[:32], up[:1]])[None])  # an odd last dimension is no gate and up
 
 
 def test_a_layer_the_fused_one_does_not_compute_stays_stock(monkeypatch):

@@ -58,8 +58,8 @@ static int product(const Product *p, const uint16_t *x, uint16_t *y, int m, int 
 
 /* torch's SiLU of a bf16 x, times a bf16 u: silu = x / (1 + exp(-x)) in fp32, exp as torch's vectors compute it
    (Sleef's expf_u10, below), rounded to bf16 as torch rounds (to nearest even, in integers: denormals kept, where
-   vcvtneps2bf16 flushes them); then the product, rounded alike. Equal to F.silu(x) * u for every bf16 x (the tier
-   test runs all 65536). */
+   vcvtneps2bf16 flushes them); then the product, rounded alike. Equal to F.silu(x) * u for every bf16 x
+   (tests/test_layers.py runs all 65536). */
 static inline __m512 sleef_expf(__m512 d) {
     const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
     const __m512 qf = _mm512_cvtepi32_ps(q);
