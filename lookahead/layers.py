@@ -11,10 +11,10 @@ the cache's update, the attention, the output product, its residual sum with the
 residual sum. Two shapes of layer (``LAYERS``): Llama's (Llama, Mistral, Qwen2, and Qwen3 with its q/k head
 norms), and Gemma 3's, whose attention and MLP outputs are normed before their residual sums ("sandwich").
 
-In bf16 (and int8, bf16 between its products), a Llama-shaped layer without head norms on our kernels runs a step in
-one C call (``native.decoder_layer``: the same kernels in the same order, SiLU as torch computes it, the step's keys
-and values written straight into the engine's cache buffer); with another activation, everything up to it, then
-the rest from Python.
+In bf16 (and int8, bf16 between its products), a layer of either shape on our kernels runs a step in one C call
+(``native.decoder_layer``: the same kernels in the same order, the head norms and the sandwich's where the layer has
+them, SiLU or GELU-tanh as torch computes them, the step's keys and values written straight into the engine's
+cache buffer); with another activation, everything up to it, then the rest from Python.
 
 Every operation is the module's own or rounds as torch's does (``csrc/rope.c``, ``csrc/rms_norm.c``), so a fused
 layer's output equals the layer it replaces (on our kernels) bit for bit: ``fuse`` checks that on each layer at
@@ -23,12 +23,13 @@ load, on a random input of a few rows after a few cached ones, and keeps any lay
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.activations import SiLUActivation
+from transformers.activations import GELUTanh, SiLUActivation
 
 from lookahead import kv, native
 from lookahead.norms import FusedRMSNorm, swap
@@ -55,39 +56,44 @@ class FusedLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = (getattr(layer, name) if sandwich else None for name in SANDWICH)
         self.self_attn, self.mlp, self.attend = attention, mlp, attend
-        self.norms = (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
-        head_norms = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
-        self.head_norms = head_norms if head_norms[0] is not None else None  # Gemma 3, Qwen3: each q and k head normed
+        self.norms = dict(zip(native.NORMS, (  # ``native.NORMS``' roles (None: the layer has none there)
+            self.input_layernorm, self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm,
+            self.post_attention_layernorm if sandwich else None, self.post_feedforward_layernorm,
+            getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))))
+        self.head_norms = (self.norms["q_heads"], self.norms["k_heads"]) if self.norms["q_heads"] is not None else None  # Gemma 3, Qwen3
         self.qkv, self.o = _joined(_products(attention, ATTENTION[:3])), _joined(_products(attention, ATTENTION[3:]))
         self.gate_up, self.down = _joined(_products(mlp, MLP[:2])), _joined(_products(mlp, MLP[2:]))
-        self.act = F.silu if type(mlp.act_fn) in SILU else mlp.act_fn.__call__  # a bound method: not registered twice
+        self.activation = _activation(mlp.act_fn)
+        self.act = F.silu if self.activation == "silu" else mlp.act_fn.__call__  # a bound method: not registered twice
         self.head_dim, self.layer_idx, self.scaling = attention.head_dim, attention.layer_idx, attention.scaling
         self.sliding_window = getattr(attention, "sliding_window", None)
         self.heads = [getattr(attention, name).out_features // self.head_dim for name in ATTENTION[:3]]  # query, key and value heads
         self.width = mlp.gate_proj.out_features
         self.causal = getattr(attention, "is_causal", True)
         bf16 = self.input_layernorm.weight.dtype == torch.bfloat16
-        self.silu = bf16 and self.act is F.silu and self.width % 16 == 0 and native.has("silu_mul")  # the activation in one call
-        linears = self.qkv, self.o, self.gate_up, self.down if self.silu else None
-        self.whole = linears if (  # a bf16 step's layer in one call (``native.decoder_layer``): Llama's shape on our bf16 kernels
-            bf16 and not sandwich and self.head_norms is None and native.has("decoder_layer")
-            and all(getattr(p, "product", None) for p in linears if p is not None)
+        self.gated = bf16 and self.activation is not None and self.width % 16 == 0 and native.has("gated")  # the activation in one call
+        linears = self.qkv, self.o, self.gate_up, self.down if self.gated else None
+        norms = {name: norm for name, norm in self.norms.items() if norm is not None}
+        self.whole = linears if (  # a bf16 step's layer in one call (``native.decoder_layer``) on our bf16 kernels
+            bf16 and native.has("decoder_layer") and all(getattr(p, "product", None) for p in linears if p is not None)
             and native.heads_fit(self.heads[0], self.heads[1], self.head_dim) and self.heads[1] == self.heads[2]
-            and all(norm.offset == 0 for norm in self.norms[:2])) else None
+            and all(isinstance(norm, FusedRMSNorm) and norm.weight.dtype == torch.bfloat16 for norm in norms.values())
+            and all(norms[name].weight.numel() == self.head_dim for name in native.NORMS[4:] if name in norms)) else None
+        self.layer_norms = native.layer_norms({name: (norm.weight, norm.eps, norm.offset) for name, norm in norms.items()}) \
+            if self.whole else None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:  # (B, T, E)
         b, t, _ = hidden_states.shape
         (h, g, _), d = self.heads, self.head_dim
-        first, second, before_mlp, after_mlp = self.norms
         cos, sin = position_embeddings  # (B, T, D), a prompt's (1, T, D)
         if self.whole and cache is not None:
             done = self._in_one_call(hidden_states, attention_mask, cos, sin, cache)
             if done is not None:
                 out, both = done
-                return out if both is None else out + self._mlp(both)
-        qkv = self.qkv(first.forward(hidden_states))  # (B, T, (H + 2 G) D)
+                return out if both is None else self._mlp(out, both)
+        qkv = self.qkv(self.norms["input"].forward(hidden_states))  # (B, T, (H + 2 G) D)
         if cos.shape[0] != b:
             cos, sin = cos.expand(b, t, d), sin.expand(b, t, d)
         q, k, v = qkv.view(b, t, -1, d).split_with_sizes(self.heads, 2)  # (B, T, H or G, D) views
@@ -103,23 +109,25 @@ class FusedLayer(nn.Module):
         out, _ = self.attend(self.self_attn, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
                              sliding_window=self.sliding_window, **kwargs)  # (B, T, H, D)
         attended = self.o(out.reshape(b, t, -1))
-        if after_mlp is not None:  # sandwich
-            hidden_states, x = _add_norm(hidden_states, second.forward(attended), before_mlp)
-            return hidden_states + after_mlp.forward(self._mlp(self.gate_up(x)))
-        hidden_states, x = _add_norm(hidden_states, attended, second)
-        return hidden_states + self._mlp(self.gate_up(x))
+        if self.norms["attended"] is not None:  # sandwich
+            attended = self.norms["attended"].forward(attended)
+        hidden_states, x = _add_norm(hidden_states, attended, self.norms["residual"])
+        return self._mlp(hidden_states, self.gate_up(x))
 
-    def _mlp(self, both: torch.Tensor) -> torch.Tensor:
-        """The MLP after its gate/up product ``both`` (..., 2 width): gate, up."""
+    def _mlp(self, h: torch.Tensor, both: torch.Tensor) -> torch.Tensor:
+        """h + the MLP's output, after its gate/up product ``both`` (..., 2 width): gate, up (normed first where the
+        layer is sandwiched)."""
         width = self.width
-        if self.silu:
-            return self.down(native.silu_mul(both))
-        return self.down(self.act(both.narrow(-1, 0, width)) * both.narrow(-1, width, width))
+        if self.gated:
+            out = self.down(native.gated(both, self.activation))
+        else:
+            out = self.down(self.act(both.narrow(-1, 0, width)) * both.narrow(-1, width, width))
+        return h + (out if self.norms["mlp_out"] is None else self.norms["mlp_out"].forward(out))
 
     def _in_one_call(self, x: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache) -> tuple | None:
         """``native.decoder_layer``'s (the layer's output, None), or (x + attention, the gate/up product) where the
-        activation is not SiLU, the step's keys and values written into ``cache``; None, with nothing done, where
-        that call does not take this step."""
+        activation is not one it computes, the step's keys and values written into ``cache``; None, with nothing done,
+        where that call does not take this step."""
         b, t, _ = x.shape
         (h, g, _), d = self.heads, self.head_dim
         if (x.dtype != torch.bfloat16 or not x.is_contiguous() or cos.dtype != x.dtype or cos.shape[1:] != (t, d) or cos.shape[0] not in (1, b)
@@ -130,9 +138,20 @@ class FusedLayer(nn.Module):
         if room is None:
             return None
         keys, values, held = room
-        first, second = self.norms[:2]
-        return native.decoder_layer(x, self.whole, ((first.weight, first.eps), (second.weight, second.eps)), cos, sin, keys, values, held,
-                                    mask, (h, g, d), self.scaling)
+        return native.decoder_layer(x, self.whole, self.layer_norms, self.activation if self.gated else None, cos, sin, keys, values,
+                                    held, mask, (h, g, d), self.scaling)
+
+
+def _activation(act: Callable) -> str | None:
+    """Which of ``native.ACTIVATIONS`` the MLP's ``act`` is (torch's own function, so ``native.gated`` computes it bit
+    for bit), or None."""
+    if type(act) in SILU:
+        return "silu"
+    inner = getattr(act, "act", None) if isinstance(act, GELUTanh) else None  # transformers' gelu_pytorch_tanh
+    if (isinstance(act, nn.GELU) and act.approximate == "tanh"
+            or isinstance(inner, functools.partial) and inner.func is F.gelu and not inner.args and inner.keywords == {"approximate": "tanh"}):
+        return "gelu_tanh"
+    return None
 
 
 def _add_norm(x: torch.Tensor, delta: torch.Tensor, norm: FusedRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:

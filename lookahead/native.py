@@ -74,6 +74,8 @@ INTEGER = "int8"  # the --dtype whose quantized linears round their activations 
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 Longs = ctypes.c_long * 3
 PRODUCTS = ("bf16_linear", "amx_bf16_linear", "quant_bf16_linear", "amx_quant_linear", "int_linear")  # csrc/decoder_layer.c's kinds
+ACTIVATIONS = (None, "silu", "gelu_tanh")  # csrc/decoder_layer.c's: what ``gated`` and ``decoder_layer`` compute as torch does
+NORMS = ("input", "residual", "attended", "mlp_out", "q_heads", "k_heads")  # a layer's norms, as ``decoder_layer`` takes them
 
 
 class Product(ctypes.Structure):
@@ -81,6 +83,21 @@ class Product(ctypes.Structure):
 
     _fields_ = [("kind", ctypes.c_int), ("packed", ctypes.c_void_p), ("bias", ctypes.c_void_p)] + [
         (name, ctypes.c_int) for name in ("n", "k", "bits", "group", "offsets", "supers", "l2")]
+
+
+class Norm(ctypes.Structure):
+    """A layer's RMSNorm as ``csrc/decoder_layer.c`` calls it: its bf16 weight (None: the layer has none there), eps
+    and weighting (``rms_norm``'s offset)."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("eps", ctypes.c_float), ("offset", ctypes.c_int)]
+
+
+def layer_norms(norms: dict) -> ctypes.Array:
+    """``NORMS``' names -> (weight, eps, offset), as ``decoder_layer`` takes them: made once a layer (the weights are
+    the caller's to hold)."""
+    if set(norms) - set(NORMS):
+        raise ValueError(f"a layer's norms are among {NORMS}, got {sorted(set(norms) - set(NORMS))}")
+    return (Norm * len(NORMS))(*(Norm(norms[name][0].data_ptr(), *norms[name][1:]) if name in norms else Norm() for name in NORMS))
 
 
 @functools.cache
@@ -202,10 +219,10 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
         "rope": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 5, None),
         "top_k": ([ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "move_columns": ([ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int], None),
-        "decoder_layer": ([ctypes.c_void_p] * 3 + [ctypes.POINTER(Product)] * 4 + [ctypes.c_void_p, ctypes.c_float] * 2
+        "decoder_layer": ([ctypes.c_void_p] * 3 + [ctypes.POINTER(Product)] * 4 + [ctypes.POINTER(Norm), ctypes.c_int]
                           + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [Longs, ctypes.c_int, ctypes.c_void_p, Longs]
                           + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
-        "silu_mul": ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 2, None),
+        "gated": ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 3, None),
     }
     for name, (arguments, result) in signatures.items():
         if hasattr(lib, name):
@@ -581,36 +598,36 @@ def _mask_strides(mask: torch.Tensor | None) -> Longs:
     return Longs(0 if mask is None or mask.shape[0] == 1 else mask.stride(0), 0 if mask is None else mask.stride(2), 0)
 
 
-def decoder_layer(x: torch.Tensor, linears: tuple, norms: tuple, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                  values: torch.Tensor, held: int, mask: torch.Tensor | None, heads: tuple[int, int, int], scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A Llama-shaped decoder layer in one call (``csrc/decoder_layer.c``), bf16, x (B, T, E): (its output, None) where
-    ``linears`` has a down product (the activation is SiLU), else (h, both) for the caller to finish: h the residual
-    sum after attention (B, T, E), both the gate/up product (B, T, 2 width). ``linears``: the q/k/v, output, gate/up
-    and down (or None) ``Linear``s, each with a ``product``; ``norms``: (weight, eps) of the input and
-    post-attention norms (Llama's weighting); cos, sin (B or 1, T, D) contiguous; keys, values: the cache's buffers
-    (B, G, capacity, D), room made for T columns after ``held``; ``mask`` as ``mask_fits``; heads (H, G, D)."""
+def decoder_layer(x: torch.Tensor, linears: tuple, norms: ctypes.Array, activation: str | None, cos: torch.Tensor,
+                  sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, held: int, mask: torch.Tensor | None,
+                  heads: tuple[int, int, int], scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decoder layer in one call (``csrc/decoder_layer.c``), bf16, x (B, T, E): (its output, None) where ``linears``
+    has a down product (``activation`` one of ``ACTIVATIONS``), else (h, both) for the caller to finish: h the
+    residual sum after attention (B, T, E), both the gate/up product (B, T, 2 width). ``linears``: the q/k/v, output,
+    gate/up and down (or None) ``Linear``s, each with a ``product``; ``norms``: ``layer_norms``'; cos, sin (B or 1, T,
+    D) contiguous; keys, values: the cache's buffers (B, G, capacity, D), room made for T columns after ``held``;
+    ``mask`` as ``mask_fits``; heads (H, G, D)."""
     b, t, _ = x.shape
-    (qkv, o, gate_up, down), ((w1, eps1), (w2, eps2)) = linears, norms
+    qkv, o, gate_up, down = linears
     out, both = torch.empty_like(x), None if down else torch.empty(b, t, gate_up.n, dtype=x.dtype)
     if library().decoder_layer(x.data_ptr(), out.data_ptr(), _pointer(both), qkv.product, o.product, gate_up.product, down and down.product,
-                               w1.data_ptr(), eps1, w2.data_ptr(), eps2, cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
+                               norms, ACTIVATIONS.index(activation), cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
                                keys.data_ptr(), values.data_ptr(), Longs(*keys.stride()[:3]), held, _pointer(mask), _mask_strides(mask),
                                b, t, *heads, scale, torch.get_num_threads()):
         raise MemoryError(f"a decoder layer's kernels could not allocate their buffers for {b * t} rows")
     return out, both
 
 
-def silu_mul(both: torch.Tensor) -> torch.Tensor:
-    """(..., 2 width) bf16 gate, up -> (..., width): ``F.silu(gate) * up`` bit for bit (``csrc/decoder_layer.c``), in one
-    call; width a multiple of 16."""
+def gated(both: torch.Tensor, activation: str) -> torch.Tensor:
+    """(..., 2 width) bf16 gate, up -> (..., width): ``act(gate) * up`` bit for bit as torch computes it (``F.silu``, or
+    ``F.gelu(approximate="tanh")``: ``ACTIVATIONS``; ``csrc/decoder_layer.c``), in one call; width a multiple of 16."""
     both = both.contiguous()
     width = both.shape[-1] // 2
-    if both.dtype != torch.bfloat16 or both.shape[-1] != 2 * width or width % 16 or not has("silu_mul"):
-        raise ValueError(f"silu_mul takes bf16 (..., 2 width) where the bf16 kernels run, width a multiple of 16, got {both.dtype} "
-                         f"{tuple(both.shape)}")
+    if activation not in ACTIVATIONS[1:] or both.dtype != torch.bfloat16 or both.shape[-1] != 2 * width or width % 16 or not has("gated"):
+        raise ValueError(f"gated takes bf16 (..., 2 width) where the bf16 kernels run, width a multiple of 16, and one of "
+                         f"{ACTIVATIONS[1:]}, got {both.dtype} {tuple(both.shape)}, {activation!r}")
     out = torch.empty(*both.shape[:-1], width, dtype=both.dtype)
-    library().silu_mul(both.data_ptr(), out.data_ptr(), both.numel() // both.shape[-1], width)
+    library().gated(both.data_ptr(), out.data_ptr(), both.numel() // both.shape[-1], width, ACTIVATIONS.index(activation))
     return out
 
 

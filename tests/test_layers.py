@@ -45,19 +45,28 @@ def packed(model, fused: bool, monkeypatch) -> torch.nn.Module:
     return model
 
 
+def windows(model) -> dict:
+    """Each of the model's layer types' sliding window (None: full attention), as the engine's masks take them."""
+    return {kind: getattr(model.config, "sliding_window", None) if kind == "sliding_attention" else None
+            for kind in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
+
+
+def masks(cache: kv.BatchCache, model, allowed: torch.Tensor, query: torch.Tensor):
+    """A step's 4D masks as the model takes them: one tensor, or a dict of them by layer type."""
+    masks = cache.masks(allowed, query, windows(model), model.dtype, model.device)
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
 def logits(model, prompt: list[int], step: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt's logits, then a chain step's under its 4D masks (a sliding layer's too), two sequences at once."""
     cache = kv.BatchCache()
-    windows = {kind: getattr(model.config, "sliding_window", None) if kind == "sliding_attention" else None
-               for kind in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
     with torch.inference_mode():
         first = model(input_ids=torch.tensor([prompt, prompt[::-1]]), **kv.cache_kwarg(model, cache.cache)).logits
         cache.append(torch.arange(len(prompt)).repeat(2, 1))
         layout = stack([build_layout(0, 0, chain_tree(0.5, len(step) - 1))] * 2)
         query = torch.full((2, 1), len(prompt)) + layout.offsets  # (2, T)
-        masks = cache.masks(layout.allowed, query, windows, model.dtype, model.device)
-        second = model(input_ids=torch.tensor([step, step[::-1]]), position_ids=query,
-                       attention_mask=masks if len(masks) > 1 else next(iter(masks.values())), **kv.cache_kwarg(model, cache.cache)).logits
+        second = model(input_ids=torch.tensor([step, step[::-1]]), position_ids=query, attention_mask=masks(cache, model, layout.allowed, query),
+                       **kv.cache_kwarg(model, cache.cache)).logits
     return first, second
 
 
@@ -73,7 +82,7 @@ def test_fused_layers_give_the_stock_layers_logits_bit_for_bit(name, dtype, monk
 
 
 def steps(model, prompt: list[int], rows: list[list[int]]) -> tuple[list[torch.Tensor], kv.BatchCache]:
-    """The prompt's logits, then each step's (a chain under its 4D mask, two sequences at once), the last two
+    """The prompt's logits, then each step's (a chain under its 4D masks, two sequences at once), the last two
     columns of each step cropped after it as a rejected draft's are; and the cache."""
     cache = kv.BatchCache()
     with torch.inference_mode():
@@ -82,18 +91,18 @@ def steps(model, prompt: list[int], rows: list[list[int]]) -> tuple[list[torch.T
         for step in rows:
             layout = stack([build_layout(0, 0, chain_tree(0.5, len(step) - 1))] * 2)
             query = int(cache.positions.max()) + 1 + layout.offsets  # (2, T)
-            mask = cache.masks(layout.allowed, query, {"full_attention": None}, model.dtype, model.device)["full_attention"]
-            out.append(model(input_ids=torch.tensor([step, step[::-1]]), position_ids=query, attention_mask=mask,
+            out.append(model(input_ids=torch.tensor([step, step[::-1]]), position_ids=query, attention_mask=masks(cache, model, layout.allowed, query),
                              **kv.cache_kwarg(model, cache.cache)).logits)
             kept = max(len(step) - 2, 1)
             cache.compact(len(step), [np.arange(kept)] * 2, [row[:kept] for row in query.numpy()])
     return out, cache
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-gelu", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "llama-gelu", "qwen2", "qwen3", "gemma3"])
 def test_a_bf16_step_in_one_call_is_the_module_by_module_path(name, monkeypatch):
-    """bf16 Llama-shaped layers run a step in one call (``native.decoder_layer``; with GELU, up to the activation),
-    writing the step's keys and values into the cache there: every step's logits and the cache are the
+    """bf16 layers run a step in one call (``native.decoder_layer``; with an activation it does not compute, erf's
+    GELU, up to it), Qwen3's and Gemma 3's head norms, Gemma 3's sandwiched norms, GELU-tanh and sliding layers
+    included, writing the step's keys and values into the cache there: every step's logits and the cache are the
     module-by-module path's, bit for bit (a prefill, then steps of 4, 1 and 3 rows, each cropped after as a
     rejected draft's rows are)."""
     model = packed(tiny(name, torch.bfloat16), True, monkeypatch)
@@ -114,17 +123,21 @@ def test_a_bf16_step_in_one_call_is_the_module_by_module_path(name, monkeypatch)
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_silu_mul_is_torchs_silu_times_up_for_every_bf16():
-    """All 65536 bf16 gates (NaNs as NaNs), each times a random up: torch's vectorised SiLU (Sleef's expf) and
-    torch's rounding to bf16, denormals kept."""
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_is_torchs_activation_times_up_for_every_bf16(activation):
+    """All 65536 bf16 gates (NaNs as NaNs), each times a random up: torch's vectorised SiLU and GELU-tanh (Sleef's
+    expf and tanhf) and torch's rounding to bf16, denormals kept."""
+    act = {"silu": torch.nn.functional.silu, "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}[activation]
     gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     up = (torch.randn(65536, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
     for ups in (up, torch.ones_like(up)):
-        want, got = torch.nn.functional.silu(gate) * ups, native.silu_mul(torch.cat([gate, ups])[None])[0]
+        want, got = act(gate) * ups, native.gated(torch.cat([gate, ups])[None], activation)[0]
         numbers = ~torch.isnan(want)
         assert torch.equal(torch.isnan(got), ~numbers) and torch.equal(got[numbers].view(torch.int16), want[numbers].view(torch.int16))
     with pytest.raises(ValueError, match="2 width"):
-        native.silu_mul(torch.cat([gate[:32], up[:1]])[None])  # an odd last dimension is no gate and up
+        native.gated(torch.cat([gate[:32], up[:1]])[None], activation)  # an odd last dimension is no gate and up
+    with pytest.raises(ValueError, match="gelu_tanh"):
+        native.gated(torch.cat([gate[:32], up[:32]])[None], "gelu")
 
 
 def test_a_layer_the_fused_one_does_not_compute_stays_stock(monkeypatch):
