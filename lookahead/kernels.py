@@ -43,6 +43,7 @@ and the packed copy of it is the one extra (SmolLM2-135M fp32: 113 MB for its 49
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -347,12 +348,13 @@ def _runnable(quantized: dict[str, Quantized], dtype: torch.dtype, integer: bool
 
 def _products(linears: dict[str, nn.Linear], tied: set[int], quantized: dict[str, Quantized | None]) -> list[tuple[str, ...]]:
     """One module's packable linears, by name, grouped into products: each group of ``SIBLINGS`` that is all there,
-    of one input width, all biased or none, all dense or all quantized of one kind, and with no tied weight shares
-    one; every other linear has its own."""
-    groups = [names for names in SIBLINGS if all(name in linears for name in names)
+    of one input width, all biased or none, and with no tied weight shares one, or one a run of it of one kind where
+    it mixes kinds (a GGUF's Q4_K q and k beside a Q6_K v: two products); every other linear has its own."""
+    kind = lambda name: quantized[name].kind if quantized[name] else None  # noqa: E731 -- None: dense
+    groups = [tuple(run) for names in SIBLINGS if all(name in linears for name in names)
               and len({(linears[name].in_features, linears[name].bias is None) for name in names}) == 1
-              and len({quantized[name].kind if quantized[name] else None for name in names}) == 1
-              and not any(id(linears[name].weight) in tied for name in names)]
+              and not any(id(linears[name].weight) in tied for name in names)
+              for _, run in itertools.groupby(names, kind)]
     grouped = {name for names in groups for name in names}
     return groups + [(name,) for name in linears if name not in grouped]
 

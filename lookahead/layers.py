@@ -61,8 +61,8 @@ class FusedLayer(nn.Module):
             self.post_attention_layernorm if sandwich else None, self.post_feedforward_layernorm,
             getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))))
         self.head_norms = (self.norms["q_heads"], self.norms["k_heads"]) if self.norms["q_heads"] is not None else None  # Gemma 3, Qwen3
-        self.qkv, self.o = _joined(_products(attention, ATTENTION[:3])), _joined(_products(attention, ATTENTION[3:]))
-        self.gate_up, self.down = _joined(_products(mlp, MLP[:2])), _joined(_products(mlp, MLP[2:]))
+        products = _products(attention, ATTENTION[:3]), _products(attention, ATTENTION[3:]), _products(mlp, MLP[:2]), _products(mlp, MLP[2:])
+        self.qkv, self.o, self.gate_up, self.down = (_joined(p) for p in products)
         self.activation = _activation(mlp.act_fn)
         self.act = F.silu if self.activation == "silu" else mlp.act_fn.__call__  # a bound method: not registered twice
         self.head_dim, self.layer_idx, self.scaling = attention.head_dim, attention.layer_idx, attention.scaling
@@ -72,10 +72,10 @@ class FusedLayer(nn.Module):
         self.causal = getattr(attention, "is_causal", True)
         bf16 = self.input_layernorm.weight.dtype == torch.bfloat16
         self.gated = bf16 and self.activation is not None and self.width % 16 == 0 and native.has("gated")  # the activation in one call
-        linears = self.qkv, self.o, self.gate_up, self.down if self.gated else None
+        roles = [native.role([product.native for product in p]) for p in products[:3 + self.gated]] + [None] * (not self.gated)
         norms = {name: norm for name, norm in self.norms.items() if norm is not None}
-        self.whole = linears if (  # a bf16 step's layer in one call (``native.decoder_layer``) on our bf16 kernels
-            bf16 and native.has("decoder_layer") and all(getattr(p, "product", None) for p in linears if p is not None)
+        self.whole = tuple(roles) if (  # a bf16 step's layer in one call (``native.decoder_layer``) on our bf16 kernels
+            bf16 and native.has("decoder_layer") and all(roles[:3 + self.gated])
             and native.heads_fit(self.heads[0], self.heads[1], self.head_dim) and self.heads[1] == self.heads[2]
             and all(isinstance(norm, FusedRMSNorm) and norm.weight.dtype == torch.bfloat16 for norm in norms.values())
             and all(norms[name].weight.numel() == self.head_dim for name in native.NORMS[4:] if name in norms)) else None

@@ -85,6 +85,21 @@ class Product(ctypes.Structure):
         (name, ctypes.c_int) for name in ("n", "k", "bits", "group", "offsets", "supers", "l2")]
 
 
+class Role(ctypes.Structure):
+    """A layer's role (q/k/v, output, gate/up, down) as ``csrc/decoder_layer.c`` calls it: one product, or a GGUF's
+    siblings of other types as one product each (up to three), whose outputs sit side by side."""
+
+    _fields_ = [("part", Product * 3), ("parts", ctypes.c_int), ("n", ctypes.c_int)]
+
+
+def role(linears: list) -> Role | None:
+    """The role of ``linears`` (``Linear``s whose outputs sit side by side, in order, each with a ``product``), or None
+    where ``decoder_layer`` cannot call them: more than three, or one not on a bf16 kernel it knows."""
+    if not 0 < len(linears) <= 3 or any(getattr(linear, "product", None) is None for linear in linears):
+        return None
+    return Role((Product * 3)(*(linear.product for linear in linears)), len(linears), sum(linear.n for linear in linears))
+
+
 class Norm(ctypes.Structure):
     """A layer's RMSNorm as ``csrc/decoder_layer.c`` calls it: its bf16 weight (None: the layer has none there), eps
     and weighting (``rms_norm``'s offset)."""
@@ -219,7 +234,7 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
         "rope": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 5, None),
         "top_k": ([ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "move_columns": ([ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int], None),
-        "decoder_layer": ([ctypes.c_void_p] * 3 + [ctypes.POINTER(Product)] * 4 + [ctypes.POINTER(Norm), ctypes.c_int]
+        "decoder_layer": ([ctypes.c_void_p] * 3 + [ctypes.POINTER(Role)] * 4 + [ctypes.POINTER(Norm), ctypes.c_int]
                           + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [Longs, ctypes.c_int, ctypes.c_void_p, Longs]
                           + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "gated": ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 3, None),
@@ -598,19 +613,19 @@ def _mask_strides(mask: torch.Tensor | None) -> Longs:
     return Longs(0 if mask is None or mask.shape[0] == 1 else mask.stride(0), 0 if mask is None else mask.stride(2), 0)
 
 
-def decoder_layer(x: torch.Tensor, linears: tuple, norms: ctypes.Array, activation: str | None, cos: torch.Tensor,
+def decoder_layer(x: torch.Tensor, roles: tuple, norms: ctypes.Array, activation: str | None, cos: torch.Tensor,
                   sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, held: int, mask: torch.Tensor | None,
                   heads: tuple[int, int, int], scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A decoder layer in one call (``csrc/decoder_layer.c``), bf16, x (B, T, E): (its output, None) where ``linears``
+    """A decoder layer in one call (``csrc/decoder_layer.c``), bf16, x (B, T, E): (its output, None) where ``roles``
     has a down product (``activation`` one of ``ACTIVATIONS``), else (h, both) for the caller to finish: h the
-    residual sum after attention (B, T, E), both the gate/up product (B, T, 2 width). ``linears``: the q/k/v, output,
-    gate/up and down (or None) ``Linear``s, each with a ``product``; ``norms``: ``layer_norms``'; cos, sin (B or 1, T,
+    residual sum after attention (B, T, E), both the gate/up product (B, T, 2 width). ``roles``: the q/k/v, output,
+    gate/up and down (or None) ``Role``s; ``norms``: ``layer_norms``'; cos, sin (B or 1, T,
     D) contiguous; keys, values: the cache's buffers (B, G, capacity, D), room made for T columns after ``held``;
     ``mask`` as ``mask_fits``; heads (H, G, D)."""
     b, t, _ = x.shape
-    qkv, o, gate_up, down = linears
+    qkv, o, gate_up, down = roles
     out, both = torch.empty_like(x), None if down else torch.empty(b, t, gate_up.n, dtype=x.dtype)
-    if library().decoder_layer(x.data_ptr(), out.data_ptr(), _pointer(both), qkv.product, o.product, gate_up.product, down and down.product,
+    if library().decoder_layer(x.data_ptr(), out.data_ptr(), _pointer(both), qkv, o, gate_up, down,
                                norms, ACTIVATIONS.index(activation), cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
                                keys.data_ptr(), values.data_ptr(), Longs(*keys.stride()[:3]), held, _pointer(mask), _mask_strides(mask),
                                b, t, *heads, scale, torch.get_num_threads()):

@@ -12,7 +12,7 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llam
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from lookahead import kernels, kv, layers, native
+from lookahead import kernels, kv, layers, native, quants
 from lookahead.layout import build_layout, stack
 from lookahead.planner import chain_tree
 
@@ -36,11 +36,11 @@ def tiny(name: str, dtype: torch.dtype):
     return BUILDS[name]().eval().to(dtype)
 
 
-def packed(model, fused: bool, monkeypatch) -> torch.nn.Module:
+def packed(model, fused: bool, monkeypatch, quantized: dict | None = None) -> torch.nn.Module:
     with monkeypatch.context() as patch:
         if not fused:
             patch.setattr(layers, "fuse", lambda model, attend: 0)
-        report = kernels.pack(model)
+        report = kernels.pack(model, quantized=quantized, integer=bool(quantized) and native.integer_runs())
     assert report.layers == (model.config.num_hidden_layers if fused else 0)
     return model
 
@@ -98,16 +98,30 @@ def steps(model, prompt: list[int], rows: list[list[int]]) -> tuple[list[torch.T
     return out, cache
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-gelu", "qwen2", "qwen3", "gemma3"])
+def mixed(model) -> dict:
+    """The model's linears quantized as a GGUF mixes them: Q8_0, with each v in 4 bits (q and k one product, v one)."""
+    quantized = quants.q8_linears(model)
+    for i, layer in enumerate(model.model.layers):
+        n, k = layer.self_attn.v_proj.weight.shape
+        rng = torch.Generator().manual_seed(i)
+        quantized[f"model.layers.{i}.self_attn.v_proj"] = quants.Quantized(
+            torch.randint(0, 16, (n, k), generator=rng, dtype=torch.int8), torch.rand(n, k // 32, generator=rng) / 64,
+            -torch.rand(n, k // 32, generator=rng) / 8, 32, 4)
+    return quantized
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-gelu", "qwen2", "qwen3", "gemma3", "llama-mixed-blocks"])
 def test_a_bf16_step_in_one_call_is_the_module_by_module_path(name, monkeypatch):
     """bf16 layers run a step in one call (``native.decoder_layer``; with an activation it does not compute, erf's
     GELU, up to it), Qwen3's and Gemma 3's head norms, Gemma 3's sandwiched norms, GELU-tanh and sliding layers
-    included, writing the step's keys and values into the cache there: every step's logits and the cache are the
-    module-by-module path's, bit for bit (a prefill, then steps of 4, 1 and 3 rows, each cropped after as a
-    rejected draft's rows are)."""
-    model = packed(tiny(name, torch.bfloat16), True, monkeypatch)
+    included, and quantized siblings of two kinds (two products, on the integer kernel where it runs), writing the
+    step's keys and values into the cache there: every step's logits and the cache are the module-by-module path's,
+    bit for bit (a prefill, then steps of 4, 1 and 3 rows, each cropped after as a rejected draft's rows are)."""
+    model = tiny(name.removesuffix("-mixed-blocks"), torch.bfloat16)
+    model = packed(model, True, monkeypatch, mixed(model) if name.endswith("-mixed-blocks") else None)
     wholes = [layer.whole for layer in model.model.layers]
     assert all(wholes) and all((whole[3] is None) == (name == "llama-gelu") for whole in wholes)
+    assert all(whole[0].parts == (2 if name.endswith("-mixed-blocks") else 1) for whole in wholes)
     calls, whole = [], native.decoder_layer
     monkeypatch.setattr(native, "decoder_layer", lambda *args: calls.append(args[0].shape) or whole(*args))
     runs = []

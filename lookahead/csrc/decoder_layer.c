@@ -47,7 +47,7 @@ void add_rms_norm(const void *x, const void *d, void *s, const void *w, void *y,
 void rope(void *x, const void *c, const void *s, int bf16, int rows, int width, int heads, int d);
 
 /* y (m, p->n) = x (m, p->k) W^T (+ bias); 1 where the kernel could not allocate its buffers */
-static int product(const Product *p, const uint16_t *x, uint16_t *y, int m, int threads) {
+static int one_product(const Product *p, const uint16_t *x, uint16_t *y, int m, int threads) {
     switch (p->kind) {
     case BF16: bf16_linear(x, p->packed, p->bias, y, m, p->n, p->k, threads, p->l2); return 0;
     case AMX_BF16: amx_bf16_linear(x, p->packed, p->bias, y, m, p->n, p->k, threads, p->l2); return 0;
@@ -57,6 +57,27 @@ static int product(const Product *p, const uint16_t *x, uint16_t *y, int m, int 
         return int_linear(x, p->packed, p->bias, y, m, p->n, p->k, p->bits, p->group, p->offsets, p->supers, threads, p->l2, 1);
     }
     return 1;
+}
+
+/* a layer's role (q/k/v, output, gate/up, down): one product, or a GGUF's siblings of other types as one product
+   each (up to three: q, k and v), whose outputs sit side by side */
+typedef struct {
+    Product part[3];
+    int parts, n; /* n: the parts' together */
+} Role;
+
+/* y (m, r->n) = x (m, k) times the role's weights; 1 where a kernel could not allocate its buffers */
+static int product(const Role *r, const uint16_t *x, uint16_t *y, int m, int threads) {
+    if (r->parts == 1) return one_product(&r->part[0], x, y, m, threads);
+    uint16_t *apart = malloc(2 * (size_t)m * r->n);
+    int failed = !apart;
+    for (int i = 0, at = 0; i < r->parts && !failed; at += r->part[i++].n) {
+        const size_t n = r->part[i].n;
+        failed = one_product(&r->part[i], x, apart, m, threads);
+        for (size_t row = 0; !failed && row < (size_t)m; row++) memcpy(y + row * r->n + at, apart + row * n, 2 * n);
+    }
+    free(apart);
+    return failed;
 }
 
 /* The activations of a bf16 x, times a bf16 u, as torch computes them: in fp32, with the Sleef functions torch's
@@ -216,11 +237,11 @@ static void norm(const Norm *n, uint16_t *x, size_t rows, size_t width, int thre
    capacity, D) buffers of one layout (kvs: batch, head, key); mask additive (B or 1, 1, T, held + T) (ms: batch,
    row) or NULL (causal). 0, or 1 where a kernel could not allocate its buffers (the step's keys may then be
    written). */
-int decoder_layer(const uint16_t *x, uint16_t *out, uint16_t *both, const Product *qkv, const Product *o, const Product *gate_up,
-                  const Product *down, const Norm *norms, int act, const uint16_t *cos, const uint16_t *sin, long cs, uint16_t *keys,
+int decoder_layer(const uint16_t *x, uint16_t *out, uint16_t *both, const Role *qkv, const Role *o, const Role *gate_up,
+                  const Role *down, const Norm *norms, int act, const uint16_t *cos, const uint16_t *sin, long cs, uint16_t *keys,
                   uint16_t *values, const long *kvs, int held, const uint16_t *mask, const long *ms, int B, int T, int H, int G, int D,
                   float scale, int threads) {
-    const size_t rows = (size_t)B * T, E = qkv->k, width = qkv->n, mlp = gate_up->n; /* width = (H + 2 G) D, mlp = 2 intermediate */
+    const size_t rows = (size_t)B * T, E = qkv->part[0].k, width = qkv->n, mlp = gate_up->n; /* width = (H + 2 G) D, mlp = 2 intermediate */
     /* the norms' outputs, qkv, the attention's, o's, h and the MLP's (where this call finishes the layer) */
     uint16_t *xn = malloc(2 * rows * (3 * E + width + (size_t)H * D + (down ? E + mlp + mlp / 2 + E : 0)));
     if (!xn) return 1;
