@@ -85,7 +85,7 @@ class GrowingLayer(DynamicLayer):
 
     def _cut(self) -> None:
         length = self._key_view.shape[-2] - self._dropped
-        self._key_view, self._value_view = self._view = self._keys[:, :, :length], self._values[:, :, :length]
+        self._key_view, self._value_view = self._view = self._keys.narrow(2, 0, length), self._values.narrow(2, 0, length)
         self._dropped = 0
 
     def get_seq_length(self) -> int:
@@ -160,7 +160,7 @@ def reserve(cache: Cache, layer_idx: int, rows: int, shape: tuple[int, int, int]
     layer = layers[layer_idx] if layer_idx < len(layers) else None
     if not isinstance(layer, GrowingLayer) or not layer.is_initialized or held is not None and layer.get_seq_length() != held:
         return None
-    keys, values = layer.keys, layer.values
+    keys, values = layer._key_view, layer._value_view  # their shapes and dtype: not cut first (``reserve`` makes new views)
     if keys.dim() != 4 or keys.dtype != torch.bfloat16 or (keys.shape[0], keys.shape[1], keys.shape[3]) != shape or values.shape != keys.shape:
         return None
     start = layer.reserve(rows, keys, values)
