@@ -4,8 +4,9 @@ The first load of a file reads it once (``prepare``): its header checked against
 (``check_header``: gguf-py's and transformers' readers trust it), its config, tokenizer and chat template from its
 metadata (transformers' GGUF readers), which of its tensors becomes what (transformers' name mapping and tensor
 processor for the architecture, on a skeleton of the model), and every linear's blocks decoded and laid out for the
-kernels (``native.pack_quantized``), one tensor at a time, into ``<cache>/blocks/<file>-<key>/``: ``blocks.bin``, the
-small files, and ``index.json``. Each load (``load``) then builds the model on the meta device (parameters only:
+kernels (``native.pack_quantized``), one tensor at a time, into ``<cache>/blocks/<file>-<key>/``: ``blocks.bin``,
+``integer.bin`` (the integer kernel's own layouts: the K types' scales per 256 k's, the legacy types' fp16 ones),
+the small files, and ``index.json``. Each load (``load``) then builds the model on the meta device (parameters only:
 buffers such as RoPE's frequencies are computed as usual), memory-maps the laid-out blocks into the linears
 (``kernels.pack``), looks the embedding up from the file's own blocks (``quants.QuantEmbedding``) and dequantizes
 the few small tensors (norms, biases) from the file, through the processor (Gemma's norm offset). The GGUF
@@ -41,7 +42,7 @@ from torch import nn
 from lookahead import native, quants
 from lookahead.kernels import SIBLINGS
 
-LAYOUT = 4  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
+LAYOUT = 5  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
 ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
 CHUNK = 4096  # rows decoded and laid out at a time (a multiple of native.BLOCK: blocks of rows are independent)
 GGUF_VERSIONS = (2, 3)  # the versions gguf-py reads
@@ -330,12 +331,13 @@ def _entries(reader, model: nn.Module, processor, blocks: str | None) -> tuple[l
 
 
 def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, directory: Path) -> None:
-    """Write each "blocks" entry's weight in the kernels' layout to ``blocks.bin`` and, for the K types, in the
-    integer kernel's (``native.pack_supers``) to ``supers.bin`` (siblings adjacent, each aligned), and record where
-    in its entry. ``heads``: Llama's q and k rows reordered as transformers' processor does."""
+    """Write each "blocks" entry's weight in the kernels' layout to ``blocks.bin`` and, where the integer kernel has
+    one of its own (the K types' scales per 256 k's, ``native.pack_supers``; the legacy types' fp16 scales), in that
+    to ``integer.bin`` (siblings adjacent, each aligned), and record where in its entry. ``heads``: Llama's q and
+    k rows reordered as transformers' processor does."""
     config = model.config
     counts = {"q_proj": config.num_attention_heads, "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
-    with open(directory / "blocks.bin", "wb") as out, open(directory / "supers.bin", "wb") as supers:
+    with open(directory / "blocks.bin", "wb") as out, open(directory / "integer.bin", "wb") as integer:
         for entry in sorted((e for e in entries if e["role"] == "blocks"), key=lambda e: _sibling_order(e["hf"][: -len(".weight")])):
             linear = model.get_submodule(entry["hf"][: -len(".weight")])
             n, k = linear.out_features, linear.in_features
@@ -343,18 +345,18 @@ def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, dir
             leaf = entry["hf"].split(".")[-2]
             if heads and leaf in counts and n % (2 * counts[leaf]) == 0:
                 raw = raw[quants.head_order(n, counts[leaf]).numpy()]
-            for f in (out, supers):
+            for f in (out, integer):
                 f.write(b"\0" * (-f.tell() % ALIGN))
-            entry.update(at=out.tell(), n=n, k=k, supers_at=supers.tell())
+            entry.update(at=out.tell(), n=n, k=k, integer_at=integer.tell())
             for q in _decoded(entry, raw):
                 _check_finite(gguf, entry, q.scale, q.offset)
                 out.write(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32).packed.numpy().data)
-                if native.supers_fit(q):
-                    layout = native.pack_supers(q, torch.float32)
-                    supers.write(layout.packed.numpy().data)
-                    entry.update(supers_bits=layout.bits)
+                own = native.lay_out(q, torch.float32, integer=True) if native.quant_fits(n, k, q.group, integer=True) else None
+                if own is not None and (own.supers or own.halves):  # every chunk alike: the rows' scales are all the file's
+                    integer.write(own.packed.numpy().data)
+                    entry.update(integer_bits=own.bits, supers=own.supers, halves=own.halves)
             entry.update(size=out.tell() - entry["at"], bits=q.bits, group=q.group, offsets=q.offset is not None)
-            entry.update(supers_size=supers.tell() - entry["supers_at"])
+            entry.update(integer_size=integer.tell() - entry["integer_at"])
 
 
 def _decoded(entry: dict, raw: np.ndarray):
@@ -367,7 +369,7 @@ def _decoded(entry: dict, raw: np.ndarray):
 
 def weight_kinds(prepared: Prepared, integer: bool = False) -> str:
     """What ``kernels.weight_kinds`` will say of the model ``load`` builds (the cost curve's key), from the index."""
-    kinds = {quants.kind(e["supers_bits"], e["group"], e["offsets"], True) if integer and e["supers_size"]
+    kinds = {quants.kind(e["integer_bits"], e["group"], e["offsets"], e["supers"], e["halves"]) if integer and e["integer_size"]
              else quants.kind(e["bits"], e["group"], e["offsets"]) for e in prepared.index["tensors"] if e["role"] == "blocks"}
     return ", ".join(sorted(kinds | ({"dense"} if prepared.index["left"] else set()))) or "dense"
 
@@ -384,7 +386,7 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
     doc. ``kernels.pack(model, quantized=layouts)`` finishes it: its linears on the blocks are on the meta device
     until then. ``dense``: every tensor dequantized instead (``--weights dense``, the stock kernels), still
     straight from the file: the model holds its dense weights once, and nothing dense is written anywhere.
-    ``integer``: for the integer kernel, the K types' blocks as it reads them (``supers.bin``)."""
+    ``integer``: for the integer kernel, the blocks as it reads them where it has a layout of its own (``integer.bin``)."""
     import gguf as gguf_py
     from transformers import AutoConfig, AutoTokenizer
 
@@ -396,18 +398,19 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
     model = _skeleton(config, dtype)
     processor, _ = _processor(index["architecture"], config)
     blocks = _blocks(directory / "blocks.bin") if not dense else None
-    supers = _blocks(directory / "supers.bin") if integer and not dense else None
+    own = _blocks(directory / "integer.bin") if integer and not dense else None
     layouts = {}
     for entry in index["tensors"]:
         module_name, _, leaf = entry["hf"].rpartition(".")
         if dense and entry["role"] == "blocks" and entry["gguf"] == "token_embd.weight":
             continue  # a tied output layer: the embedding's own table (tied below)
         if not dense and entry["role"] == "blocks":
-            on_supers = supers is not None and entry["supers_size"] > 0
-            source, at, size = (supers, entry["supers_at"], entry["supers_size"]) if on_supers else (blocks, entry["at"], entry["size"])
+            on_own = own is not None and entry["integer_size"] > 0
+            source, at, size = (own, entry["integer_at"], entry["integer_size"]) if on_own else (blocks, entry["at"], entry["size"])
             packed = source[at: at + size].view(entry["n"] // native.BLOCK, -1)
-            layouts[module_name] = native.QuantLayout(packed, entry["n"], entry["k"], entry["supers_bits"] if on_supers else entry["bits"],
-                                                      entry["group"], entry["offsets"], dtype, integer=on_supers, supers=on_supers)
+            layouts[module_name] = native.QuantLayout(packed, entry["n"], entry["k"], entry["integer_bits"] if on_own else entry["bits"],
+                                                      entry["group"], entry["offsets"], dtype, integer=on_own,
+                                                      supers=on_own and entry["supers"], halves=on_own and entry["halves"])
         elif not dense and entry["role"] == "embedding":
             original = model.get_submodule(module_name)
             raw = np.memmap(gguf, dtype=np.uint8, mode="r", offset=entry["offset"], shape=(entry["nbytes"],))

@@ -73,6 +73,7 @@ TIERS = {
 INTEGER = "int8"  # the --dtype whose quantized linears round their activations to 8 bits and multiply integers
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 Longs = ctypes.c_long * 3
+SCALINGS = ("groups", "supers", "halves")  # csrc/int_linear.c's: a layout's scales fp32 a group, the K types', fp16 a group
 PRODUCTS = ("bf16_linear", "amx_bf16_linear", "quant_bf16_linear", "amx_quant_linear", "int_linear")  # csrc/decoder_layer.c's kinds
 ACTIVATIONS = (None, "silu", "gelu_tanh")  # csrc/decoder_layer.c's: what ``gated`` and ``decoder_layer`` compute as torch does
 NORMS = ("input", "residual", "attended", "mlp_out", "q_heads", "k_heads")  # a layer's norms, as ``decoder_layer`` takes them
@@ -82,7 +83,7 @@ class Product(ctypes.Structure):
     """A bf16 product's kernel (its index in ``PRODUCTS``) and weights, as ``csrc/decoder_layer.c`` calls it."""
 
     _fields_ = [("kind", ctypes.c_int), ("packed", ctypes.c_void_p), ("bias", ctypes.c_void_p)] + [
-        (name, ctypes.c_int) for name in ("n", "k", "bits", "group", "offsets", "supers", "l2")]
+        (name, ctypes.c_int) for name in ("n", "k", "bits", "group", "offsets", "scaling", "l2")]
 
 
 class Role(ctypes.Structure):
@@ -226,7 +227,7 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
         "quant_fp32_linear": (linear + [ctypes.c_int] * 3, None),  # ... k, bits, group, offsets, threads, l2
         "quant_bf16_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
         "amx_quant_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
-        "int_linear": (linear + [ctypes.c_int] * 5, ctypes.c_int),  # ... offsets, supers, threads, l2, bf16; 1: out of memory
+        "int_linear": (linear + [ctypes.c_int] * 5, ctypes.c_int),  # ... offsets, scaling, threads, l2, bf16; 1: out of memory
         "tree_attention": ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
                            + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "rms_norm": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),
@@ -279,6 +280,7 @@ class QuantLayout:
     dtype: torch.dtype  # the activations' (and outputs') dtype: which kernel runs it
     integer: bool = False  # activations rounded to 8 bits, integer products (csrc/int_linear.c), where ``integer_runs()``
     supers: bool = False  # the K types' scales per 256 k's (``pack_supers``: the integer kernel's alone)
+    halves: bool = False  # each group's scales (and offsets) as fp16 (``pack_quantized``: the integer kernel's alone)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -287,7 +289,12 @@ class QuantLayout:
     @property
     def kind(self) -> str:
         """What must agree for weights to share one product (``quants.kind``)."""
-        return quants.kind(self.bits, self.group, self.offsets, self.supers)
+        return quants.kind(self.bits, self.group, self.offsets, self.supers, self.halves)
+
+    @property
+    def scaling(self) -> int:
+        """How the blocks hold their scales, as the integer kernel is told (``SCALINGS``)."""
+        return SCALINGS.index("supers" if self.supers else "halves" if self.halves else "groups")
 
     def nbytes(self) -> int:
         return self.packed.numel()
@@ -301,15 +308,23 @@ def quant_fits(n: int, k: int, group: int, integer: bool = False) -> bool:
 
 
 def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int, bits: int,
-                   dtype: torch.dtype, integer: bool = False) -> QuantLayout:
+                   dtype: torch.dtype, integer: bool = False, halves: bool = False) -> QuantLayout:
     """q (N, K) int8 (0 .. 15 where ``bits`` is 4), scale and offset (N, K / group) fp32 -> the kernel's blocks, for
     ``dtype`` activations (rounded to 8 bits where ``integer``): per block of 16 rows and group, the 16 scales, the 16 offsets, then steps of 32 values
-    (k's 16 columns, then k + 1's; nibbles: value i in byte i % 16, the high nibble from i = 16)."""
+    (k's 16 columns, then k + 1's; nibbles: value i in byte i % 16, the high nibble from i = 16). ``halves``: the
+    scales and offsets as fp16, for the integer kernel (a ValueError where one is not exact in fp16)."""
     n, k = q.shape
     groups = k // group
-    heads = [_columns(t.float(), groups) for t in (scale, offset) if t is not None]  # (NB, G, 64) each
+    if halves and not (integer and halves_exact(scale, offset)):
+        raise ValueError("fp16 scales are for the integer kernel, and for scales and offsets exact in fp16")
+    heads = [_columns(t.half() if halves else t.float(), groups) for t in (scale, offset) if t is not None]  # (NB, G, 64 or 32) each
     packed = torch.cat([*heads, _steps(q, group, bits)], dim=-1).reshape(n // BLOCK, -1).contiguous()
-    return QuantLayout(packed, n, k, bits, group, offset is not None, dtype, integer)
+    return QuantLayout(packed, n, k, bits, group, offset is not None, dtype, integer, halves=halves)
+
+
+def halves_exact(scale: torch.Tensor, offset: torch.Tensor | None) -> bool:
+    """Whether the scales (and offsets) are exact in fp16: a legacy GGUF type's d and m are fp16 in its file."""
+    return all(torch.equal(t.half().float(), t.float()) for t in (scale, offset) if t is not None)
 
 
 def supers_fit(q: quants.Quantized) -> bool:
@@ -319,10 +334,11 @@ def supers_fit(q: quants.Quantized) -> bool:
 
 def lay_out(q: quants.Quantized, dtype: torch.dtype, integer: bool = False) -> QuantLayout:
     """``q`` for the quantized kernel with ``dtype`` activations, or for the integer one where ``integer``: in the
-    K types' own scales where they fit (``pack_supers``), else ``pack_quantized``'s."""
+    K types' own scales where they fit (``pack_supers``), else ``pack_quantized``'s (with fp16 scales where they are
+    exact in fp16)."""
     if integer and supers_fit(q):
         return pack_supers(q, dtype)
-    return pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer)
+    return pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer, halves=integer and halves_exact(q.scale, q.offset))
 
 
 def pack_supers(q: quants.Quantized, dtype: torch.dtype) -> QuantLayout:
@@ -394,7 +410,8 @@ def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype, integer: bool = Fa
         packed = torch.empty(0, dtype=torch.uint8).set_(storage, first.packed.storage_offset(), (n // BLOCK, first.packed.shape[1]))
     else:
         packed = torch.cat([p.packed for p in parts])
-    return QuantLayout(packed, n, first.k, first.bits, first.group, first.offsets, dtype, integer or first.supers, first.supers)
+    return QuantLayout(packed, n, first.k, first.bits, first.group, first.offsets, dtype, integer or first.supers or first.halves, first.supers,
+                       first.halves)
 
 
 def unpack_quantized(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -402,9 +419,9 @@ def unpack_quantized(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, t
     if layout.supers:
         return _unpack_supers(layout)
     n, k, group, heads = layout.n, layout.k, layout.group, 2 if layout.offsets else 1
-    blocks = layout.packed.view(n // BLOCK, k // group, -1)
-    floats = [blocks[..., 64 * i:64 * (i + 1)].contiguous().view(torch.float32).transpose(1, 2).reshape(n, -1) for i in range(heads)]
-    return _unsteps(blocks[..., 64 * heads:], n, k, group, layout.bits), floats[0], floats[1] if layout.offsets else None
+    blocks, size, of = layout.packed.view(n // BLOCK, k // group, -1), 32 if layout.halves else 64, torch.float16 if layout.halves else torch.float32
+    floats = [blocks[..., size * i:size * (i + 1)].contiguous().view(of).float().transpose(1, 2).reshape(n, -1) for i in range(heads)]
+    return _unsteps(blocks[..., size * heads:], n, k, group, layout.bits), floats[0], floats[1] if layout.offsets else None
 
 
 def _unpack_supers(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -475,7 +492,7 @@ class Linear:
             raise ValueError("this CPU or build has no integer linear (AVX512-VNNI and VBMI)")
         if quantized:
             self.dtype, self.n, self.k = packed.dtype, packed.n, packed.k
-            self.format = (packed.bits, packed.group, int(packed.offsets)) + ((int(packed.supers),) if integer else ())  # the kernels' extra arguments
+            self.format = (packed.bits, packed.group, int(packed.offsets)) + ((packed.scaling,) if integer else ())  # the kernels' extra arguments
             weights = packed.packed
         else:
             self.dtype = packed.dtype

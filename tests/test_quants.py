@@ -133,7 +133,7 @@ def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_i
     q = quants.from_blocks(random_blocks(kind, 80, k, seed=k), kind, 80, k)
     bias = torch.randn(80, generator=torch.Generator().manual_seed(1))
     linear = native.Linear(native.lay_out(q, dtype, integer=True), bias)  # the K types in their own scales (pack_supers)
-    assert linear.packed.supers == (kind.endswith("_K"))
+    assert linear.packed.supers == kind.endswith("_K") and linear.packed.halves == (not kind.endswith("_K"))  # the others': fp16
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(2)).to(dtype)
     x[3, :7] = 0  # a row whose first block is all zeros: scale 0
     wide = linear(x)
@@ -162,6 +162,26 @@ def test_the_k_types_own_scales_give_the_integer_products_bit_for_bit(kind, dtyp
     supers = native.Linear(native.pack_supers(q, dtype), bias)
     for m in (1, 4, 19):
         assert torch.equal(supers(x[:m]), groups(x[:m])), m
+
+
+@needs_integer
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_legacy_types_fp16_scales_give_the_integer_products_bit_for_bit(kind, dtype):
+    """The legacy types' d (and m) are fp16 in their file: laid out as fp16 (8.5 and 5 bits a weight, as in the
+    file, where fp32 scales take 9 and 6), the integer products are the fp32 scales' bit for bit; scales that are
+    not exact in fp16 are refused."""
+    q = quants.from_blocks(random_blocks(kind, 48, 768, seed=7), kind, 48, 768)
+    x = torch.randn(19, 768, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
+    wide = native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer=True)
+    halves = native.lay_out(q, dtype, integer=True)
+    assert halves.halves and halves.kind == wide.kind + " in fp16" and halves.packed.numel() * 8 == {"Q8_0": 8.5, "Q4_1": 5}[kind] * q.q.numel()
+    assert all(torch.equal(a, b) for a, b in zip(native.unpack_quantized(halves), native.unpack_quantized(wide)) if a is not None)
+    for m in (1, 4, 19):
+        assert torch.equal(native.Linear(halves, bias)(x[:m]), native.Linear(wide, bias)(x[:m])), m
+    with pytest.raises(ValueError, match="exact in fp16"):
+        native.pack_quantized(q.q, q.scale * (1 + 2 ** -20), q.offset, q.group, q.bits, dtype, integer=True, halves=True)
 
 
 @needs_integer
@@ -304,7 +324,7 @@ def test_smollm2_bf16_on_its_blocks_lookahead_equals_the_plain_loop():
 @needs_integer
 def test_smollm2_int8_on_its_blocks_lookahead_equals_the_plain_loop():
     model, tok = models.load("smollm2-135m", dtype="int8", kernels="packed", weights="gguf")
-    assert kernels.kernels_of(model) == kernels.INTEGER_KERNELS and kernels.weights_of(model) == "q4/32+offsets x 210, q8/32 x 1"
+    assert kernels.kernels_of(model) == kernels.INTEGER_KERNELS and kernels.weights_of(model) == "q4/32+offsets in fp16 x 210, q8/32 in fp16 x 1"
     gen = on_fixed_cost(model, tok, LookaheadConfig())
     for text in ("import numpy as np\n\ndef softmax(x):", "The capital of France is"):
         prompt = tok(text)["input_ids"]

@@ -27,7 +27,7 @@ typedef struct {
     int kind; /* PRODUCTS */
     const void *packed;
     const float *bias;
-    int n, k, bits, group, offsets, supers, l2;
+    int n, k, bits, group, offsets, scaling, l2;
 } Product;
 enum { BF16, AMX_BF16, QUANT_BF16, AMX_QUANT, INTEGER }; /* native.PRODUCTS' order */
 
@@ -38,7 +38,7 @@ int quant_bf16_linear(const uint16_t *x, const char *packed, const float *bias, 
 int amx_quant_linear(const uint16_t *x, const char *packed, const float *bias, uint16_t *y, int m, int n, int k, int bits, int group,
                      int offsets, int threads, int l2);
 int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits, int group, int offsets,
-               int supers, int threads, int l2, int bf16);
+               int scaling, int threads, int l2, int bf16);
 int tree_attention(const uint16_t *q, const long *qs, const uint16_t *k, const uint16_t *v, const long *kvs, const uint16_t *mask,
                    const long *ms, uint16_t *out, int B, int H, int G, int T, int S, int D, float scale, int threads);
 void rms_norm(const void *x, const void *w, void *y, int bf16, int rows, int n, float eps, int offset, int threads);
@@ -54,7 +54,7 @@ static int one_product(const Product *p, const uint16_t *x, uint16_t *y, int m, 
     case QUANT_BF16: return quant_bf16_linear(x, p->packed, p->bias, y, m, p->n, p->k, p->bits, p->group, p->offsets, threads, p->l2);
     case AMX_QUANT: return amx_quant_linear(x, p->packed, p->bias, y, m, p->n, p->k, p->bits, p->group, p->offsets, threads, p->l2);
     case INTEGER:
-        return int_linear(x, p->packed, p->bias, y, m, p->n, p->k, p->bits, p->group, p->offsets, p->supers, threads, p->l2, 1);
+        return int_linear(x, p->packed, p->bias, y, m, p->n, p->k, p->bits, p->group, p->offsets, p->scaling, threads, p->l2, 1);
     }
     return 1;
 }

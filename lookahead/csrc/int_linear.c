@@ -24,7 +24,9 @@
    Or, where `supers`, the K types as native.pack_supers lays them out, as their file holds them: per 16 columns
    and 256 k's (an activation block), 16 fp32 d (and dmin), a byte of sc (and m) a group and column, then the
    values, nibbles as above or 6 bits (q + 32, bias 32) in the quads' own order; s = d sc and o = -(dmin m) are
-   made here as quants.py's decoders make them, so the products are the same bit for bit.
+   made here as quants.py's decoders make them, so the products are the same bit for bit. Or, where `scaling` is
+   HALVES, quant_linear.c's blocks with each group's scales (and offsets) as fp16: the legacy types' d (and m), as
+   their file holds them (exact in fp16, so the same products as fp32 scales give).
 
    The threads split the blocks two at a time; a pair's quads and scales of one activation block are unpacked
    once into L1 buffers, which every tile of up to 4 rows reads, so the unpacking is paid once whatever M; the
@@ -187,14 +189,17 @@ TARGET static inline __m512 times(__m512 d, const char *bytes) {
     return _mm512_mul_round_ps(d, small, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-/* x (m, k) fp32, or bf16 where `bf16`; packed blocks (as quant_linear.c's, or, where `supers`, the K types' per
-   256 k's: see native.pack_supers); bias (n) fp32 or NULL -> y (m, n) fp32 or bf16; k a multiple of 32 (of 256
-   where `supers`), group 16 or 32. One parallel region a call: the rows quantized, then each thread's pairs of
+enum { GROUPS, SUPERS, HALVES }; /* how the blocks hold their scales (native.SCALINGS): fp32 a group, the K types' per 256
+                                    k's, fp16 a group */
+
+/* x (m, k) fp32, or bf16 where `bf16`; packed blocks (as quant_linear.c's, or the K types' per 256 k's where `scaling`
+   is SUPERS: see native.pack_supers; fp16 scales where HALVES); bias (n) fp32 or NULL -> y (m, n) fp32 or bf16; k a
+   multiple of 32 (of 256 where SUPERS), group 16 or 32. One parallel region a call: the rows quantized, then each thread's pairs of
    blocks summed into its own (m, 32) fp32 sums and written out (+ bias, rounded to y's type). 1 where the buffers
    could not be allocated. */
 TARGET int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits,
-                      int group, int offsets, int supers, int threads, int l2, int bf16) {
-    const int qblock = qblock_of(k);
+                      int group, int offsets, int scaling, int threads, int l2, int bf16) {
+    const int qblock = qblock_of(k), supers = scaling == SUPERS, halves = scaling == HALVES;
     const size_t rows = (size_t)m, width = (size_t)k, groups = width / group;
     char *buffer = malloc(rows * width + rows * (width / qblock) * 4 + rows * groups * 8 + (size_t)threads * rows * 32 * 4 + 64);
     if (!buffer) return 1;
@@ -210,9 +215,9 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
     const __m512i order = order_of((const int[4]){0, 1, 2, 3}), first = order_of((const int[4]){0, 4, 1, 5}),
                   second = order_of((const int[4]){2, 6, 3, 7});
     const int blocks = n / 16, pairs = (blocks + 1) / 2;
-    /* a group's fp32 scales (and offsets), then its quads; or, where `supers`, an activation block's (a super-block's)
-       fp32 d (and dmin), its groups' int8 sc (and m), then its quads */
-    const size_t head = offsets ? 128 : 64, group_bytes = head + (size_t)group / 4 * quad_bytes;
+    /* a group's fp32 (or fp16) scales (and offsets), then its quads; or, where `supers`, an activation block's (a
+       super-block's) fp32 d (and dmin), its groups' int8 sc (and m), then its quads */
+    const size_t head = (offsets ? 2 : 1) * (halves ? 32 : 64), group_bytes = head + (size_t)group / 4 * quad_bytes;
     const size_t super_head = head + (size_t)per_block * 16 * (offsets ? 2 : 1);
     const size_t quads_bytes = six ? (size_t)qblock / 16 * 192 : (size_t)qblock / 4 * quad_bytes; /* 6 bits: 192 bytes a 16 k's */
     const size_t span = supers ? super_head + quads_bytes : per_block * group_bytes; /* an activation block's */
@@ -265,6 +270,10 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                                 offs[2 * gl + half] = _mm512_castsi512_ps(_mm512_xor_si512(
                                     _mm512_castps_si512(times(_mm512_loadu_ps((const float *)w + 16), w + head + 16 * (per_block + gl))),
                                     _mm512_set1_epi32((int)0x80000000)));
+                        } else if (halves) {
+                            const __m256i *h = (const __m256i *)(w + gl * group_bytes);
+                            scales[2 * gl + half] = _mm512_cvtph_ps(_mm256_loadu_si256(h));
+                            if (offsets) offs[2 * gl + half] = _mm512_cvtph_ps(_mm256_loadu_si256(h + 1));
                         } else {
                             const float *h = (const float *)(w + gl * group_bytes);
                             scales[2 * gl + half] = _mm512_loadu_ps(h);
