@@ -199,5 +199,6 @@ def main(argv=None) -> None:
 def _or_dash(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
+
 if __name__ == "__main__":
     main()

@@ -348,8 +348,8 @@ def _runnable(quantized: dict[str, Quantized], dtype: torch.dtype, integer: bool
 
 def _products(linears: dict[str, nn.Linear], tied: set[int], quantized: dict[str, Quantized | None]) -> list[tuple[str, ...]]:
     """One module's packable linears, by name, grouped into products: each group of ``SIBLINGS`` that is all there,
-    of one input width, all biased or none, and with no tied weight shares one, or one a run of it of one kind where
-    it mixes kinds (a GGUF's Q4_K q and k beside a Q6_K v: two products); every other linear has its own."""
+    of one input width, all biased or none, and with no tied weight shares one, or, where it mixes kinds, one for each
+    run of one kind (a GGUF's Q4_K q and k beside a Q6_K v: two products); every other linear has its own."""
     kind = lambda name: quantized[name].kind if quantized[name] else None  # noqa: E731 -- None: dense
     groups = [tuple(run) for names in SIBLINGS if all(name in linears for name in names)
               and len({(linears[name].in_features, linears[name].bias is None) for name in names}) == 1

@@ -60,7 +60,6 @@ class FusedLayer(nn.Module):
             self.input_layernorm, self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm,
             self.post_attention_layernorm if sandwich else None, self.post_feedforward_layernorm,
             getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))))
-        self.head_norms = (self.norms["q_heads"], self.norms["k_heads"]) if self.norms["q_heads"] is not None else None  # Gemma 3, Qwen3
         products = _products(attention, ATTENTION[:3]), _products(attention, ATTENTION[3:]), _products(mlp, MLP[:2]), _products(mlp, MLP[2:])
         self.qkv, self.o, self.gate_up, self.down = (_joined(p) for p in products)
         self.activation = _activation(mlp.act_fn)
@@ -97,8 +96,8 @@ class FusedLayer(nn.Module):
         if cos.shape[0] != b:
             cos, sin = cos.expand(b, t, d), sin.expand(b, t, d)
         q, k, v = qkv.view(b, t, -1, d).split_with_sizes(self.heads, 2)  # (B, T, H or G, D) views
-        if self.head_norms:  # normed (contiguous), then rotated
-            q, k = self.head_norms[0](q), self.head_norms[1](k)
+        if self.norms["q_heads"] is not None:  # Gemma 3, Qwen3: each head normed (contiguous), then rotated
+            q, k = self.norms["q_heads"](q), self.norms["k_heads"](k)
             native.rope(q.view(b, t, -1), cos, sin, h, d)
             native.rope(k.view(b, t, -1), cos, sin, g, d)
         else:
