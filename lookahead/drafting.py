@@ -278,12 +278,12 @@ class DraftState:
         # 2. recycling ranks (before the table takes this step): where did each emitted token stand among its
         #    predecessor's successors? Then the table takes every row's top-k
         if cfg.recycle_k and steps:
-            before = np.concatenate([np.asarray(s.history_tail[-1:] + s.emitted[:-1]) for s in steps])
-            emitted = np.concatenate([np.asarray(s.emitted) for s in steps])
-            successors = self.recycle.table[before, : cfg.recycle_k]  # (E, k)
-            self.tried[RECYCLE, : successors.shape[1]] += (successors >= 0).sum(0)
-            self.hits[RECYCLE, : successors.shape[1]] += (successors == emitted[:, None]).sum(0)
-            self.recycle.update(np.concatenate([s.row_tokens for s in steps]), np.concatenate([s.row_topk for s in steps]))
+            before = np.array([t for s in steps for t in s.history_tail[-1:] + s.emitted[:-1]], np.int64)
+            emitted = np.array([t for s in steps for t in s.emitted], np.int64)
+            tried, hits = self.recycle.rank_then_update(before, emitted, cfg.recycle_k, np.concatenate([s.row_tokens for s in steps]),
+                                                        np.concatenate([s.row_topk for s in steps]))
+            self.tried[RECYCLE, : cfg.recycle_k] += tried
+            self.hits[RECYCLE, : cfg.recycle_k] += hits
         # 3. the chain sources (the pool: finished Jacobi columns and the n-grams ending in a new token); the
         #    suffix sources: the tokens
         for source, _ in self.chains:

@@ -55,6 +55,39 @@ def missing_keys(row_of: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
+def _insert(table: np.ndarray, counts: np.ndarray, row_of: np.ndarray, gram: np.ndarray, origin: int) -> int:
+    """Insert one n-gram ``gram`` (n,) (its key has a row); returns NEW or REFRESHED."""
+    n, slots = gram.size, table.shape[1]
+    row = row_of[gram[0]]
+    filled = counts[row]
+    # 1. find the n-gram among the stored ones (hit) or pick the slot that falls off (miss)
+    at = -1
+    for s in range(filled):
+        same = True
+        for t in range(n - 1):
+            if table[row, s, t] != gram[t + 1]:
+                same = False
+                break
+        if same:
+            at = s
+            break
+    status = REFRESHED
+    if at < 0:
+        status = NEW
+        at = filled if filled < slots else slots - 1
+        if filled < slots:
+            counts[row] = filled + 1
+    # 2. move slots 0..at-1 one down and write the n-gram into slot 0
+    for s in range(at, 0, -1):
+        for t in range(n):
+            table[row, s, t] = table[row, s - 1, t]
+    for t in range(n - 1):
+        table[row, 0, t] = gram[t + 1]
+    table[row, 0, n - 1] = origin
+    return status
+
+
+@njit(cache=True)
 def insert_ngrams(
     table: np.ndarray, counts: np.ndarray, row_of: np.ndarray, ngrams: np.ndarray, origin: int
 ) -> np.ndarray:
@@ -63,38 +96,29 @@ def insert_ngrams(
     Ids are checked first (``ValueError``, nothing inserted); every key must already have a row.
     """
     check_ids(ngrams, row_of.size)
-    k, n = ngrams.shape
-    slots = table.shape[1]
-    status = np.empty(k, dtype=np.int8)
-    for i in range(k):
-        row = row_of[ngrams[i, 0]]
-        filled = counts[row]
-        # 1. find the n-gram among the stored ones (hit) or pick the slot that falls off (miss)
-        at = -1
-        for s in range(filled):
-            same = True
-            for t in range(n - 1):
-                if table[row, s, t] != ngrams[i, t + 1]:
-                    same = False
-                    break
-            if same:
-                at = s
-                break
-        if at >= 0:
-            status[i] = REFRESHED
-        else:
-            status[i] = NEW
-            at = filled if filled < slots else slots - 1
-            if filled < slots:
-                counts[row] = filled + 1
-        # 2. move slots 0..at-1 one down and write the n-gram into slot 0
-        for s in range(at, 0, -1):
-            for t in range(n):
-                table[row, s, t] = table[row, s - 1, t]
-        for t in range(n - 1):
-            table[row, 0, t] = ngrams[i, t + 1]
-        table[row, 0, n - 1] = origin
+    status = np.empty(ngrams.shape[0], dtype=np.int8)
+    for i in range(ngrams.shape[0]):
+        status[i] = _insert(table, counts, row_of, ngrams[i], origin)
     return status
+
+
+@njit(cache=True)
+def insert_windows(
+    table: np.ndarray, counts: np.ndarray, row_of: np.ndarray, tokens: np.ndarray, ends: np.ndarray, origin: int
+) -> np.ndarray:
+    """Insert every n-gram (window of n = ``table.shape[2]`` tokens) of each sequence in order: sequence i is
+    ``tokens[ends[i - 1]:ends[i]]`` (``ends`` cumulative). Returns a status a window, as ``insert_ngrams``; one
+    call where the windows built in numpy took several a step. Ids are checked first; every key has a row."""
+    check_ids(tokens, row_of.size)
+    n = table.shape[2]
+    status = np.empty(max(tokens.size - n + 1, 0), dtype=np.int8)
+    m, start = 0, 0
+    for end in ends:
+        for first in range(start, end - n + 1):
+            status[m] = _insert(table, counts, row_of, tokens[first : first + n], origin)
+            m += 1
+        start = end
+    return status[:m]
 
 
 @njit(cache=True)

@@ -83,9 +83,9 @@ class NGramPool:
         table, counts, row_of = np.zeros((1, 1, 2), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32)
         for dtype in (np.int32, np.int64):
             grams = np.zeros((1, 2), dtype)
-            kernels.check_ids(grams[0], 1)  # called directly on short sequences
             kernels.missing_keys(row_of, grams[:, 0].copy())
             kernels.insert_ngrams(table, counts, row_of, grams, 0)
+            kernels.insert_windows(table, counts, row_of, grams[0], np.ones(1, np.int64), 0)
             kernels.insert_then_lookup(table, counts, row_of, grams, 0, 0, 1)
         kernels.lookup_row(table, counts, row_of, 0, 1)
         cls._warm = True
@@ -123,14 +123,18 @@ class NGramPool:
 
     def insert_sequences(self, sequences: list[np.ndarray | list[int]], origin: int = Origin.PROMPT) -> int:
         """Insert every n-gram of each sequence, in order, in one kernel call; returns how many were new."""
-        grams = []
-        for tokens in sequences:
-            seq = _as_ids("tokens", tokens, 1)
-            if seq.size < self.n:
-                kernels.check_ids(seq, self.vocab_size)
-            else:  # (size - n + 1, n) windows, contiguous: a decode step's call, ~2x cheaper than sliding_window_view's
-                grams.append(seq[np.arange(seq.size - self.n + 1)[:, None] + np.arange(self.n)])
-        return self.insert_many(grams[0] if len(grams) == 1 else np.concatenate(grams), origin) if grams else 0
+        if not 0 <= origin <= 255:
+            raise ValueError(f"origin must be in [0, 255], got {origin}")
+        parts = [_as_ids("tokens", tokens, 1) for tokens in sequences]
+        if not parts:
+            return 0
+        tokens = parts[0] if len(parts) == 1 else _as_ids("tokens", np.concatenate(parts), 1)
+        ends = np.cumsum([part.size for part in parts], dtype=np.int64)
+        if self.sparse:  # the keys: every token with n - 1 after it in its own sequence
+            keys = np.concatenate([part[: max(part.size - self.n + 1, 0)] for part in parts])
+            self._add_rows(kernels.missing_keys(self._row_of, keys))
+        status = kernels.insert_windows(self._table, self._counts, self._row_of, tokens, ends, int(origin))
+        return int(np.count_nonzero(status))
 
     def _add_rows(self, keys: np.ndarray) -> None:
         """Give each key a row of its own, doubling the table when it is full (sparse pools only)."""

@@ -47,6 +47,24 @@ def update_table(table: np.ndarray, tokens: np.ndarray, successors: np.ndarray) 
 
 
 @njit(cache=True)
+def rank_then_update(table: np.ndarray, before: np.ndarray, after: np.ndarray, k: int, tokens: np.ndarray,
+                     successors: np.ndarray) -> np.ndarray:
+    """(2, k) counts by rank r < k, over the pairs (before[i], after[i]): [0] how many had an r-th successor in
+    ``table``, [1] how many of those were ``after[i]``; then ``update_table`` with (``tokens``, ``successors``).
+    Counted against the table as it was before the update. Ids are checked first."""
+    check_ids(before, table.shape[0])
+    counts = np.zeros((2, k), np.int64)
+    for i in range(before.size):
+        for r in range(min(k, table.shape[1])):
+            s = table[before[i], r]
+            if s >= 0:
+                counts[0, r] += 1
+                counts[1, r] += s == after[i]
+    update_table(table, tokens, successors)
+    return counts
+
+
+@njit(cache=True)
 def expand_template(table: np.ndarray, root: int, parents: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     """Tokens (M,) of a template's nodes grown from ``root``: node i = table[its parent's token, ranks[i]]; -1
     where the table has no such successor (and below it)."""
@@ -132,17 +150,29 @@ class RecycleTable:
         if cls._warm:
             return
         for dtype in (np.int32, np.int64):
-            update_table(np.zeros((1, 1), np.int32), np.zeros(1, dtype), np.zeros((1, 1), dtype))
+            rank_then_update(np.zeros((1, 1), np.int32), np.zeros(1, dtype), np.zeros(1, dtype), 1, np.zeros(1, dtype), np.zeros((1, 1), dtype))
         expand_template(np.zeros((1, 1), np.int32), 0, np.full(1, -1, np.int64), np.zeros(1, np.int64))
         best_template(np.ones(1), 1, 1)
         cls._warm = True
 
     def update(self, tokens: np.ndarray, successors: np.ndarray) -> None:
         """Rows (R,) of input tokens and (R, k') of their ranked next tokens; later rows overwrite earlier ones."""
+        tokens = _as_ids("tokens", tokens, 1)
+        self.rank_then_update(tokens[:0], tokens[:0], 0, tokens, successors)
+
+    def rank_then_update(self, before: np.ndarray, after: np.ndarray, k: int, tokens: np.ndarray,
+                         successors: np.ndarray) -> np.ndarray:
+        """How the table ranked what came: (2, k) counts by rank r, over the pairs (``before[i]``, ``after[i]``) of a
+        token and the one that followed it, [0] how many pairs had an r-th successor, [1] how many of those
+        were ``after[i]``. Then ``update``. One kernel call (a decode step's)."""
+        before, after = _as_ids("before", before, 1), _as_ids("after", after, 1)
         tokens, successors = _as_ids("tokens", tokens, 1), _as_ids("successors", successors, 2)
-        if successors.shape[0] != tokens.size:
-            raise ValueError(f"successors must have one row per token, got {successors.shape} for {tokens.size} tokens")
-        update_table(self.table, tokens, successors)
+        if successors.shape[0] != tokens.size or before.size != after.size:
+            raise ValueError(f"successors must have one row per token and after one token per before, got {successors.shape} "
+                             f"for {tokens.size} tokens, {after.size} for {before.size}")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        return rank_then_update(self.table, before, after, int(k), tokens, successors)
 
     def expand(self, root: int, parents: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """Tokens (M,) of the template (``parents``, ``ranks``) grown from ``root``; -1 where the table is empty."""

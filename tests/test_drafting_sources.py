@@ -66,6 +66,25 @@ def test_recycle_table_matches_the_reference(k, updates, shape, root):
     assert table.expand(root, parents, ranks).tolist() == ref.expand(root, parents.tolist(), ranks.tolist())
 
 
+@settings(max_examples=100, deadline=None)
+@given(k=st.integers(1, 4), pairs=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7)), max_size=12),
+       rows=st.lists(st.tuples(st.integers(0, 7), st.lists(st.integers(0, 7), min_size=4, max_size=4)), max_size=6))
+def test_recycle_ranks_are_counted_against_the_table_before_its_update(k, pairs, rows):
+    table = RecycleTable(8, 4)
+    table.update(np.arange(8), (np.arange(32).reshape(8, 4) * 5) % 8)
+    before_update = table.table.copy()
+    before, after = np.array([p for p, _ in pairs], np.int64), np.array([a for _, a in pairs], np.int64)
+    tokens, successors = np.array([t for t, _ in rows], np.int64), np.array([s for _, s in rows], np.int64).reshape(len(rows), 4)
+    counts = table.rank_then_update(before, after, k, tokens, successors)
+    successors_then = before_update[before, :k]
+    assert counts[0].tolist() == (successors_then >= 0).sum(0).tolist()
+    assert counts[1].tolist() == (successors_then == after[:, None]).sum(0).tolist()
+    ref = RecycleTable(8, 4)
+    ref.table[:] = before_update
+    ref.update(tokens, successors)
+    assert np.array_equal(table.table, ref.table)
+
+
 def expected_acceptance(parents, ranks, rates):
     score = []
     for p, r in zip(parents, ranks):

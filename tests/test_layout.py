@@ -139,6 +139,27 @@ def test_additive_mask_hides_keys_beyond_the_sliding_window():
     assert full.dtype == torch.bfloat16 and (full[0, 0, :, :4] == 0).sum(0).tolist() == [3, 0, 3, 3]  # never the hole
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 3])
+def test_masks_are_the_torch_formula_for_a_batch_with_holes(dtype, window):
+    # two sequences, holes and padding in the cache, a step of 4 rows with its own visibility: 0 where the torch
+    # formula sees the key, the dtype's most negative value elsewhere
+    generator = torch.Generator().manual_seed(0)
+    cache = kv.BatchCache()
+    cache.positions = torch.tensor([[0, 1, -1, 2, 3, 4], [-1, -1, 0, 1, -1, 2]])
+    allowed = torch.rand(2, 4, 4, generator=generator) < 0.5
+    query = torch.tensor([[5, 6, 6, 7], [3, 4, 5, 4]])
+    mask = cache.masks(allowed, query, {"attention": window}, dtype, torch.device("cpu"))["attention"]
+    past = (cache.positions >= 0)[:, None, :].expand(-1, 4, -1)
+    step = allowed
+    if window is not None:
+        past = past & ((query[:, :, None] - cache.positions[:, None, :]) < window)
+        step = step & ((query[:, :, None] - query[:, None, :]) < window)
+    visible = torch.cat([past, step], dim=2)[:, None]
+    assert mask.dtype == dtype and mask.shape == (2, 1, 4, 10)
+    assert torch.equal(mask, torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min))
+
+
 def test_sliding_window_also_applies_inside_the_step():
     # a chain of 5 tree nodes at depths 1..5 under a window of 3: node at depth d sees only depths > d-3
     chain = TokenTree.merge(np.arange(5), np.arange(-1, 4), np.linspace(1, 0.5, 5), np.ones(5, np.int64), 5)

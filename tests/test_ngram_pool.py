@@ -53,6 +53,18 @@ def test_origins_follow_the_latest_insertion(sparse):
     assert origins.tolist() == [Origin.TRAJECTORY, Origin.PROMPT]
 
 
+def test_insert_sequences_takes_each_sequences_windows_in_order_as_insert_many(sparse):
+    # the windows of each sequence, never across two: the same pool as inserting them one batch at a time
+    sequences = [[1, 2, 3, 4, 1, 2, 5], [4, 1], [2, 5, 1, 2, 3], []]
+    pool, ref = NGramPool(vocab_size=8, n=3, slots_per_key=2, sparse=sparse), NGramPool(vocab_size=8, n=3, slots_per_key=2, sparse=sparse)
+    new = pool.insert_sequences(sequences, origin=Origin.OUTPUT)
+    windows = [seq[i : i + 3] for seq in sequences for i in range(len(seq) - 2)]
+    assert new == ref.insert_many(np.array(windows), origin=Origin.OUTPUT) == 7  # 8 windows, (1,2,3) twice
+    for key in range(8):
+        assert [a.tolist() for a in pool.lookup_with_origins(key)] == [a.tolist() for a in ref.lookup_with_origins(key)]
+    assert pool.insert_sequences([]) == 0
+
+
 def test_insert_sequence_shorter_than_n_inserts_nothing():
     pool = NGramPool(vocab_size=10, n=4)
     assert pool.insert_sequence([1, 2, 3]) == 0
