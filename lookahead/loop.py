@@ -28,7 +28,6 @@ from lookahead.planner import Move, Planner
 from lookahead.stats import Clock
 from lookahead.capability import Reach
 from lookahead.tree import TokenTree
-from lookahead.verify import argmax
 from lookahead.window import JacobiWindow
 
 
@@ -203,7 +202,7 @@ class Batch:
             if not lane.lookahead:
                 continue
             _, last_level, _ = move.layout.split_logits(move.logits)
-            trajectories = lane.window.advance(argmax(last_level.float())) if move.levels else np.empty((0, cfg.ngram), np.int64)
+            trajectories = lane.window.advance(native.argmax(last_level)) if move.levels else np.empty((0, cfg.ngram), np.int64)
             row_tokens, row_topk = ranked_rows(move.layout, ids[b, : move.layout.size], step.logits_of(topk, b), move.verdict.path)
             history_tail = (lane.prompt[-(cfg.ngram - 1):] + lane.out)[-(cfg.ngram - 1):]
             observed.append(Observed(move.tree, move.verdict.path, move.new, trajectories, row_tokens, row_topk, history_tail, lane.suffix))

@@ -94,11 +94,11 @@ class Rules:
         return new
 
     def scores(self, logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
-        """Processed next-token scores (V,), fp32 as generate()'s, from raw logits (V,) after the token sequence ``prefix``."""
-        logits = logits.float()
+        """Processed next-token scores (V,), fp32 as generate()'s, from raw logits (V,) after the token sequence ``prefix``;
+        without processors the logits as they are (a bf16 row ranks as its fp32 copy does: ``argmax`` reads it whole)."""
         if not self.processors:
             return logits
-        return self.processors(torch.tensor([prefix], device=logits.device), logits[None].clone())[0]
+        return self.processors(torch.tensor([prefix], device=logits.device), logits.float()[None].clone())[0]
 
     def verify(self, history: list[int], first: torch.Tensor, tree_logits: torch.Tensor | None, tree: TokenTree) -> Verdict:
         """The accepted branch and the next token: the argmax walk over the processed scores, Gumbel-perturbed

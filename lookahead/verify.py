@@ -5,7 +5,7 @@ node ``node`` (-1: after the current token), i.e. after the branch ending there;
 per emitted token, in order. The children of a node carry distinct tokens (the tree is a trie), so at most
 one child can match.
 
-Greedy decoding walks the argmax of the model's processed scores. Sampling walks the argmax of the same
+Greedy decoding walks the argmax of the model's processed scores (``native.argmax``). Sampling walks the argmax of the same
 scores plus fresh Gumbel noise per position (``gumbel``): by the Gumbel-max trick that argmax is an exact
 sample from softmax(scores), so the accepted tokens are distributed exactly as plain sampling, and as the
 noise is drawn once per emitted position, in order, a seed gives the same sample whatever was drafted (with
@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from lookahead.native import argmax
 from lookahead.tree import TokenTree
 
 ScoresAt = Callable[[int], torch.Tensor]
@@ -58,13 +59,6 @@ def accepted_after(tree: TokenTree, tokens: list[int]) -> int | None:
             return depth
         node = int(match[0])
     return len(tokens) if not tree.children(node).size else None
-
-
-def argmax(scores: torch.Tensor) -> int | np.ndarray:
-    """The index of the largest score along the last axis (the first of equal ones, NaN above all: torch's rule),
-    in numpy: ~14x faster than torch's argmax on a host row of 49152 scores (2 vs 28 us, Zen 5)."""
-    index = scores.numpy().argmax(-1)
-    return int(index) if index.ndim == 0 else index
 
 
 def gumbel(size: int, rng: torch.Generator | None) -> torch.Tensor:

@@ -131,6 +131,14 @@ def template(rank_rates: np.ndarray, size: int, max_depth: int) -> tuple[np.ndar
     return rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
 
 
+def _rows(tokens: np.ndarray, successors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An update's input tokens (R,) and their ranked next tokens (R, k'), checked as id arrays of one row a token."""
+    tokens, successors = _as_ids("tokens", tokens, 1), _as_ids("successors", successors, 2)
+    if successors.shape[0] != tokens.size:
+        raise ValueError(f"successors must have one row per token, got {successors.shape} for {tokens.size} tokens")
+    return tokens, successors
+
+
 class RecycleTable:
     """Owner of the (vocab, k) successor table. Memory: ``vocab_size * k * 4`` bytes (128k x 8: 4 MB)."""
 
@@ -150,6 +158,7 @@ class RecycleTable:
         if cls._warm:
             return
         for dtype in (np.int32, np.int64):
+            update_table(np.zeros((1, 1), np.int32), np.zeros(1, dtype), np.zeros((1, 1), dtype))
             rank_then_update(np.zeros((1, 1), np.int32), np.zeros(1, dtype), np.zeros(1, dtype), 1, np.zeros(1, dtype), np.zeros((1, 1), dtype))
         expand_template(np.zeros((1, 1), np.int32), 0, np.full(1, -1, np.int64), np.zeros(1, np.int64))
         best_template(np.ones(1), 1, 1)
@@ -157,8 +166,7 @@ class RecycleTable:
 
     def update(self, tokens: np.ndarray, successors: np.ndarray) -> None:
         """Rows (R,) of input tokens and (R, k') of their ranked next tokens; later rows overwrite earlier ones."""
-        tokens = _as_ids("tokens", tokens, 1)
-        self.rank_then_update(tokens[:0], tokens[:0], 0, tokens, successors)
+        update_table(self.table, *_rows(tokens, successors))
 
     def rank_then_update(self, before: np.ndarray, after: np.ndarray, k: int, tokens: np.ndarray,
                          successors: np.ndarray) -> np.ndarray:
@@ -166,13 +174,11 @@ class RecycleTable:
         token and the one that followed it, [0] how many pairs had an r-th successor, [1] how many of those
         were ``after[i]``. Then ``update``. One kernel call (a decode step's)."""
         before, after = _as_ids("before", before, 1), _as_ids("after", after, 1)
-        tokens, successors = _as_ids("tokens", tokens, 1), _as_ids("successors", successors, 2)
-        if successors.shape[0] != tokens.size or before.size != after.size:
-            raise ValueError(f"successors must have one row per token and after one token per before, got {successors.shape} "
-                             f"for {tokens.size} tokens, {after.size} for {before.size}")
+        if before.size != after.size:
+            raise ValueError(f"after must have one token per token before, got {after.size} for {before.size}")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
             raise ValueError(f"k must be an integer >= 0, got {k!r}")
-        return rank_then_update(self.table, before, after, int(k), tokens, successors)
+        return rank_then_update(self.table, before, after, int(k), *_rows(tokens, successors))
 
     def expand(self, root: int, parents: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """Tokens (M,) of the template (``parents``, ``ranks``) grown from ``root``; -1 where the table is empty."""

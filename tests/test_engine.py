@@ -240,7 +240,9 @@ def compiled():
 
 gen = LookaheadGenerator(tiny_llama(), tiny_tokenizer(), LookaheadConfig(auto=False))
 built = compiled()
-assert len(built) >= 10 and all(built.values()), f"not compiled when the generator was built: {[k for k, v in built.items() if not v]}"
+INNER = {("ngram_pool.kernels", "_insert")}  # called by kernels only: compiled into theirs, with no signature of its own
+assert len(built) >= 10 and all(v or k in INNER for k, v in built.items()), \
+    f"not compiled when the generator was built: {[k for k, v in built.items() if not v and k not in INNER]}"
 for sparse in (False, True):
     state = DraftState.for_config(gen.vocab_size, gen.config, sparse)
     for prompt in ([5, 9, 11, 5, 9, 11, 5, 9] * 2, [7, 8, 9], [7]):  # prompts longer than N, as long, shorter

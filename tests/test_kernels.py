@@ -515,6 +515,23 @@ def test_own_top_k_reads_bf16_as_their_fp32_values():
 
 
 @needs_own
+def test_own_argmax_is_torchs_first_of_equals_and_first_nan_in_fp32_and_bf16():
+    torch.manual_seed(8)
+    rows = torch.randn(6, 49157) * 4  # a tail past the last 16
+    rows[1, [3, 40000]] = 100.0  # equal largest: the first
+    rows[2] = float("-inf")  # nothing but -inf: the first
+    rows[3, [20, 30000]] = float("nan")  # a NaN is above all: the first one
+    rows[4, 49156] = 100.0  # the largest in the tail
+    rows[5, :] = -0.0
+    rows[5, 9] = 0.0  # -0 and +0 are equal: the first
+    for x in (rows, rows.to(torch.bfloat16)):
+        assert native.argmax(x).tolist() == torch.argmax(x, -1).tolist() == [int(torch.argmax(x[0])), 3, 0, 20, 49156, 0]
+        assert native.argmax(x[4]) == 49156 and isinstance(native.argmax(x[4]), int)
+        assert native.argmax(x[:, :7]).tolist() == torch.argmax(x[:, :7], -1).tolist()  # shorter than a vector
+    assert native.argmax(rows.double()).tolist() == torch.argmax(rows, -1).tolist()  # float64 (sampling's): numpy's
+
+
+@needs_own
 def test_own_move_columns_is_the_gather_it_replaces():
     """A batch of two whose second row keeps fewer columns (it repeats its last), K/V views into roomier buffers."""
     torch.manual_seed(7)

@@ -86,3 +86,35 @@ int top_k(const void *x, int bf16, int rows, int n, int k, int64_t *out, int thr
     free(val), free(at), free(have);
     return 0;
 }
+
+/* The index of the largest of each row of x (rows, n), bf16 if `bf16` else fp32, as torch.argmax picks it: the first
+   of equal ones, and the first NaN above all. For greedy verification, straight from the logits as the forward left
+   them (no fp32 copy of a bf16 row): one pass for the row's largest (and whether it holds a NaN), one to find it. */
+#define ARGMAX(TYPE, IN, LOAD)                                                                                    \
+    static int64_t argmax_##TYPE(const IN *x, int n) {                                                           \
+        const __m512 none = _mm512_set1_ps(-__builtin_inff());                                                    \
+        __m512 top = none;                                                                                        \
+        __mmask16 nan = 0;                                                                                        \
+        for (int j = 0; j < n; j += 16) {                                                                         \
+            const __mmask16 in = j + 16 <= n ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);                       \
+            const __m512 v = _mm512_mask_blend_ps(in, none, LOAD);                                               \
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                                        \
+            top = _mm512_max_ps(top, v);                                                                          \
+        }                                                                                                         \
+        const float best = _mm512_reduce_max_ps(top);                                                             \
+        for (int j = 0; j < n; j += 16) {                                                                         \
+            const __mmask16 in = j + 16 <= n ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);                       \
+            const __m512 v = LOAD;                                                                                \
+            const __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(in, v, v, _CMP_UNORD_Q)                           \
+                                      : _mm512_mask_cmp_ps_mask(in, v, _mm512_set1_ps(best), _CMP_EQ_OQ);         \
+            if (hit) return j + __builtin_ctz(hit);                                                               \
+        }                                                                                                         \
+        return 0; /* n == 0, or -inf throughout: the first */                                                     \
+    }
+ARGMAX(fp32, float, _mm512_maskz_loadu_ps(in, x + j))
+ARGMAX(bf16, uint16_t, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, x + j)), 16)))
+
+void argmax(const void *x, int bf16, int rows, int n, int64_t *out) {
+    for (int r = 0; r < rows; r++)
+        out[r] = bf16 ? argmax_bf16((const uint16_t *)x + (size_t)r * n, n) : argmax_fp32((const float *)x + (size_t)r * n, n);
+}
