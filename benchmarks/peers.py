@@ -13,7 +13,8 @@ static, into ``<cache>/peers``); its bf16 runs read the embedded GGUF re-saved i
 included, as ``generate()`` is; the report also gives each engine's plain decode step against the time two
 cores take to stream the weights once (bytes of every linear, ``lm_head`` included, over the measured read
 bandwidth). Engines run one after another, never two at once (llama.cpp's OpenMP threads stall beside
-other work)."""
+other work), in ``--rounds`` passes over all of them, each pass taking every rounds-th prompt: a slow spell of a
+shared machine (this VM's speed moves by up to ~1.5x within minutes) then lands on every engine, not on one."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -135,59 +137,67 @@ def run_all(args) -> dict:
     quantized = models.fetch_embedded(args.model, cache_dir)
     bf16 = bf16_gguf(bin_dir, quantized)
     prompts = datasets.load(args.sets, args.limit, cache_dir)
-    stock = {dtype: models.load(args.model, dtype=dtype, cache_dir=cache_dir) for dtype in ("float32", "bfloat16")}
-    tokenizer = stock["bfloat16"][1]
-    ids = [prompt_ids(tokenizer, p.text, p.chat) for p in prompts]
-    n = args.max_new_tokens
-    rows: dict[str, list[dict]] = {}
+    n, threads = args.max_new_tokens, torch.get_num_threads()
+    sizes: dict[str, int] = {}  # bytes of every linear: "weights" (dense bf16), and per dtype on the GGUF's blocks
+    ids: list[list[int]] = []
 
-    def timed(method: str, call) -> None:
-        call(ids[0][:16], 4)  # warm-up: first-call costs are not what a server pays per request
-        rows[method] = []
-        for p, prompt in zip(prompts, ids):
-            tokens, seconds, step_ms = call(prompt, n)
-            rows[method].append({"set": p.set, "prompt": p.id, "tokens": tokens, "seconds": seconds, "step_ms": step_ms})
-        print(f"{method}: {sum(len(r['tokens']) for r in rows[method]) / sum(r['seconds'] for r in rows[method]):.1f} tok/s", flush=True)
+    @contextmanager
+    def stock(dtype: str):
+        model, tokenizer = models.load(args.model, dtype=dtype, cache_dir=cache_dir)
+        if dtype == "bfloat16":
+            sizes["weights"] = linear_bytes(model)
+            ids[:] = ids or [prompt_ids(tokenizer, p.text, p.chat) for p in prompts]
+        calls = {f"HF greedy {dtype}": lambda p, k: (*hf_generate(model, p, k), None)}
+        if dtype == "bfloat16":
+            calls["HF prompt lookup bfloat16"] = lambda p, k: (*hf_generate(model, p, k, prompt_lookup_num_tokens=10), None)
+        yield calls
 
-    for dtype, (model, _) in stock.items():
-        timed(f"HF greedy {dtype}", lambda p, k, m=model: (*hf_generate(m, p, k), None))
-    timed("HF prompt lookup bfloat16", lambda p, k: (*hf_generate(stock["bfloat16"][0], p, k, prompt_lookup_num_tokens=10), None))
-    weight_bytes = linear_bytes(stock["bfloat16"][0])
-    stock.clear()  # free the stock models before ours and llama.cpp's run
-    model, tok = models.load(args.model, dtype="bfloat16", cache_dir=cache_dir, kernels="packed")
-    gen = LookaheadGenerator(model, tok, LookaheadConfig(), cache_dir=cache_dir)
+    @contextmanager
+    def ours(dtype: str, weights: str):
+        model, tokenizer = models.load(args.model, dtype=dtype, cache_dir=cache_dir, kernels="packed", weights=weights)
+        gen = LookaheadGenerator(model, tokenizer, LookaheadConfig(), cache_dir=cache_dir)
+        if weights == "gguf":
+            sizes[dtype] = linear_bytes(model)
 
-    def ours(lookahead: bool):
-        def call(prompt: list[int], k: int):
-            start = time.perf_counter()
-            out = gen.generate(prompt, max_new_tokens=k, lookahead=lookahead, state=gen.new_state())
-            return out.tokens, time.perf_counter() - start, out.stats.decode_s * 1000 / max(out.stats.steps, 1)
-        return call
+        def call(lookahead: bool):
+            def run(prompt: list[int], k: int):
+                start = time.perf_counter()
+                out = gen.generate(prompt, max_new_tokens=k, lookahead=lookahead, state=gen.new_state())
+                return out.tokens, time.perf_counter() - start, out.stats.decode_s * 1000 / max(out.stats.steps, 1)
+            return run
+        name = dtype if weights == "dense" else f"gguf {dtype}"
+        yield {f"our plain loop {name}": call(False), f"lookahead {name}": call(True)}
 
-    timed("our plain loop bfloat16", ours(False))
-    timed("lookahead bfloat16", ours(True))
-    quantized_bytes = {}
-    # the GGUF's own blocks (``--weights gguf``), bf16 or fp32 activations, and int8 ones where the integer kernel runs
-    for dtype in ("bfloat16", "float32", *([native.INTEGER] if native.integer_runs() else [])):
-        gen = model = None
-        model, tok = models.load(args.model, dtype=dtype, cache_dir=cache_dir, kernels="packed", weights="gguf")
-        gen = LookaheadGenerator(model, tok, LookaheadConfig(), cache_dir=cache_dir)
-        quantized_bytes[dtype] = linear_bytes(model)
-        timed(f"our plain loop gguf {dtype}", ours(False))
-        timed(f"lookahead gguf {dtype}", ours(True))
-    gen = model = None  # freed before llama.cpp's runs
-    peers = [(f"llama.cpp {name} {mode}", gguf, ("--spec-type", mode) if mode != "plain" else ())
-             for name, gguf in (("bf16", bf16), (quantized.name, quantized)) for mode in ("plain", *MODES)]
-    for method, gguf, extra in peers:
-        with llama_server(bin_dir, gguf, torch.get_num_threads(), extra) as (complete, flags):
-            def call(prompt, k):
+    @contextmanager
+    def llama(method: str, gguf: Path, extra: tuple[str, ...]):
+        with llama_server(bin_dir, gguf, threads, extra) as (complete, flags):
+            def call(prompt: list[int], k: int):
                 tokens, seconds, t = complete(prompt, k)
                 return tokens, seconds, t["predicted_ms"] / max(t["predicted_n"] - 1, 1)
-            timed(method + (" (--no-repack)" if "--no-repack" in flags else ""), call)
+            yield {method + (" (--no-repack)" if "--no-repack" in flags else ""): call}
+
+    # the GGUF's own blocks (``--weights gguf``), bf16 or fp32 activations, and int8 ones where the integer kernel runs
+    engines = [partial(stock, "bfloat16"), partial(stock, "float32"), partial(ours, "bfloat16", "dense"),
+               *[partial(ours, dtype, "gguf") for dtype in ("bfloat16", "float32", *([native.INTEGER] if native.integer_runs() else []))],
+               *[partial(llama, f"llama.cpp {name} {mode}", gguf, ("--spec-type", mode) if mode != "plain" else ())
+                 for name, gguf in (("bf16", bf16), (quantized.name, quantized)) for mode in ("plain", *MODES)]]
+    rows: dict[str, dict[int, dict]] = {}
+    for round_ in range(args.rounds):  # prompt i in round i mod rounds: a slow spell of the machine lands on every engine
+        for engine in engines:
+            with engine() as calls:
+                for method, call in calls.items():
+                    call(ids[0][:16], 4)  # warm-up: first-call costs are not what a server pays per request
+                    for i in range(round_, len(prompts), args.rounds):
+                        tokens, seconds, step_ms = call(ids[i], n)
+                        rows.setdefault(method, {})[i] = {"set": prompts[i].set, "prompt": prompts[i].id, "tokens": tokens,
+                                                          "seconds": seconds, "step_ms": step_ms}
+        print(f"round {round_ + 1} of {args.rounds} done", flush=True)
+    runs = {method: [by[i] for i in sorted(by)] for method, by in rows.items()}
+    for method, rs in runs.items():
+        print(f"{method}: {sum(len(r['tokens']) for r in rs) / sum(r['seconds'] for r in rs):.1f} tok/s")
     return {"hardware": machine, "model": args.model, "isa": native.isa(), "max_new_tokens": n, "llama_cpp": LLAMA_CPP,
-            "weight_bytes": weight_bytes, "quantized_bytes": quantized_bytes["bfloat16"], "integer_bytes": quantized_bytes.get(native.INTEGER),
-            "gguf": quantized.name,
-            "read_bytes_per_s": stream_rate() * 1e9, "runs": rows}
+            "rounds": args.rounds, "weight_bytes": sizes["weights"], "quantized_bytes": sizes["bfloat16"],
+            "integer_bytes": sizes.get(native.INTEGER), "gguf": quantized.name, "read_bytes_per_s": stream_rate() * 1e9, "runs": runs}
 
 
 def write_report(results: dict, out: Path) -> None:
@@ -210,8 +220,8 @@ def write_report(results: dict, out: Path) -> None:
     lines = [f"# {results['model']}: lookahead beside llama.cpp and HF", "",
              f"{hw['cpu']}, {hw['cores']} cores ({hw['torch_threads']} threads for every engine); torch {hw['torch']}, transformers "
              f"{hw['transformers']}; commit {hw['commit']}; our kernels' ISA {results['isa']}; llama.cpp from {results['llama_cpp']}'s sdist. "
-             f"{len(plain)} prompts as token ids, {results['max_new_tokens']} new tokens, greedy, one request at a time; each request timed "
-             "whole (prefill included).", "",
+             f"{len(plain)} prompts as token ids, {results['max_new_tokens']} new tokens, greedy, one request at a time, in "
+             f"{results.get('rounds', 1)} round(s) over the engines; each request timed whole (prefill included).", "",
              f"Streaming the {results['weight_bytes'] / 1e6:.0f} MB of bf16 linear weights once at the measured "
              f"{results['read_bytes_per_s'] / 1e9:.1f} GB/s takes {stream_ms:.1f} ms: a plain decode step's floor"
              + (f"; the {results['quantized_bytes'] / 1e6:.0f} MB of {gguf}'s blocks in our layout, "
@@ -257,10 +267,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.EMBEDDED))
     datasets.add_arguments(parser, limit=3)
+    parser.add_argument("--rounds", type=int, default=2, help="passes over the engines, each taking every rounds-th prompt")
     parser.add_argument("--llama-cpp", type=Path, help="a directory holding llama-server and llama-quantize (default: build them)")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/peers-latest"))
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.build_only:
         print(build_llama_cpp(args.cache_dir or models.default_cache_dir()))
         return
