@@ -9,9 +9,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 BATCH, BATCH_WIDTHS = 8, (1, 2, 4)  # the batch the probe also times: 8 sequences x 1, 2 and 4 rows
-CURVE_FORMAT = 5  # 2: fastest of interleaved rounds, monotone envelope; 3: packed models attend with grouped_sdpa;
+CURVE_FORMAT = 6  # 2: fastest of interleaved rounds, monotone envelope; 3: packed models attend with grouped_sdpa;
 # 4: the loop's own forward (4D mask, logits to the host; without a mask c(1) read ~20% high on Zen 5); 5: the
-# batch axis (older curves are re-probed)
+# batch axis; 6: 3, 5 and 6 rows probed (the integer kernel's r(3) is its r(4): interpolated, it was priced ~6% low)
+# (older curves are re-probed)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from lookahead.native import INTEGER
 from lookahead.planner import chain_tree, choose
 from lookahead.tree import TokenTree
 
-PROBE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+PROBE_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # every width of the small trees CPUs run
 PROBE_CONTEXT = 256
 # what --dtype auto chooses from (float16 on CPU is slow and lossy); int8 (``native.INTEGER``) where quantized
 # weights run and our integer kernel does
