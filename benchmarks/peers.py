@@ -144,11 +144,10 @@ def run_all(args) -> dict:
     @contextmanager
     def stock(dtype: str):
         model, tokenizer = models.load(args.model, dtype=dtype, cache_dir=cache_dir)
-        if dtype == "bfloat16":
+        calls = {f"HF greedy {dtype}": lambda p, k: (*hf_generate(model, p, k), None)}
+        if dtype == "bfloat16":  # the first engine opened: it tokenizes the prompts for every engine
             sizes["weights"] = linear_bytes(model)
             ids[:] = ids or [prompt_ids(tokenizer, p.text, p.chat) for p in prompts]
-        calls = {f"HF greedy {dtype}": lambda p, k: (*hf_generate(model, p, k), None)}
-        if dtype == "bfloat16":
             calls["HF prompt lookup bfloat16"] = lambda p, k: (*hf_generate(model, p, k, prompt_lookup_num_tokens=10), None)
         yield calls
 

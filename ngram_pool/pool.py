@@ -47,6 +47,12 @@ def _as_ids(name: str, value: object, ndim: int) -> np.ndarray:
     return np.require(arr, requirements="CW")
 
 
+def _check_origin(origin: int) -> None:
+    """An origin code is stored in a table column of its own: 0 .. 255."""
+    if not 0 <= origin <= 255:
+        raise ValueError(f"origin must be in [0, 255], got {origin}")
+
+
 class NGramPool:
     """N-grams of length ``n`` keyed by their first token; up to ``slots_per_key`` continuations per key.
 
@@ -111,8 +117,7 @@ class NGramPool:
         grams = _as_ids("ngrams", ngrams, 2)
         if grams.shape[1] != self.n:
             raise ValueError(f"ngrams must have shape (k, {self.n}), got {grams.shape}")
-        if not 0 <= origin <= 255:
-            raise ValueError(f"origin must be in [0, 255], got {origin}")
+        _check_origin(origin)
         if self.sparse:
             self._add_rows(kernels.missing_keys(self._row_of, grams[:, 0].copy()))
         return grams
@@ -123,8 +128,7 @@ class NGramPool:
 
     def insert_sequences(self, sequences: list[np.ndarray | list[int]], origin: int = Origin.PROMPT) -> int:
         """Insert every n-gram of each sequence, in order, in one kernel call; returns how many were new."""
-        if not 0 <= origin <= 255:
-            raise ValueError(f"origin must be in [0, 255], got {origin}")
+        _check_origin(origin)
         parts = [_as_ids("tokens", tokens, 1) for tokens in sequences]
         if not parts:
             return 0
