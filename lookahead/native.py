@@ -312,14 +312,16 @@ def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
                    dtype: torch.dtype, integer: bool = False, halves: bool = False) -> QuantLayout:
     """q (N, K) int8 (0 .. 15 where ``bits`` is 4), scale and offset (N, K / group) fp32 -> the kernel's blocks, for
     ``dtype`` activations (rounded to 8 bits where ``integer``): per block of 16 rows and group, the 16 scales, the 16 offsets, then steps of 32 values
-    (k's 16 columns, then k + 1's; nibbles: value i in byte i % 16, the high nibble from i = 16). ``halves``: the
+    (k's 16 columns, then k + 1's; nibbles: value i in byte i % 16, the high nibble from i = 16; for the integer
+    kernel, nibbles in its own order: ``_octets``). ``halves``: the
     scales and offsets as fp16, for the integer kernel (a ValueError where one is not exact in fp16)."""
     n, k = q.shape
     groups = k // group
     if halves and not (integer and halves_exact(scale, offset)):
         raise ValueError("fp16 scales are for the integer kernel, and for scales and offsets exact in fp16")
     heads = [_columns(t.half() if halves else t.float(), groups) for t in (scale, offset) if t is not None]  # (NB, G, 64 or 32) each
-    packed = torch.cat([*heads, _steps(q, group, bits)], dim=-1).reshape(n // BLOCK, -1).contiguous()
+    values = _octets(q, group) if integer and bits == 4 else _steps(q, group, bits)
+    packed = torch.cat([*heads, values], dim=-1).reshape(n // BLOCK, -1).contiguous()
     return QuantLayout(packed, n, k, bits, group, offset is not None, dtype, integer, halves=halves)
 
 
@@ -345,7 +347,7 @@ def lay_out(q: quants.Quantized, dtype: torch.dtype, integer: bool = False) -> Q
 def pack_supers(q: quants.Quantized, dtype: torch.dtype) -> QuantLayout:
     """A K type's weight (``q.supers`` set; K a multiple of 256) -> the integer kernel's blocks: per block of 16
     rows and 256 k's, the 16 fp32 d (and dmin), then each group's 16 int8 sc (and then each group's m), then the
-    values: nibbles as ``pack_quantized``'s steps, group after group; the int8 ones (Q6_K, Q5_K, Q3_K: -32 .. 31)
+    values: nibbles in the integer kernel's order (``_octets``); the int8 ones (Q6_K, Q5_K, Q3_K: -32 .. 31)
     as 6 bits (``_planes``). Q4_K: 2432 bytes for 4096 weights (4.75 bits each, as in the file) where
     ``pack_quantized`` takes 3072; Q6_K 3392 (6.625 bits, as in the file) where it takes 5120."""
     n, k = q.shape
@@ -353,7 +355,7 @@ def pack_supers(q: quants.Quantized, dtype: torch.dtype) -> QuantLayout:
     per = 256 // q.group  # groups a super-block
     wide = [_columns(t, k // 256) for t in (supers.d, supers.dmin) if t is not None]  # (NB, S, 64) each
     small = [_columns(t, groups).reshape(n // BLOCK, k // 256, per * BLOCK) for t in (supers.sc, supers.m) if t is not None]
-    values = _planes(q.q) if q.bits == 8 else _steps(q.q, q.group, q.bits)
+    values = _planes(q.q) if q.bits == 8 else _octets(q.q, q.group)
     packed = torch.cat([*wide, *small, values.reshape(n // BLOCK, k // 256, -1)], dim=-1).reshape(n // BLOCK, -1).contiguous()
     return QuantLayout(packed, n, k, 6 if q.bits == 8 else q.bits, q.group, supers.dmin is not None, dtype, integer=True, supers=True)
 
@@ -380,6 +382,22 @@ def _unplanes(planes: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return u.to(torch.int8) - 32
 
 
+def _octets(q: torch.Tensor, group: int) -> torch.Tensor:
+    """q (N, K) in 0 .. 15 -> (N / 16, K / group, group * 8): per 8 k's, 64 bytes in the integer kernel's lanes,
+    byte 4c + j holding column c's k + j (low nibble) and k + 4 + j (high), so a mask and a shift make the two
+    quads vpdpbusd multiplies: no byte permutes."""
+    n, k = q.shape
+    lanes = q.to(torch.uint8).view(n // BLOCK, BLOCK, k // 8, 2, 4).permute(0, 2, 3, 1, 4).reshape(n // BLOCK, k // 8, 2, 64)
+    return (lanes[:, :, 0] | (lanes[:, :, 1] << 4)).reshape(n // BLOCK, k // group, -1)
+
+
+def _unoctets(octets: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """``_octets``' inverse: (N / 16, K / group (or K / 256), bytes) -> q (N, K) int8."""
+    octets = octets.reshape(n // BLOCK, k // 8, 1, 64)
+    lanes = torch.cat([octets & 15, octets >> 4], dim=2).view(n // BLOCK, k // 8, 2, BLOCK, 4)
+    return lanes.permute(0, 3, 1, 2, 4).reshape(n, k).to(torch.int8)
+
+
 def _columns(t: torch.Tensor, groups: int) -> torch.Tensor:
     """(N, groups) values -> (N / 16, groups, 16 values' bytes): each group's values for a block's 16 columns."""
     return t.view(t.shape[0] // BLOCK, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
@@ -400,6 +418,8 @@ def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype, integer: bool = Fa
     """Laid-out weights of one kind and width stacked by rows, for ``dtype`` activations (rounded to 8 bits where
     ``integer``): a view where each part's
     bytes follow the last's in one storage (``gguf_model`` lays siblings out so), else a copy."""
+    if integer:  # the integer kernel reads nibbles in its own order: the fp32 kernel's laid out again (a copy)
+        parts = [_relaid(p) if p.bits == 4 and not p.integer else p for p in parts]
     first = parts[0]
     if any((p.k, p.kind) != (first.k, first.kind) for p in parts):
         raise ValueError("laid-out weights of different kinds or widths cannot be stacked")
@@ -415,6 +435,12 @@ def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype, integer: bool = Fa
                        first.halves)
 
 
+def _relaid(layout: QuantLayout) -> QuantLayout:
+    """A nibble layout of the fp32 kernel's, laid out for the integer one (``_octets``)."""
+    q, scale, offset = unpack_quantized(layout)
+    return pack_quantized(q, scale, offset, layout.group, layout.bits, layout.dtype, integer=True)
+
+
 def unpack_quantized(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``pack_quantized``'s (and ``pack_supers``') inverse: (q, scale, offset)."""
     if layout.supers:
@@ -422,7 +448,9 @@ def unpack_quantized(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, t
     n, k, group, heads = layout.n, layout.k, layout.group, 2 if layout.offsets else 1
     blocks, size, of = layout.packed.view(n // BLOCK, k // group, -1), 32 if layout.halves else 64, torch.float16 if layout.halves else torch.float32
     floats = [blocks[..., size * i:size * (i + 1)].contiguous().view(of).float().transpose(1, 2).reshape(n, -1) for i in range(heads)]
-    return _unsteps(blocks[..., size * heads:], n, k, group, layout.bits), floats[0], floats[1] if layout.offsets else None
+    values = blocks[..., size * heads:]
+    q = _unoctets(values, n, k) if layout.integer and layout.bits == 4 else _unsteps(values, n, k, group, layout.bits)
+    return q, floats[0], floats[1] if layout.offsets else None
 
 
 def _unpack_supers(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -434,12 +462,12 @@ def _unpack_supers(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, tor
     small = [blocks[..., at[heads + i]:at[heads + i + 1]].contiguous().view(torch.int8).view(n // BLOCK, k // 256, per, BLOCK)
              .permute(0, 3, 1, 2).reshape(n, -1, per).float() for i in range(heads)]
     values = blocks[..., at[-1]:]
-    q = _unplanes(values.reshape(n // BLOCK, k // 16, 192), n, k) if layout.bits == 6 else _unsteps(values, n, k, group, layout.bits)
+    q = _unplanes(values.reshape(n // BLOCK, k // 16, 192), n, k) if layout.bits == 6 else _unoctets(values, n, k)
     return q, (wide[0] * small[0]).reshape(n, -1), -(wide[1] * small[1]).reshape(n, -1) if layout.offsets else None
 
 
 def _unsteps(steps: torch.Tensor, n: int, k: int, group: int, bits: int) -> torch.Tensor:
-    """``_steps``' inverse: (N / 16, K / group (or K / 256), bytes) -> q (N, K) int8."""
+    """``_steps``' inverse: (N / 16, K / group, bytes) -> q (N, K) int8."""
     steps = steps.reshape(n // BLOCK, k // group, group // 2, -1)
     if bits == 4:
         steps = torch.cat([steps & 15, steps >> 4], dim=-1)

@@ -61,10 +61,11 @@ def weights(kind: str, n: int = 80, k: int = 512) -> quants.Quantized:
     return quants.from_blocks(random_blocks(kind, n, k, seed=n + k), kind, n, k)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K"])
-def test_the_layout_unpacks_to_what_was_packed(kind):
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1"])
+@pytest.mark.parametrize("integer", [False, True], ids=["steps", "integer"])  # the integer kernel's nibbles: octets
+def test_the_layout_unpacks_to_what_was_packed(kind, integer):
     q = weights(kind)
-    layout = native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32)
+    layout = native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32, integer)
     got = native.unpack_quantized(layout)
     assert torch.equal(got[0], q.q) and torch.equal(got[1], q.scale)
     assert (got[2] is None) == (q.offset is None) and (q.offset is None or torch.equal(got[2], q.offset))

@@ -16,14 +16,15 @@
    order, and its fp32 chain runs the same way whatever M is.
 
    The blocks are read as quant_linear.c lays them out (16 columns; per group 16 fp32 scales, 16 offsets where
-   the type has them, then steps of k's and k + 1's 16 columns), four k's at a time: their 64 values transposed
-   by one vpermb into 16 lanes of (k, k + 1, k + 2, k + 3), which vpdpbusd multiplies by the row's four broadcast
-   bytes. vpdpbusd takes unsigned weights: nibbles (0 .. 15) are; int8 weights are biased by 128 (an xor) and 128
-   sum_k qx[k] taken off their integer sum, exactly.
+   the type has them, then the values), four k's at a time in 16 lanes of (k, k + 1, k + 2, k + 3), which
+   vpdpbusd multiplies by the row's four broadcast bytes: int8 values in steps of k's and k + 1's 16 columns,
+   transposed by one vpermb; nibbles already in the lanes' order (native._octets: eight k's in 64 bytes, a quad
+   the low nibbles, the next the high ones). vpdpbusd takes unsigned weights: nibbles (0 .. 15) are; int8 weights
+   are biased by 128 (an xor) and 128 sum_k qx[k] taken off their integer sum, exactly.
 
    Or, where `supers`, the K types as native.pack_supers lays them out, as their file holds them: per 16 columns
    and 256 k's (an activation block), 16 fp32 d (and dmin), a byte of sc (and m) a group and column, then the
-   values, nibbles as above or 6 bits (q + 32, bias 32) in the quads' own order; s = d sc and o = -(dmin m) are
+   values, nibbles as above or 6 bits (q + 32, bias 32) in the quads' order too; s = d sc and o = -(dmin m) are
    made here as quants.py's decoders make them, so the products are the same bit for bit. Or, where `scaling` is
    HALVES, quant_linear.c's blocks with each group's scales (and offsets) as fp16: the legacy types' d (and m), as
    their file holds them (exact in fp16, so the same products as fp32 scales give).
@@ -49,44 +50,55 @@ TARGET static inline __m512 load_row(const void *x, int bf16, int at) {
                 : _mm512_loadu_ps((const float *)x + at);
 }
 
+enum { NIBBLES, INT8, SIX }; /* how a block holds its values: nibbles, int8 (biased by 128), 6 bits (q + 32) */
+#define ALWAYS __attribute__((always_inline))
+
 /* four k's of one block, 64 bytes transposed to 16 lanes of 4: out byte 4c + j is k + j's column c */
-TARGET static inline __m512i quad_int8(const char *step, __m512i order) {
+TARGET static inline ALWAYS __m512i quad_int8(const char *step, __m512i order) {
     return _mm512_xor_si512(_mm512_permutexvar_epi8(order, _mm512_loadu_si512(step)), _mm512_set1_epi8((char)0x80));
 }
-/* eight k's of one block (four steps, 64 bytes: low nibbles k, k + 2, k + 4, k + 6, high k + 1, k + 3, k + 5, k + 7)
-   as two quads, each by one two-source vpermb of the low and the high nibbles */
-TARGET static inline void octet_nibbles(const char *step, __m512i first, __m512i second, __m512i *a, __m512i *b) {
-    const __m512i bytes = _mm512_loadu_si512(step), low = _mm512_set1_epi8(15);
-    const __m512i lows = _mm512_and_si512(bytes, low), highs = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-    *a = _mm512_permutex2var_epi8(lows, first, highs), *b = _mm512_permutex2var_epi8(lows, second, highs);
+/* eight k's of one block as two quads: 64 bytes in the lanes' own order (native._octets: byte 4c + j holds column
+   c's k + j low, k + 4 + j high), so a quad is a mask, or a shift and a mask */
+TARGET static inline ALWAYS void octet_nibbles(const char *octet, __m512i *quads) {
+    const __m512i bytes = _mm512_loadu_si512(octet), low = _mm512_set1_epi8(15);
+    quads[0] = _mm512_and_si512(bytes, low), quads[1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
 }
 
 /* sixteen k's of 6-bit values (q + 32), laid out by native.pack_supers in the quads' own order: 64 bytes of low
    nibbles of quads 0 (low) and 1 (high), 64 of quads 2 and 3, then 64 of their high two bits (quad t's at bits
    2t, 2t + 1); each quad is its low nibbles or its high two bits, shifted into bits 4 and 5 */
-TARGET static inline void quartet_planes(const char *unit, __m512i *quads, int stride) {
+TARGET static inline ALWAYS void quartet_planes(const char *unit, __m512i *quads) {
     const __m512i a = _mm512_loadu_si512(unit), b = _mm512_loadu_si512(unit + 64), h = _mm512_loadu_si512(unit + 128);
     const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(0x30);
     /* (x & low) | y, y already in bits 4 and 5: vpternlog of (a & c) | b, c = low, is table 0xEC */
     quads[0] = _mm512_ternarylogic_epi32(a, _mm512_and_si512(_mm512_slli_epi16(h, 4), two), low, 0xEC);
-    quads[stride] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 4), _mm512_and_si512(_mm512_slli_epi16(h, 2), two), low, 0xEC);
-    quads[2 * stride] = _mm512_ternarylogic_epi32(b, _mm512_and_si512(h, two), low, 0xEC);
-    quads[3 * stride] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), _mm512_and_si512(_mm512_srli_epi16(h, 2), two), low, 0xEC);
+    quads[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 4), _mm512_and_si512(_mm512_slli_epi16(h, 2), two), low, 0xEC);
+    quads[2] = _mm512_ternarylogic_epi32(b, _mm512_and_si512(h, two), low, 0xEC);
+    quads[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), _mm512_and_si512(_mm512_srli_epi16(h, 2), two), low, 0xEC);
+}
+
+/* one group's quads of one block (qs of them: 4 or 8) from its values at w: 64 bytes a quad (int8), 32 (nibbles),
+   48 (6 bits) */
+TARGET static inline ALWAYS void group_quads(int kind, int qs, const char *w, __m512i order, __m512i *quads) {
+    _Pragma("GCC unroll 8") for (int i = 0; i < qs; i += kind == SIX ? 4 : kind == NIBBLES ? 2 : 1) {
+        if (kind == SIX) quartet_planes(w + 48 * i, quads + i);
+        else if (kind == NIBBLES) octet_nibbles(w + 32 * i, quads + i);
+        else quads[i] = quad_int8(w + 64 * i, order);
+    }
 }
 
 /* acc + the products of a's unsigned and b's signed bytes, four to a lane: vpdpbusd, in place (gcc's intrinsic
    copied every accumulator twice a step in the tiles' loops: a third slower) */
-TARGET static inline __m512i dot(__m512i acc, __m512i a, __m512i b) {
+TARGET static inline ALWAYS __m512i dot(__m512i acc, __m512i a, __m512i b) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
     return acc;
 }
 
-/* the vpermb index: lane c's byte j from chunk chunks[j] (16 bytes a chunk, 64 a source: 4 and up, the second
-   source of a two-source vpermb), column c */
-TARGET static __m512i order_of(const int chunks[4]) {
+/* the vpermb index of an int8 quad: lane c's byte j from step j (16 bytes a step), column c */
+TARGET static __m512i quad_order(void) {
     uint8_t index[64];
     for (int c = 0; c < 16; c++)
-        for (int j = 0; j < 4; j++) index[4 * c + j] = (uint8_t)(16 * chunks[j] + c);
+        for (int j = 0; j < 4; j++) index[4 * c + j] = (uint8_t)(16 * j + c);
     return _mm512_loadu_si512(index);
 }
 
@@ -127,16 +139,37 @@ typedef struct {
     int k, qblock, group;
 } Rows; /* the quantized rows (row r's at r K, r K / qblock, r K / group) */
 
-/* ROWS rows x two blocks (their 4-k quads of one activation block unpacked in `quads`, 2 a quad, and each group's
-   scales and offsets in `scales` and `offs`, 2 a group; a lone last block is read twice, its twin's sums never
-   written out), added to out (fp32, `stride` apart): for each group of the activation block, the integer sums
-   scaled by the group's scales (+ the offsets times the group's sum of qx), in order; then those times the
-   block's dx */
-#define TILE(INT8, ROWS)                                                                                          \
-    TARGET static void tile_##INT8##ROWS(Rows x, int r0, int block_index, const __m512i *quads, const __m512 *scales, \
-                                         const __m512 *offs, int offsets, float *out, int stride) {               \
+/* one row's group g of two blocks: p += its integer sums (less the weights' bias where `biased`) times the group's
+   scales s (+ its offsets o times the group's sum of qx) */
+TARGET static inline ALWAYS void scale_group(Rows x, int r, int g, int biased, int offsets, __m512i sum0, __m512i sum1,
+                                             const __m512 *s, const __m512 *o, __m512 *p0, __m512 *p1) {
+    const size_t at = (size_t)r * (x.k / x.group) + g;
+    if (biased) {
+        const __m512i bias = _mm512_set1_epi32(x.biases[at]);
+        sum0 = _mm512_sub_epi32(sum0, bias), sum1 = _mm512_sub_epi32(sum1, bias);
+    }
+    *p0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum0), s[0], *p0), *p1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum1), s[1], *p1);
+    if (offsets) {
+        const __m512 sum = _mm512_set1_ps(x.sums[at]);
+        *p0 = _mm512_fmadd_ps(o[0], sum, *p0), *p1 = _mm512_fmadd_ps(o[1], sum, *p1);
+    }
+}
+
+/* out (a row's 32 fp32 sums of two blocks) += p times the row's dx of the activation block */
+TARGET static inline ALWAYS void add_block(Rows x, int r, int block_index, __m512 p0, __m512 p1, float *out) {
+    const __m512 d = _mm512_set1_ps(x.dx[(size_t)r * (x.k / x.qblock) + block_index]);
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(p0, d, _mm512_loadu_ps(out)));
+    _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(p1, d, _mm512_loadu_ps(out + 16)));
+}
+
+/* ROWS rows x two blocks (their quads of one activation block unpacked in `quads`: the first block's, then from
+   MAX_QUADS the second's; each group's scales and offsets in `scales` and `offs`, 2 a group; a lone last block is
+   read twice, its twin's sums never written out), added to out (fp32, `stride` apart), group by group in order */
+#define MAX_QUADS 64
+#define TILE(BIASED, ROWS)                                                                                        \
+    TARGET static void tile_##BIASED##ROWS(Rows x, int r0, int block_index, const __m512i *quads, const __m512 *scales, \
+                                           const __m512 *offs, int offsets, float *out, int stride) {             \
         const int groups = x.qblock / x.group, qs = x.group / 4;                                                 \
-        const size_t groups_a_row = x.k / x.group;                                                              \
         __m512 p0[ROWS], p1[ROWS];                                                                                \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) p0[r] = p1[r] = _mm512_setzero_ps();               \
         for (int gl = 0; gl < groups; gl++) {                                                                     \
@@ -145,43 +178,67 @@ typedef struct {
             __m512i sum0[ROWS], sum1[ROWS];                                                                       \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) sum0[r] = sum1[r] = _mm512_setzero_si512();    \
             for (int q = 0; q < qs; q++) {                                                                        \
-                const __m512i w0 = quads[2 * (gl * qs + q)], w1 = quads[2 * (gl * qs + q) + 1];                   \
+                const __m512i w0 = quads[gl * qs + q], w1 = quads[MAX_QUADS + gl * qs + q];                       \
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                           \
                     const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * q));       \
                     sum0[r] = dot(sum0[r], w0, xb);                                                               \
                     sum1[r] = dot(sum1[r], w1, xb);                                                               \
                 }                                                                                                 \
             }                                                                                                     \
-            const __m512 s0 = scales[2 * gl], s1 = scales[2 * gl + 1];                                            \
-            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                               \
-                const size_t at = (size_t)(r0 + r) * groups_a_row + g;                                            \
-                if (INT8) {                                                                                       \
-                    const __m512i bias = _mm512_set1_epi32(x.biases[at]);                                         \
-                    sum0[r] = _mm512_sub_epi32(sum0[r], bias), sum1[r] = _mm512_sub_epi32(sum1[r], bias);         \
-                }                                                                                                 \
-                p0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum0[r]), s0, p0[r]);                                  \
-                p1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum1[r]), s1, p1[r]);                                  \
-            }                                                                                                     \
-            if (offsets) {                                                                                        \
-                const __m512 o0 = offs[2 * gl], o1 = offs[2 * gl + 1];                                            \
-                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                           \
-                    const __m512 sum = _mm512_set1_ps(x.sums[(size_t)(r0 + r) * groups_a_row + g]);               \
-                    p0[r] = _mm512_fmadd_ps(o0, sum, p0[r]), p1[r] = _mm512_fmadd_ps(o1, sum, p1[r]);             \
-                }                                                                                                 \
-            }                                                                                                     \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)                                                 \
+                scale_group(x, r0 + r, g, BIASED, offsets, sum0[r], sum1[r], scales + 2 * gl, offs + 2 * gl, &p0[r], &p1[r]); \
         }                                                                                                         \
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                                   \
-            const __m512 d = _mm512_set1_ps(x.dx[(size_t)(r0 + r) * (x.k / x.qblock) + block_index]);             \
-            float *y = out + (size_t)(r0 + r) * stride;                                                           \
-            _mm512_storeu_ps(y, _mm512_fmadd_ps(p0[r], d, _mm512_loadu_ps(y)));                                   \
-            _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(p1[r], d, _mm512_loadu_ps(y + 16)));                         \
-        }                                                                                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)                                                     \
+            add_block(x, r0 + r, block_index, p0[r], p1[r], out + (size_t)(r0 + r) * stride);                     \
     }
 
 TILE(0, 1) TILE(0, 2) TILE(0, 3) TILE(0, 4) TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4)
 typedef void (*Tile)(Rows, int, int, const __m512i *, const __m512 *, const __m512 *, int, float *, int);
 static const Tile tiles[2][5] = {{0, tile_01, tile_02, tile_03, tile_04}, {0, tile_11, tile_12, tile_13, tile_14}};
 #define MAX_ROWS 4
+
+/* the next pair's lines of an activation block (`lines` of each of its two blocks, `block` bytes apart), spread
+   over its groups: after group gl of `groups`, those up to (gl + 1) / groups of them */
+static inline void prefetch_share(const char *next, size_t block, int lines, int gl, int groups, int *line, int l2) {
+    for (const int until = lines * (gl + 1) / groups; *line < until; ++*line)
+        prefetch(next + 64 * *line, l2), prefetch(next + block + 64 * *line, l2);
+}
+
+/* One row x two blocks of one activation block, each group's quads unpacked in registers and multiplied at once
+   (at one row nothing reads a quad twice: no buffer), in two chains a block (the same integer sums as a tile's),
+   scaled as a tile scales them; `kind` and `qs` constants where it is inlined. w0, w1: the blocks' first group's
+   values, a group's `stride` bytes after the last's. */
+TARGET static inline ALWAYS void row_block(int kind, int qs, Rows x, int block_index, const char *w0, const char *w1,
+                                           size_t stride, __m512i order, const __m512 *scales, const __m512 *offs,
+                                           int offsets, float *out, const char *next, size_t block, int lines, int l2) {
+    const int groups = x.qblock / x.group;
+    __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
+    int line = 0;
+    for (int gl = 0; gl < groups; gl++) {
+        const int g = block_index * groups + gl;
+        const int8_t *xq = x.qx + g * x.group;
+        __m512i q0[8], q1[8], a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;
+        group_quads(kind, qs, w0 + gl * stride, order, q0), group_quads(kind, qs, w1 + gl * stride, order, q1);
+        _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += 2) {
+            if (next) prefetch_share(next, block, lines, gl * qs / 2 + q / 2, groups * qs / 2, &line, l2);
+            const __m512i xa = _mm512_set1_epi32(*(const int32_t *)(xq + 4 * q)), xb = _mm512_set1_epi32(*(const int32_t *)(xq + 4 * q + 4));
+            a0 = dot(a0, q0[q], xa), b0 = dot(b0, q0[q + 1], xb), a1 = dot(a1, q1[q], xa), b1 = dot(b1, q1[q + 1], xb);
+        }
+        scale_group(x, 0, g, kind != NIBBLES, offsets, _mm512_add_epi32(a0, b0), _mm512_add_epi32(a1, b1), scales + 2 * gl,
+                    offs + 2 * gl, &p0, &p1);
+    }
+    add_block(x, 0, block_index, p0, p1, out);
+}
+typedef void (*RowBlock)(Rows, int, const char *, const char *, size_t, __m512i, const __m512 *, const __m512 *, int, float *,
+                         const char *, size_t, int, int);
+#define ROW_BLOCK(KIND, QS)                                                                                       \
+    TARGET static void row_##KIND##_##QS(Rows x, int b, const char *w0, const char *w1, size_t stride, __m512i order,  \
+                                         const __m512 *s, const __m512 *o, int offsets, float *out, const char *next, \
+                                         size_t block, int lines, int l2) {                                       \
+        row_block(KIND, QS, x, b, w0, w1, stride, order, s, o, offsets, out, next, block, lines, l2);              \
+    }
+ROW_BLOCK(NIBBLES, 4) ROW_BLOCK(NIBBLES, 8) ROW_BLOCK(INT8, 4) ROW_BLOCK(INT8, 8) ROW_BLOCK(SIX, 4) ROW_BLOCK(SIX, 8)
+static const RowBlock row_blocks[3][2] = {{row_NIBBLES_4, row_NIBBLES_8}, {row_INT8_4, row_INT8_8}, {row_SIX_4, row_SIX_8}};
 
 /* 16 int8 (sc or m: one a column) as fp32 times a column's fp32 (d or dmin): one product, rounded as numpy rounds it */
 TARGET static inline __m512 times(__m512 d, const char *bytes) {
@@ -195,8 +252,9 @@ enum { GROUPS, SUPERS, HALVES }; /* how the blocks hold their scales (native.SCA
 /* x (m, k) fp32, or bf16 where `bf16`; packed blocks (as quant_linear.c's, or the K types' per 256 k's where `scaling`
    is SUPERS: see native.pack_supers; fp16 scales where HALVES); bias (n) fp32 or NULL -> y (m, n) fp32 or bf16; k a
    multiple of 32 (of 256 where SUPERS), group 16 or 32. One parallel region a call: the rows quantized, then each thread's pairs of
-   blocks summed into its own (m, 32) fp32 sums and written out (+ bias, rounded to y's type). 1 where the buffers
-   could not be allocated. */
+   blocks summed into its own (m, 32) fp32 sums and written out (+ bias, rounded to y's type): one row straight
+   from the blocks (row_block), more a tile of up to 4 rows at a time from the activation block's quads unpacked
+   once. 1 where the buffers could not be allocated. */
 TARGET int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits,
                       int group, int offsets, int scaling, int threads, int l2, int bf16) {
     const int qblock = qblock_of(k), supers = scaling == SUPERS, halves = scaling == HALVES;
@@ -208,27 +266,25 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
     int32_t *biases = (int32_t *)(sums + rows * groups);
     float *outs = (float *)(biases + rows * groups); /* a thread's (m, 32) sums of its current pair */
     const Rows part = {qx, dx, sums, biases, k, qblock, group};
-    const int int8 = bits == 8, six = bits == 6, quad_bytes = int8 ? 64 : 32, per_block = qblock / group; /* groups an activation block */
-    const int quad_shift = __builtin_ctz(group / 4); /* a group's quads: 4 or 8 */
-    /* int8: a quad's four steps in place; nibbles: k, k + 1, k + 2, k + 3 from the lows' and highs' chunks 0, 1,
-       then k + 4 ... from their chunks 2, 3 */
-    const __m512i order = order_of((const int[4]){0, 1, 2, 3}), first = order_of((const int[4]){0, 4, 1, 5}),
-                  second = order_of((const int[4]){2, 6, 3, 7});
+    const int kind = bits == 8 ? INT8 : bits == 6 ? SIX : NIBBLES, per_block = qblock / group; /* groups an activation block */
+    const int qs = group / 4, quad_bytes = kind == INT8 ? 64 : kind == SIX ? 48 : 32;
+    const __m512i order = quad_order();
     const int blocks = n / 16, pairs = (blocks + 1) / 2;
     /* a group's fp32 (or fp16) scales (and offsets), then its quads; or, where `supers`, an activation block's (a
-       super-block's) fp32 d (and dmin), its groups' int8 sc (and m), then its quads */
-    const size_t head = (offsets ? 2 : 1) * (halves ? 32 : 64), group_bytes = head + (size_t)group / 4 * quad_bytes;
+       super-block's) fp32 d (and dmin), its groups' int8 sc (and m), then its groups' quads */
+    const size_t head = (offsets ? 2 : 1) * (halves ? 32 : 64), values = (size_t)qs * quad_bytes, group_bytes = head + values;
     const size_t super_head = head + (size_t)per_block * 16 * (offsets ? 2 : 1);
-    const size_t quads_bytes = six ? (size_t)qblock / 16 * 192 : (size_t)qblock / 4 * quad_bytes; /* 6 bits: 192 bytes a 16 k's */
-    const size_t span = supers ? super_head + quads_bytes : per_block * group_bytes; /* an activation block's */
+    const size_t span = supers ? super_head + per_block * values : per_block * group_bytes; /* an activation block's */
+    const size_t first = supers ? super_head : head, stride = supers ? values : group_bytes; /* a group's values: at first + gl stride */
     const size_t block = (size_t)(k / qblock) * span;
+    const int lines = (int)((span + 63) / 64);
     _Pragma("omp parallel num_threads(threads)") {
         _Pragma("omp for schedule(static)")
         for (int r = 0; r < m; r++)
-            quantize_row((const char *)x + (size_t)r * k * (bf16 ? 2 : 4), bf16, k, qblock, group, int8 ? 128 : six ? 32 : 0, qx + (size_t)r * k,
-                         dx + (size_t)r * (k / qblock), sums + (size_t)r * groups, biases + (size_t)r * groups);
+            quantize_row((const char *)x + (size_t)r * k * (bf16 ? 2 : 4), bf16, k, qblock, group, kind == INT8 ? 128 : kind == SIX ? 32 : 0,
+                         qx + (size_t)r * k, dx + (size_t)r * (k / qblock), sums + (size_t)r * groups, biases + (size_t)r * groups);
         float *out = outs + (size_t)omp_get_thread_num() * rows * 32;
-        __m512i quads[2 * 256 / 4];
+        __m512i quads[2 * MAX_QUADS];
         __m512 scales[2 * 256 / 16], offs[2 * 256 / 16];
         _Pragma("omp for schedule(static)")
         for (int q = 0; q < pairs; q++) {
@@ -237,32 +293,8 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
             memset(out, 0, rows * 32 * 4);
             for (int b = 0; b < k / qblock; b++) {
                 const size_t start = (size_t)b * span;
-                /* the next pair's lines of this activation block, spread over its units (not in one burst): after
-                   unit u, (u + 1) lines / units of them, counted without a division */
-                const int unit = six ? 4 : 2, units = qblock / 4 / unit; /* quads unpacked at a time: 16 k's of 6 bits, else 8 */
-                size_t line = 0, owed = 0;
-                for (int u = 0; u < units; u++) {
-                    if (next)
-                        for (owed += span / 64; owed >= (size_t)units; owed -= units, line++)
-                            prefetch(next + start + 64 * line, l2), prefetch(next + block + start + 64 * line, l2);
-                    const int i = u * unit;
-                    if (six) {
-                        for (int half = 0; half < 2; half++)
-                            quartet_planes((half && w1 != w0 ? w1 : w0) + start + super_head + (size_t)u * 192, quads + 2 * i + half, 2);
-                        continue;
-                    }
-                    const int g = i >> quad_shift, j = i - (g << quad_shift); /* a group holds whole units */
-                    const size_t at = start + (supers ? super_head + (size_t)i * quad_bytes : (size_t)g * group_bytes + head + (size_t)j * quad_bytes);
-                    for (int half = 0; half < 2; half++) { /* w0's quads, then w1's (a lone last block's twin: its own) */
-                        const char *w = half && w1 != w0 ? w1 : w0;
-                        if (int8)
-                            quads[2 * i + half] = quad_int8(w + at, order), quads[2 * i + 2 + half] = quad_int8(w + at + 64, order);
-                        else
-                            octet_nibbles(w + at, first, second, &quads[2 * i + half], &quads[2 * i + 2 + half]);
-                    }
-                }
                 for (int half = 0; half < 2; half++) {
-                    const char *w = (half && w1 != w0 ? w1 : w0) + start;
+                    const char *w = (half ? w1 : w0) + start;
                     for (int gl = 0; gl < per_block; gl++) {
                         if (supers) { /* d sc and -(dmin m): the fp32 scales and offsets quants.py's decoders compute */
                             scales[2 * gl + half] = times(_mm512_loadu_ps((const float *)w), w + head + 16 * gl);
@@ -281,8 +313,20 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                         }
                     }
                 }
+                const char *ahead = next ? next + start : 0;
+                if (m == 1) {
+                    row_blocks[kind][qs == 8](part, b, w0 + start + first, w1 + start + first, stride, order, scales, offs, offsets, out,
+                                              ahead, block, lines, l2);
+                    continue;
+                }
+                int line = 0;
+                for (int gl = 0; gl < per_block; gl++) {
+                    if (ahead) prefetch_share(ahead, block, lines, gl, per_block, &line, l2);
+                    for (int half = 0; half < 2; half++)
+                        group_quads(kind, qs, (half ? w1 : w0) + start + first + gl * stride, order, quads + half * MAX_QUADS + gl * qs);
+                }
                 for (int r = 0; r < m; r += MAX_ROWS)
-                    tiles[int8 || six][m - r < MAX_ROWS ? m - r : MAX_ROWS](part, r, b, quads, scales, offs, offsets, out, 32);
+                    tiles[kind != NIBBLES][m - r < MAX_ROWS ? m - r : MAX_ROWS](part, r, b, quads, scales, offs, offsets, out, 32);
             }
             for (int r = 0; r < m; r++)
                 for (int c = 32 * q; c < 32 * q + 32 && c < n; c += 16) { /* a lone last block's twin is not written */
