@@ -123,6 +123,17 @@ def rounded_to_8_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(blocks * inverse).view(rows, k), (top / 127).squeeze(-1).repeat_interleave(span, dim=1)
 
 
+def integer_reference(q: quants.Quantized, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The product of x's 8-bit rounding and q's integers, each group's scales (and offsets) applied, in float64."""
+    (n, k), m = q.shape, x.shape[0]
+    qx, dx = rounded_to_8_bits(x.float())
+    products = (q.q.double().view(n, -1, q.group) * qx.double().view(m, 1, -1, q.group)).sum(-1)  # (M, N, groups)
+    want = (products * q.scale.double() * dx[:, None, ::q.group].double()).sum(-1)
+    if q.offset is not None:
+        want += (qx.double().view(m, 1, -1, q.group).sum(-1) * q.offset.double() * dx[:, None, ::q.group].double()).sum(-1)
+    return want if bias is None else want + bias.double()
+
+
 @needs_integer
 @pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q5_K", "Q3_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -140,15 +151,31 @@ def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_i
     wide = linear(x)
     for m in (1, 2, 3, 4, 5, 7, 16, 21, 40):
         assert torch.equal(linear(x[:m]), wide[:m]), m
-    qx, dx = rounded_to_8_bits(x.float())
-    products = (q.q.double().view(80, -1, q.group) * qx.double().view(40, 1, -1, q.group)).sum(-1)  # (M, N, groups)
-    want = (products * q.scale.double() * dx[:, None, ::q.group].double()).sum(-1) + bias.double()
-    if q.offset is not None:
-        want += (qx.double().view(40, 1, -1, q.group).sum(-1) * q.offset.double() * dx[:, None, ::q.group].double()).sum(-1)
+    want = integer_reference(q, x, bias)
     error = (wide.double() - want).abs().max() / want.abs().max()
     assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     dense = native.Linear(native.pack(q.dequantize()), bias)(x.float())  # the activations' rounding, and no more
     assert (wide.float() - dense).abs().max() < 0.05 * dense.abs().max()
+
+
+@needs_integer
+@pytest.mark.parametrize("bits, group", [(4, 16), (4, 32), (8, 16), (8, 32)])
+def test_one_row_gives_the_tiles_bits_for_every_kind_the_integer_kernel_takes(bits, group):
+    """One row takes each group's quads from the blocks into registers (``row_block``), more rows read them from a
+    buffer (the tiles): the same integer sums, so the same bits, for nibbles and int8 in groups of 16 and 32 (fp32
+    scales: the per-group layout), over activation blocks of 128 k's."""
+    g = torch.Generator().manual_seed(bits + group)
+    n, k, groups = 48, 384, 384 // group
+    values = torch.randint(0, 16, (n, k), generator=g) if bits == 4 else torch.randint(-128, 128, (n, k), generator=g)
+    offset = torch.randn(n, groups, generator=g) / 8 if bits == 4 else None
+    q = quants.Quantized(values.to(torch.int8), torch.rand(n, groups, generator=g) / 8 + 1e-3, offset, group, bits)
+    linear = native.Linear(native.lay_out(q, torch.float32, integer=True), None)
+    assert not (linear.packed.halves or linear.packed.supers)
+    x = torch.randn(9, k, generator=g)
+    wide = linear(x)
+    assert all(torch.equal(linear(x[i:i + 1])[0], wide[i]) for i in range(9))
+    want = integer_reference(q, x, None)
+    assert (wide.double() - want).abs().max() / want.abs().max() < 1e-5
 
 
 @needs_integer

@@ -29,9 +29,10 @@
    HALVES, quant_linear.c's blocks with each group's scales (and offsets) as fp16: the legacy types' d (and m), as
    their file holds them (exact in fp16, so the same products as fp32 scales give).
 
-   The threads split the blocks two at a time; a pair's quads and scales of one activation block are unpacked
-   once into L1 buffers, which every tile of up to 4 rows reads, so the unpacking is paid once whatever M; the
-   next pair's bytes are prefetched meanwhile, a few lines a unit. */
+   The threads split the blocks two at a time; a pair's scales of one activation block are made into an L1 buffer,
+   and its quads unpacked once into another, which every tile of up to 4 rows reads, so the unpacking is paid once
+   whatever M; one row takes each group's quads in registers instead (row_block). The next pair's bytes are
+   prefetched meanwhile, a few lines at a time. */
 
 #include <immintrin.h>
 #include <omp.h>
@@ -198,9 +199,9 @@ static const Tile tiles[2][5] = {{0, tile_01, tile_02, tile_03, tile_04}, {0, ti
 #define MAX_ROWS 4
 
 /* the next pair's lines of an activation block (`lines` of each of its two blocks, `block` bytes apart), spread
-   over its groups: after group gl of `groups`, those up to (gl + 1) / groups of them */
-static inline void prefetch_share(const char *next, size_t block, int lines, int gl, int groups, int *line, int l2) {
-    for (const int until = lines * (gl + 1) / groups; *line < until; ++*line)
+   over `units` steps of the work on it: after step u, those up to (u + 1) / units of them */
+static inline void prefetch_share(const char *next, size_t block, int lines, int u, int units, int *line, int l2) {
+    for (const int until = lines * (u + 1) / units; *line < until; ++*line)
         prefetch(next + 64 * *line, l2), prefetch(next + block + 64 * *line, l2);
 }
 
