@@ -86,6 +86,7 @@ def test_peers_server_retries_without_repacking_and_the_report_ranks_engines(tmp
     text = (tmp_path / "out" / "results.md").read_text()
     assert "| engine | tokens/s | vs llama.cpp bf16 ngram-mod |" in text and "| lookahead bfloat16 | 80.0 | 1.25x |" in text
     assert "takes 10.0 ms" in text and "| llama.cpp bf16 plain | 50.0 | 0.78x | 10.0 |" in text
+    assert "The worst prompt set of lookahead bfloat16 against llama.cpp bf16 ngram-mod: a at 1.25x." in text
     assert json.loads((tmp_path / "out" / "results.json").read_text())["runs"].keys() == results["runs"].keys()
     on_file = {"our plain loop gguf bfloat16": rows(45), "our plain loop gguf float32": rows(44), "our plain loop gguf int8": rows(60),
                "lookahead gguf int8": rows(120), "llama.cpp m.gguf plain": rows(55)}
@@ -93,6 +94,7 @@ def test_peers_server_retries_without_repacking_and_the_report_ranks_engines(tmp
     peers.write_report({**results, "gguf": "m.gguf", "quantized_bytes": 1e8, "runs": {**results["runs"], **on_file}}, tmp_path / "out")
     text = (tmp_path / "out" / "results.md").read_text()
     assert "On m.gguf's own blocks: lookahead gguf int8 120.0 tokens/s, 2.18x llama.cpp m.gguf plain" in text
+    assert "The worst prompt set of lookahead gguf int8 against llama.cpp bf16 ngram-mod: a at 1.88x." in text  # our fastest lookahead
     assert "10.0 ms (int8 activations) against llama.cpp's 10.0 ms" in text
     assert "int8 plain loop equal to our plain loop gguf float32's: 1 of 2 prompts (the same first 100 tokens, median)" in text
 
