@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 
 import numpy as np
@@ -594,3 +595,12 @@ def test_own_fp32_linear_agrees_with_stock_to_fp32_rounding_and_is_row_invariant
         for inp in (x, x[0], x.transpose(0, 1).contiguous().transpose(0, 1)):
             assert torch.allclose(packed(inp), linear(inp), atol=1e-4, rtol=1e-5)
     assert torch.equal(packed.weight, linear.weight) and kernels.row_invariant(packed, torch.float32)
+
+
+def test_the_kernels_enums_are_in_the_order_python_passes_them():
+    """native passes a product's kind, an activation, a layer's norms and a layout's scaling as indices into its
+    tuples; the C reads them as enums: one order each (a product's enum name is its kernel's name less "_linear")."""
+    source = "".join((native.CSRC / name).read_text() for name in ("decoder_layer.c", "int_linear.c"))
+    enums = [re.findall(r"\w+", body) for body in re.findall(r"enum \{([^}]*)\}", source)]
+    for names in (native.PRODUCTS, native.ACTIVATIONS, native.NORMS, native.SCALINGS):
+        assert [str(name).removesuffix("_linear").upper() for name in names] in enums, names

@@ -29,7 +29,7 @@ typedef struct {
     const float *bias;
     int n, k, bits, group, offsets, scaling, l2;
 } Product;
-enum { BF16, AMX_BF16, QUANT_BF16, AMX_QUANT, INTEGER }; /* native.PRODUCTS' order */
+enum { BF16, AMX_BF16, QUANT_BF16, AMX_QUANT, INT }; /* native.PRODUCTS' order (their names less "_linear") */
 
 void bf16_linear(const void *x, const void *packed, const float *bias, uint16_t *y, int m, int n, int k, int threads, int l2);
 void amx_bf16_linear(const uint16_t *x, const char *packed, const float *bias, uint16_t *y, int m, int n, int k, int threads, int l2);
@@ -53,7 +53,7 @@ static int one_product(const Product *p, const uint16_t *x, uint16_t *y, int m, 
     case AMX_BF16: amx_bf16_linear(x, p->packed, p->bias, y, m, p->n, p->k, threads, p->l2); return 0;
     case QUANT_BF16: return quant_bf16_linear(x, p->packed, p->bias, y, m, p->n, p->k, p->bits, p->group, p->offsets, threads, p->l2);
     case AMX_QUANT: return amx_quant_linear(x, p->packed, p->bias, y, m, p->n, p->k, p->bits, p->group, p->offsets, threads, p->l2);
-    case INTEGER:
+    case INT:
         return int_linear(x, p->packed, p->bias, y, m, p->n, p->k, p->bits, p->group, p->offsets, p->scaling, threads, p->l2, 1);
     }
     return 1;
