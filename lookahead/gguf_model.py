@@ -353,7 +353,7 @@ def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, dir
                 _check_finite(gguf, entry, q.scale, q.offset)
                 out.write(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32).packed.numpy().data)
                 own = native.lay_out(q, torch.float32, integer=True) if native.quant_fits(n, k, q.group, integer=True) else None
-                if own is not None and (own.supers or own.halves or own.bits == 4):  # every chunk alike: the rows' scales are all the file's
+                if own is not None and own.integer_only:  # every chunk alike: the rows' scales are all the file's
                     integer.write(own.packed.numpy().data)
                     entry.update(integer_bits=own.bits, supers=own.supers, halves=own.halves)
             entry.update(size=out.tell() - entry["at"], bits=q.bits, group=q.group, offsets=q.offset is not None)

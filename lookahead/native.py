@@ -297,6 +297,11 @@ class QuantLayout:
         """How the blocks hold their scales, as the integer kernel is told (``SCALINGS``)."""
         return SCALINGS.index("supers" if self.supers else "halves" if self.halves else "groups")
 
+    @property
+    def integer_only(self) -> bool:
+        """Whether only the integer kernel reads these blocks: the K types' own scales, fp16 scales, its nibbles."""
+        return self.supers or self.halves or (self.integer and self.bits == 4)
+
     def nbytes(self) -> int:
         return self.packed.numel()
 
@@ -431,7 +436,7 @@ def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype, integer: bool = Fa
         packed = torch.empty(0, dtype=torch.uint8).set_(storage, first.packed.storage_offset(), (n // BLOCK, first.packed.shape[1]))
     else:
         packed = torch.cat([p.packed for p in parts])
-    return QuantLayout(packed, n, first.k, first.bits, first.group, first.offsets, dtype, integer or first.supers or first.halves, first.supers,
+    return QuantLayout(packed, n, first.k, first.bits, first.group, first.offsets, dtype, integer or first.integer_only, first.supers,
                        first.halves)
 
 
