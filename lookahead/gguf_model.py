@@ -5,7 +5,7 @@ The first load of a file reads it once (``prepare``): its header checked against
 metadata (transformers' GGUF readers), which of its tensors becomes what (transformers' name mapping and tensor
 processor for the architecture, on a skeleton of the model), and every linear's blocks decoded and laid out for the
 kernels (``native.pack_quantized``), one tensor at a time, into ``<cache>/blocks/<file>-<key>/``: ``blocks.bin``,
-``integer.bin`` (the integer kernel's own layouts: the K types' scales per 256 k's, the legacy types' fp16 ones; nibbles in its lanes' order),
+``integer.bin`` (the integer kernel's layouts: values in its lanes' order, the K types' scales per 256 k's, the legacy types' fp16 ones),
 the small files, and ``index.json``. Each load (``load``) then builds the model on the meta device (parameters only:
 buffers such as RoPE's frequencies are computed as usual), memory-maps the laid-out blocks into the linears
 (``kernels.pack``), looks the embedding up from the file's own blocks (``quants.QuantEmbedding``) and dequantizes
@@ -42,7 +42,7 @@ from torch import nn
 from lookahead import native, quants
 from lookahead.kernels import SIBLINGS
 
-LAYOUT = 6  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
+LAYOUT = 7  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
 ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
 CHUNK = 4096  # rows decoded and laid out at a time (a multiple of native.BLOCK: blocks of rows are independent)
 GGUF_VERSIONS = (2, 3)  # the versions gguf-py reads
@@ -331,10 +331,9 @@ def _entries(reader, model: nn.Module, processor, blocks: str | None) -> tuple[l
 
 
 def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, directory: Path) -> None:
-    """Write each "blocks" entry's weight in the kernels' layout to ``blocks.bin`` and, where the integer kernel has
-    one of its own (the K types' scales per 256 k's, ``native.pack_supers``; the legacy types' fp16 scales; nibbles
-    in its lanes' order), in that
-    to ``integer.bin`` (siblings adjacent, each aligned), and record where in its entry. ``heads``: Llama's q and
+    """Write each "blocks" entry's weight in the kernels' layout to ``blocks.bin`` and, where the integer kernel runs
+    it, in its own (``native.lay_out``: values in its lanes' order, the K types' scales per 256 k's, the legacy types'
+    fp16 scales) to ``integer.bin`` (siblings adjacent, each aligned), and record where in its entry. ``heads``: Llama's q and
     k rows reordered as transformers' processor does."""
     config = model.config
     counts = {"q_proj": config.num_attention_heads, "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
@@ -353,7 +352,7 @@ def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, dir
                 _check_finite(gguf, entry, q.scale, q.offset)
                 out.write(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32).packed.numpy().data)
                 own = native.lay_out(q, torch.float32, integer=True) if native.quant_fits(n, k, q.group, integer=True) else None
-                if own is not None and own.integer_only:  # every chunk alike: the rows' scales are all the file's
+                if own is not None:  # every chunk alike: the rows' scales are all the file's
                     integer.write(own.packed.numpy().data)
                     entry.update(integer_bits=own.bits, supers=own.supers, halves=own.halves)
             entry.update(size=out.tell() - entry["at"], bits=q.bits, group=q.group, offsets=q.offset is not None)

@@ -18,8 +18,8 @@ the KV compaction's moves in one call (``csrc/move_columns.c``, in place of thre
 
 The quantized linear (``csrc/quant_linear.c``, bf16 on AMX in ``csrc/amx_linear.c``): a GGUF's integers and
 scales (``lookahead.quants``) laid out once by ``pack_quantized`` in the same blocks of 16 columns, dequantized in
-registers inside the product; ``Linear`` runs either layout. The integer linear (``csrc/int_linear.c``, AVX512-VNNI
-and VBMI): the same blocks times activations rounded to 8 bits, in integer dot products (``QuantLayout.integer``).
+registers inside the product; ``Linear`` runs either layout. The integer linear (``csrc/int_linear.c``, AVX512-VNNI):
+the same blocks times activations rounded to 8 bits, in integer dot products (``QuantLayout.integer``).
 
 ``library`` says why not where they cannot run: the packed kernels then use oneDNN's product and SDPA, as they do
 for fp16."""
@@ -297,11 +297,6 @@ class QuantLayout:
         """How the blocks hold their scales, as the integer kernel is told (``SCALINGS``)."""
         return SCALINGS.index("supers" if self.supers else "halves" if self.halves else "groups")
 
-    @property
-    def integer_only(self) -> bool:
-        """Whether only the integer kernel reads these blocks: the K types' own scales, fp16 scales, its nibbles."""
-        return self.supers or self.halves or (self.integer and self.bits == 4)
-
     def nbytes(self) -> int:
         return self.packed.numel()
 
@@ -318,14 +313,14 @@ def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
     """q (N, K) int8 (0 .. 15 where ``bits`` is 4), scale and offset (N, K / group) fp32 -> the kernel's blocks, for
     ``dtype`` activations (rounded to 8 bits where ``integer``): per block of 16 rows and group, the 16 scales, the 16 offsets, then steps of 32 values
     (k's 16 columns, then k + 1's; nibbles: value i in byte i % 16, the high nibble from i = 16; for the integer
-    kernel, nibbles in its own order: ``_octets``). ``halves``: the
+    kernel, the values in its lanes' order: ``_lanes``). ``halves``: the
     scales and offsets as fp16, for the integer kernel (a ValueError where one is not exact in fp16)."""
     n, k = q.shape
     groups = k // group
     if halves and not (integer and halves_exact(scale, offset)):
         raise ValueError("fp16 scales are for the integer kernel, and for scales and offsets exact in fp16")
     heads = [_columns(t.half() if halves else t.float(), groups) for t in (scale, offset) if t is not None]  # (NB, G, 64 or 32) each
-    values = _octets(q, group) if integer and bits == 4 else _steps(q, group, bits)
+    values = _lanes(q, group, bits) if integer else _steps(q, group, bits)
     packed = torch.cat([*heads, values], dim=-1).reshape(n // BLOCK, -1).contiguous()
     return QuantLayout(packed, n, k, bits, group, offset is not None, dtype, integer, halves=halves)
 
@@ -387,6 +382,31 @@ def _unplanes(planes: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return u.to(torch.int8) - 32
 
 
+def _lanes(q: torch.Tensor, group: int, bits: int) -> torch.Tensor:
+    """q (N, K) -> (N / 16, K / group, bytes): a group's values in the integer kernel's lanes, 16 columns of 4 k's
+    (vpdpbusd's), so a quad is a load (int8: ``_quads``) or a mask and a shift (nibbles: ``_octets``)."""
+    return _octets(q, group) if bits == 4 else _quads(q, group)
+
+
+def _unlanes(values: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
+    """``_lanes``' inverse: (N / 16, K / group, bytes) -> q (N, K) int8."""
+    return _unoctets(values, n, k) if bits == 4 else _unquads(values, n, k)
+
+
+def _quads(q: torch.Tensor, group: int) -> torch.Tensor:
+    """q (N, K) int8 -> (N / 16, K / group, group * 16): per 4 k's, 64 bytes, byte 4c + j holding column c's k + j
+    plus 128 (vpdpbusd multiplies unsigned weights; the kernel takes 128 sum_k qx[k] off, exactly)."""
+    n, k = q.shape
+    lanes = q.view(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3).reshape(n // BLOCK, k // group, group * BLOCK)
+    return (lanes.to(torch.int16) + 128).to(torch.uint8)
+
+
+def _unquads(quads: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """``_quads``' inverse: (N / 16, K / group, bytes) -> q (N, K) int8."""
+    lanes = (quads.reshape(n // BLOCK, k // 4, BLOCK, 4).to(torch.int16) - 128).to(torch.int8)
+    return lanes.permute(0, 2, 1, 3).reshape(n, k)
+
+
 def _octets(q: torch.Tensor, group: int) -> torch.Tensor:
     """q (N, K) in 0 .. 15 -> (N / 16, K / group, group * 8): per 8 k's, 64 bytes in the integer kernel's lanes,
     byte 4c + j holding column c's k + j (low nibble) and k + 4 + j (high), so a mask and a shift make the two
@@ -423,8 +443,8 @@ def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype, integer: bool = Fa
     """Laid-out weights of one kind and width stacked by rows, for ``dtype`` activations (rounded to 8 bits where
     ``integer``): a view where each part's
     bytes follow the last's in one storage (``gguf_model`` lays siblings out so), else a copy."""
-    if integer:  # the integer kernel reads nibbles in its own order: the fp32 kernel's laid out again (a copy)
-        parts = [_relaid(p) if p.bits == 4 and not p.integer else p for p in parts]
+    if integer:  # the integer kernel reads values in its lanes' order: the fp32 kernel's laid out again (a copy)
+        parts = [p if p.integer else _relaid(p) for p in parts]
     first = parts[0]
     if any((p.k, p.kind) != (first.k, first.kind) for p in parts):
         raise ValueError("laid-out weights of different kinds or widths cannot be stacked")
@@ -436,12 +456,12 @@ def cat_layouts(parts: list[QuantLayout], dtype: torch.dtype, integer: bool = Fa
         packed = torch.empty(0, dtype=torch.uint8).set_(storage, first.packed.storage_offset(), (n // BLOCK, first.packed.shape[1]))
     else:
         packed = torch.cat([p.packed for p in parts])
-    return QuantLayout(packed, n, first.k, first.bits, first.group, first.offsets, dtype, integer or first.integer_only, first.supers,
+    return QuantLayout(packed, n, first.k, first.bits, first.group, first.offsets, dtype, integer or first.integer, first.supers,
                        first.halves)
 
 
 def _relaid(layout: QuantLayout) -> QuantLayout:
-    """A nibble layout of the fp32 kernel's, laid out for the integer one (``_octets``)."""
+    """A layout of the fp32 kernel's, laid out for the integer one (``_lanes``)."""
     q, scale, offset = unpack_quantized(layout)
     return pack_quantized(q, scale, offset, layout.group, layout.bits, layout.dtype, integer=True)
 
@@ -454,7 +474,7 @@ def unpack_quantized(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, t
     blocks, size, of = layout.packed.view(n // BLOCK, k // group, -1), 32 if layout.halves else 64, torch.float16 if layout.halves else torch.float32
     floats = [blocks[..., size * i:size * (i + 1)].contiguous().view(of).float().transpose(1, 2).reshape(n, -1) for i in range(heads)]
     values = blocks[..., size * heads:]
-    q = _unoctets(values, n, k) if layout.integer and layout.bits == 4 else _unsteps(values, n, k, group, layout.bits)
+    q = _unlanes(values, n, k, layout.bits) if layout.integer else _unsteps(values, n, k, group, layout.bits)
     return q, floats[0], floats[1] if layout.offsets else None
 
 
@@ -499,8 +519,8 @@ def amx() -> bool:
 
 @functools.cache
 def integer_runs() -> bool:
-    """Whether the integer linear runs here: built (the AVX-512 BF16 tier) and the CPU has AVX512-VNNI and VBMI."""
-    return has("int_linear") and {"avx512_vnni", "avx512vbmi"} <= set(cpu.flags())
+    """Whether the integer linear runs here: built (the AVX-512 BF16 tier) and the CPU has AVX512-VNNI."""
+    return has("int_linear") and "avx512_vnni" in cpu.flags()
 
 
 def isa() -> str:
@@ -523,7 +543,7 @@ class Linear:
         quantized = isinstance(packed, QuantLayout)
         integer = quantized and packed.integer  # the integer kernel: bf16 or fp32 activations, said in its last argument
         if integer and not integer_runs():
-            raise ValueError("this CPU or build has no integer linear (AVX512-VNNI and VBMI)")
+            raise ValueError("this CPU or build has no integer linear (AVX512-VNNI)")
         if quantized:
             self.dtype, self.n, self.k = packed.dtype, packed.n, packed.k
             self.format = (packed.bits, packed.group, int(packed.offsets)) + ((packed.scaling,) if integer else ())  # the kernels' extra arguments

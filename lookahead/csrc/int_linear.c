@@ -1,4 +1,4 @@
-/* The integer quantized linear (AVX512-VNNI and VBMI): y (M, N) = x (M, K) W^T (+ b) on quant_linear.c's blocks,
+/* The integer quantized linear (AVX512-VNNI): y (M, N) = x (M, K) W^T (+ b) on quant_linear.c's blocks,
    with each row of x rounded to 8 bits per activation block of B k's (256, else 128, 64, 32: the largest that
    divides K), as llama.cpp's Q8 activations are:
 
@@ -16,11 +16,11 @@
    order, and its fp32 chain runs the same way whatever M is.
 
    The blocks are read as quant_linear.c lays them out (16 columns; per group 16 fp32 scales, 16 offsets where
-   the type has them, then the values), four k's at a time in 16 lanes of (k, k + 1, k + 2, k + 3), which
-   vpdpbusd multiplies by the row's four broadcast bytes: int8 values in steps of k's and k + 1's 16 columns,
-   transposed by one vpermb; nibbles already in the lanes' order (native._octets: eight k's in 64 bytes, a quad
-   the low nibbles, the next the high ones). vpdpbusd takes unsigned weights: nibbles (0 .. 15) are; int8 weights
-   are biased by 128 (an xor) and 128 sum_k qx[k] taken off their integer sum, exactly.
+   the type has them, then the values), but with the values in this kernel's lanes' order (native._lanes): four
+   k's at a time in 16 lanes of (k, k + 1, k + 2, k + 3), which vpdpbusd multiplies by the row's four broadcast
+   bytes; int8 values as 64 bytes a quad, nibbles as 64 bytes an octet (eight k's: a quad the low nibbles, the
+   next the high ones). vpdpbusd takes unsigned weights: nibbles (0 .. 15) are; int8 weights are stored biased by
+   128 and 128 sum_k qx[k] taken off their integer sum, exactly.
 
    Or, where `supers`, the K types as native.pack_supers lays them out, as their file holds them: per 16 columns
    and 256 k's (an activation block), 16 fp32 d (and dmin), a byte of sc (and m) a group and column, then the
@@ -41,7 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512bf16")))
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")))
 
 static inline void prefetch(const char *p, int l2) { l2 ? _mm_prefetch(p, _MM_HINT_T2) : _mm_prefetch(p, _MM_HINT_NTA); }
 
@@ -54,10 +54,6 @@ TARGET static inline __m512 load_row(const void *x, int bf16, int at) {
 enum { NIBBLES, INT8, SIX }; /* how a block holds its values: nibbles, int8 (biased by 128), 6 bits (q + 32) */
 #define ALWAYS __attribute__((always_inline))
 
-/* four k's of one block, 64 bytes transposed to 16 lanes of 4: out byte 4c + j is k + j's column c */
-TARGET static inline ALWAYS __m512i quad_int8(const char *step, __m512i order) {
-    return _mm512_xor_si512(_mm512_permutexvar_epi8(order, _mm512_loadu_si512(step)), _mm512_set1_epi8((char)0x80));
-}
 /* eight k's of one block as two quads: 64 bytes in the lanes' own order (native._octets: byte 4c + j holds column
    c's k + j low, k + 4 + j high), so a quad is a mask, or a shift and a mask */
 TARGET static inline ALWAYS void octet_nibbles(const char *octet, __m512i *quads) {
@@ -78,13 +74,13 @@ TARGET static inline ALWAYS void quartet_planes(const char *unit, __m512i *quads
     quads[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), _mm512_and_si512(_mm512_srli_epi16(h, 2), two), low, 0xEC);
 }
 
-/* one group's quads of one block (qs of them: 4 or 8) from its values at w: 64 bytes a quad (int8), 32 (nibbles),
-   48 (6 bits) */
-TARGET static inline ALWAYS void group_quads(int kind, int qs, const char *w, __m512i order, __m512i *quads) {
+/* one group's quads of one block (qs of them: 4 or 8) from its values at w: 64 bytes a quad (int8, already in the
+   lanes' order: native._quads), 32 (nibbles), 48 (6 bits) */
+TARGET static inline ALWAYS void group_quads(int kind, int qs, const char *w, __m512i *quads) {
     _Pragma("GCC unroll 8") for (int i = 0; i < qs; i += kind == SIX ? 4 : kind == NIBBLES ? 2 : 1) {
         if (kind == SIX) quartet_planes(w + 48 * i, quads + i);
         else if (kind == NIBBLES) octet_nibbles(w + 32 * i, quads + i);
-        else quads[i] = quad_int8(w + 64 * i, order);
+        else quads[i] = _mm512_loadu_si512(w + 64 * i);
     }
 }
 
@@ -93,14 +89,6 @@ TARGET static inline ALWAYS void group_quads(int kind, int qs, const char *w, __
 TARGET static inline ALWAYS __m512i dot(__m512i acc, __m512i a, __m512i b) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
     return acc;
-}
-
-/* the vpermb index of an int8 quad: lane c's byte j from step j (16 bytes a step), column c */
-TARGET static __m512i quad_order(void) {
-    uint8_t index[64];
-    for (int c = 0; c < 16; c++)
-        for (int j = 0; j < 4; j++) index[4 * c + j] = (uint8_t)(16 * j + c);
-    return _mm512_loadu_si512(index);
 }
 
 /* the largest of 256, 128, 64, 32 k's that divides k: the k's an activation scale covers (k's alone choose it, so
@@ -210,7 +198,7 @@ static inline void prefetch_share(const char *next, size_t block, int lines, int
    scaled as a tile scales them; `kind` and `qs` constants where it is inlined. w0, w1: the blocks' first group's
    values, a group's `stride` bytes after the last's. */
 TARGET static inline ALWAYS void row_block(int kind, int qs, Rows x, int block_index, const char *w0, const char *w1,
-                                           size_t stride, __m512i order, const __m512 *scales, const __m512 *offs,
+                                           size_t stride, const __m512 *scales, const __m512 *offs,
                                            int offsets, float *out, const char *next, size_t block, int lines, int l2) {
     const int groups = x.qblock / x.group;
     __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
@@ -219,7 +207,7 @@ TARGET static inline ALWAYS void row_block(int kind, int qs, Rows x, int block_i
         const int g = block_index * groups + gl;
         const int8_t *xq = x.qx + g * x.group;
         __m512i q0[8], q1[8], a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;
-        group_quads(kind, qs, w0 + gl * stride, order, q0), group_quads(kind, qs, w1 + gl * stride, order, q1);
+        group_quads(kind, qs, w0 + gl * stride, q0), group_quads(kind, qs, w1 + gl * stride, q1);
         _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += 2) {
             if (next) prefetch_share(next, block, lines, gl * qs / 2 + q / 2, groups * qs / 2, &line, l2);
             const __m512i xa = _mm512_set1_epi32(*(const int32_t *)(xq + 4 * q)), xb = _mm512_set1_epi32(*(const int32_t *)(xq + 4 * q + 4));
@@ -230,13 +218,13 @@ TARGET static inline ALWAYS void row_block(int kind, int qs, Rows x, int block_i
     }
     add_block(x, 0, block_index, p0, p1, out);
 }
-typedef void (*RowBlock)(Rows, int, const char *, const char *, size_t, __m512i, const __m512 *, const __m512 *, int, float *,
+typedef void (*RowBlock)(Rows, int, const char *, const char *, size_t, const __m512 *, const __m512 *, int, float *,
                          const char *, size_t, int, int);
 #define ROW_BLOCK(KIND, QS)                                                                                       \
-    TARGET static void row_##KIND##_##QS(Rows x, int b, const char *w0, const char *w1, size_t stride, __m512i order,  \
+    TARGET static void row_##KIND##_##QS(Rows x, int b, const char *w0, const char *w1, size_t stride,                 \
                                          const __m512 *s, const __m512 *o, int offsets, float *out, const char *next, \
                                          size_t block, int lines, int l2) {                                       \
-        row_block(KIND, QS, x, b, w0, w1, stride, order, s, o, offsets, out, next, block, lines, l2);              \
+        row_block(KIND, QS, x, b, w0, w1, stride, s, o, offsets, out, next, block, lines, l2);              \
     }
 ROW_BLOCK(NIBBLES, 4) ROW_BLOCK(NIBBLES, 8) ROW_BLOCK(INT8, 4) ROW_BLOCK(INT8, 8) ROW_BLOCK(SIX, 4) ROW_BLOCK(SIX, 8)
 static const RowBlock row_blocks[3][2] = {{row_NIBBLES_4, row_NIBBLES_8}, {row_INT8_4, row_INT8_8}, {row_SIX_4, row_SIX_8}};
@@ -269,7 +257,6 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
     const Rows part = {qx, dx, sums, biases, k, qblock, group};
     const int kind = bits == 8 ? INT8 : bits == 6 ? SIX : NIBBLES, per_block = qblock / group; /* groups an activation block */
     const int qs = group / 4, quad_bytes = kind == INT8 ? 64 : kind == SIX ? 48 : 32;
-    const __m512i order = quad_order();
     const int blocks = n / 16, pairs = (blocks + 1) / 2;
     /* a group's fp32 (or fp16) scales (and offsets), then its quads; or, where `supers`, an activation block's (a
        super-block's) fp32 d (and dmin), its groups' int8 sc (and m), then its groups' quads */
@@ -316,7 +303,7 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                 }
                 const char *ahead = next ? next + start : 0;
                 if (m == 1) {
-                    row_blocks[kind][qs == 8](part, b, w0 + start + first, w1 + start + first, stride, order, scales, offs, offsets, out,
+                    row_blocks[kind][qs == 8](part, b, w0 + start + first, w1 + start + first, stride, scales, offs, offsets, out,
                                               ahead, block, lines, l2);
                     continue;
                 }
@@ -324,7 +311,7 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                 for (int gl = 0; gl < per_block; gl++) {
                     if (ahead) prefetch_share(ahead, block, lines, gl, per_block, &line, l2);
                     for (int half = 0; half < 2; half++)
-                        group_quads(kind, qs, (half ? w1 : w0) + start + first + gl * stride, order, quads + half * MAX_QUADS + gl * qs);
+                        group_quads(kind, qs, (half ? w1 : w0) + start + first + gl * stride, quads + half * MAX_QUADS + gl * qs);
                 }
                 for (int r = 0; r < m; r += MAX_ROWS)
                     tiles[kind != NIBBLES][m - r < MAX_ROWS ? m - r : MAX_ROWS](part, r, b, quads, scales, offs, offsets, out, 32);
