@@ -42,7 +42,7 @@ from torch import nn
 from lookahead import native, quants
 from lookahead.kernels import SIBLINGS
 
-LAYOUT = 7  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
+LAYOUT = 8  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
 ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
 CHUNK = 4096  # rows decoded and laid out at a time (a multiple of native.BLOCK: blocks of rows are independent)
 GGUF_VERSIONS = (2, 3)  # the versions gguf-py reads

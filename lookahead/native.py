@@ -326,13 +326,15 @@ def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
 
 
 def halves_exact(scale: torch.Tensor, offset: torch.Tensor | None) -> bool:
-    """Whether the scales (and offsets) are exact in fp16: a legacy GGUF type's d and m are fp16 in its file."""
+    """Whether the scales (and offsets) are exact in fp16: a GGUF's d, m and dmin are fp16 in its file."""
     return all(torch.equal(t.half().float(), t.float()) for t in (scale, offset) if t is not None)
 
 
 def supers_fit(q: quants.Quantized) -> bool:
-    """Whether ``q`` can be laid out by ``pack_supers``: a K type's (``q.supers``), K a multiple of 256."""
-    return q.supers is not None and q.shape[1] % 256 == 0 and quant_fits(*q.shape, q.group, integer=True)
+    """Whether ``q`` can be laid out by ``pack_supers``: a K type's (``q.supers``, d and dmin exact in fp16), K a
+    multiple of 256."""
+    return (q.supers is not None and q.shape[1] % 256 == 0 and quant_fits(*q.shape, q.group, integer=True)
+            and halves_exact(q.supers.d, q.supers.dmin))
 
 
 def lay_out(q: quants.Quantized, dtype: torch.dtype, integer: bool = False) -> QuantLayout:
@@ -346,14 +348,17 @@ def lay_out(q: quants.Quantized, dtype: torch.dtype, integer: bool = False) -> Q
 
 def pack_supers(q: quants.Quantized, dtype: torch.dtype) -> QuantLayout:
     """A K type's weight (``q.supers`` set; K a multiple of 256) -> the integer kernel's blocks: per block of 16
-    rows and 256 k's, the 16 fp32 d (and dmin), then each group's 16 int8 sc (and then each group's m), then the
+    rows and 256 k's, the 16 d (and dmin) as fp16 (the file's), then each group's 16 int8 sc (and then each group's m), then the
     values: nibbles in the integer kernel's order (``_octets``); the int8 ones (Q6_K, Q5_K, Q3_K: -32 .. 31)
-    as 6 bits (``_planes``). Q4_K: 2432 bytes for 4096 weights (4.75 bits each, as in the file) where
-    ``pack_quantized`` takes 3072; Q6_K 3392 (6.625 bits, as in the file) where it takes 5120."""
+    as 6 bits (``_planes``). Q4_K: 2368 bytes for 4096 weights (4.625 bits each; the file's 4.5) where
+    ``pack_quantized`` takes 3072; Q6_K 3360 (6.5625 bits, as in the file) where it takes 5120. A ValueError where
+    d or dmin is not exact in fp16."""
     n, k = q.shape
     supers, groups = q.supers, k // q.group
     per = 256 // q.group  # groups a super-block
-    wide = [_columns(t, k // 256) for t in (supers.d, supers.dmin) if t is not None]  # (NB, S, 64) each
+    if not halves_exact(supers.d, supers.dmin):
+        raise ValueError("a K type's d and dmin are fp16 in its file: these are not exact in fp16")
+    wide = [_columns(t.half(), k // 256) for t in (supers.d, supers.dmin) if t is not None]  # (NB, S, 32) each
     small = [_columns(t, groups).reshape(n // BLOCK, k // 256, per * BLOCK) for t in (supers.sc, supers.m) if t is not None]
     values = _planes(q.q) if q.bits == 8 else _octets(q.q, q.group)
     packed = torch.cat([*wide, *small, values.reshape(n // BLOCK, k // 256, -1)], dim=-1).reshape(n // BLOCK, -1).contiguous()
@@ -482,8 +487,8 @@ def _unpack_supers(layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor, tor
     """``pack_supers``' inverse: the scales ``d sc`` and offsets ``-(dmin m)`` as the decoders compute them."""
     n, k, group, heads, per = layout.n, layout.k, layout.group, 2 if layout.offsets else 1, 256 // layout.group
     blocks = layout.packed.view(n // BLOCK, k // 256, -1)
-    at = [64 * i for i in range(heads)] + [64 * heads + 16 * per * i for i in range(heads + 1)]  # d, dmin, sc, m, values
-    wide = [blocks[..., at[i]:at[i] + 64].contiguous().view(torch.float32).transpose(1, 2).reshape(n, -1, 1) for i in range(heads)]
+    at = [32 * i for i in range(heads)] + [32 * heads + 16 * per * i for i in range(heads + 1)]  # d, dmin, sc, m, values
+    wide = [blocks[..., at[i]:at[i] + 32].contiguous().view(torch.float16).float().transpose(1, 2).reshape(n, -1, 1) for i in range(heads)]
     small = [blocks[..., at[heads + i]:at[heads + i + 1]].contiguous().view(torch.int8).view(n // BLOCK, k // 256, per, BLOCK)
              .permute(0, 3, 1, 2).reshape(n, -1, per).float() for i in range(heads)]
     values = blocks[..., at[-1]:]

@@ -37,12 +37,12 @@ KINDS = {"Q8_0": kind(8, 32, False), "Q5_0": kind(8, 32, False), "Q4_0": kind(8,
 
 @dataclass
 class Supers:
-    """A K type's scales as its file holds them: an fp32 ``d`` (and ``dmin``) per 256 k's, a small integer ``sc``
-    (and ``m``) per group, so that ``scale = d sc`` and ``offset = -(dmin m)``, each one fp32 product. The integer
-    kernel's layout keeps these (a byte a group) instead of an fp32 scale and offset a group: Q4_K then streams
-    4.75 bits a weight, not 6."""
+    """A K type's scales as its file holds them: ``d`` (and ``dmin``) per 256 k's (fp16 in the file), a small
+    integer ``sc`` (and ``m``) per group, so that ``scale = d sc`` and ``offset = -(dmin m)``, each one fp32 product.
+    The integer kernel's layout keeps these (fp16 d, a byte a group) instead of an fp32 scale and offset a group:
+    Q4_K then streams 4.625 bits a weight, not 6."""
 
-    d: torch.Tensor  # (N, K / 256) fp32
+    d: torch.Tensor  # (N, K / 256) fp32 (exact in fp16)
     sc: torch.Tensor  # (N, K / group) int8
     dmin: torch.Tensor | None = None  # (N, K / 256) fp32, where the type has offsets
     m: torch.Tensor | None = None  # (N, K / group) int8

@@ -74,15 +74,15 @@ def test_the_layout_unpacks_to_what_was_packed(kind, integer):
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q3_K"])
 def test_the_k_types_own_scales_unpack_to_their_scales_bit_for_bit(kind):
-    """The integer kernel's layout keeps d (and dmin) per 256 k's and a byte of sc (and m) a group; d sc and
-    -(dmin m) are the decoders' fp32 scales and offsets exactly. Q4_K and Q6_K stream 4.75 and 6.625 bits a weight,
-    as in the file."""
+    """The integer kernel's layout keeps d (and dmin) per 256 k's as fp16 and a byte of sc (and m) a group; d sc and
+    -(dmin m) are the decoders' fp32 scales and offsets exactly. Q4_K and Q6_K stream 4.625 and 6.5625 bits a
+    weight (the file: 4.5 and 6.5625)."""
     q = weights(kind)
     layout = native.pack_supers(q, torch.float32)
     got = native.unpack_quantized(layout)
     assert torch.equal(got[0], q.q) and torch.equal(got[1], q.scale)
     assert (got[2] is None) == (q.offset is None) and (q.offset is None or torch.equal(got[2], q.offset))
-    bits = {"Q4_K": 4.75, "Q5_K": 6.75, "Q6_K": 6.625, "Q3_K": 6.625}[kind]  # int8 values in 6 bits
+    bits = {"Q4_K": 4.625, "Q5_K": 6.625, "Q6_K": 6.5625, "Q3_K": 6.5625}[kind]  # int8 values in 6 bits
     assert layout.packed.numel() * 8 == bits * q.q.numel() and layout.kind == quants.kind(int(bits), q.group, q.offset is not None, True)
 
 

@@ -23,7 +23,7 @@
    128 and 128 sum_k qx[k] taken off their integer sum, exactly.
 
    Or, where `supers`, the K types as native.pack_supers lays them out, as their file holds them: per 16 columns
-   and 256 k's (an activation block), 16 fp32 d (and dmin), a byte of sc (and m) a group and column, then the
+   and 256 k's (an activation block), 16 fp16 d (and dmin), a byte of sc (and m) a group and column, then the
    values, nibbles as above or 6 bits (q + 32, bias 32) in the quads' order too; s = d sc and o = -(dmin m) are
    made here as quants.py's decoders make them, so the products are the same bit for bit. Or, where `scaling` is
    HALVES, quant_linear.c's blocks with each group's scales (and offsets) as fp16: the legacy types' d (and m), as
@@ -259,8 +259,8 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
     const int qs = group / 4, quad_bytes = kind == INT8 ? 64 : kind == SIX ? 48 : 32;
     const int blocks = n / 16, pairs = (blocks + 1) / 2;
     /* a group's fp32 (or fp16) scales (and offsets), then its quads; or, where `supers`, an activation block's (a
-       super-block's) fp32 d (and dmin), its groups' int8 sc (and m), then its groups' quads */
-    const size_t head = (offsets ? 2 : 1) * (halves ? 32 : 64), values = (size_t)qs * quad_bytes, group_bytes = head + values;
+       super-block's) fp16 d (and dmin), its groups' int8 sc (and m), then its groups' quads */
+    const size_t head = (offsets ? 2 : 1) * (halves || supers ? 32 : 64), values = (size_t)qs * quad_bytes, group_bytes = head + values;
     const size_t super_head = head + (size_t)per_block * 16 * (offsets ? 2 : 1);
     const size_t span = supers ? super_head + per_block * values : per_block * group_bytes; /* an activation block's */
     const size_t first = supers ? super_head : head, stride = supers ? values : group_bytes; /* a group's values: at first + gl stride */
@@ -283,13 +283,14 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                 const size_t start = (size_t)b * span;
                 for (int half = 0; half < 2; half++) {
                     const char *w = (half ? w1 : w0) + start;
+                    const __m512 d = supers ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w)) : _mm512_setzero_ps();
+                    const __m512 dmin = supers && offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w + 1)) : d;
                     for (int gl = 0; gl < per_block; gl++) {
                         if (supers) { /* d sc and -(dmin m): the fp32 scales and offsets quants.py's decoders compute */
-                            scales[2 * gl + half] = times(_mm512_loadu_ps((const float *)w), w + head + 16 * gl);
+                            scales[2 * gl + half] = times(d, w + head + 16 * gl);
                             if (offsets)
                                 offs[2 * gl + half] = _mm512_castsi512_ps(_mm512_xor_si512(
-                                    _mm512_castps_si512(times(_mm512_loadu_ps((const float *)w + 16), w + head + 16 * (per_block + gl))),
-                                    _mm512_set1_epi32((int)0x80000000)));
+                                    _mm512_castps_si512(times(dmin, w + head + 16 * (per_block + gl))), _mm512_set1_epi32((int)0x80000000)));
                         } else if (halves) {
                             const __m256i *h = (const __m256i *)(w + gl * group_bytes);
                             scales[2 * gl + half] = _mm512_cvtph_ps(_mm256_loadu_si256(h));
