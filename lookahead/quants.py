@@ -44,7 +44,7 @@ class Supers:
 
     d: torch.Tensor  # (N, K / 256) fp32 (exact in fp16)
     sc: torch.Tensor  # (N, K / group) int8
-    dmin: torch.Tensor | None = None  # (N, K / 256) fp32, where the type has offsets
+    dmin: torch.Tensor | None = None  # (N, K / 256) fp32 (exact in fp16), where the type has offsets
     m: torch.Tensor | None = None  # (N, K / group) int8
 
     def rows(self, index: torch.Tensor | slice) -> "Supers":

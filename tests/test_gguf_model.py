@@ -97,9 +97,9 @@ def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not native.integer_runs(), reason="the integer kernel needs AVX512-VNNI")
 def test_the_integer_kernel_maps_the_k_types_in_their_own_scales(tmp_path):
-    """Gemma 3's Q4_K and Q6_K linears on the integer kernel are views of ``integer.bin`` (4.75 and 6.625 bits a
+    """Gemma 3's Q4_K and Q6_K linears on the integer kernel are views of ``integer.bin`` (4.625 and 6.5625 bits a
     weight where ``blocks.bin`` holds 6 and 10), and give the logits of the same kernel on ``blocks.bin``'s per-group
-    scales bit for bit (its nibbles laid out again in the integer kernel's order)."""
+    scales bit for bit (its values laid out again in the integer kernel's order)."""
     gguf = models.fetch_embedded("gemma3-270m", models.default_cache_dir())
     model, _ = models.load(str(gguf), dtype="int8", kernels="packed", weights="gguf", cache_dir=tmp_path)
     (directory,) = (tmp_path / "blocks").iterdir()
