@@ -160,10 +160,10 @@ def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_i
 
 @needs_integer
 @pytest.mark.parametrize("bits, group", [(4, 16), (4, 32), (8, 16), (8, 32)])
-def test_one_row_gives_the_tiles_bits_for_every_kind_the_integer_kernel_takes(bits, group):
-    """One row takes each group's quads from the blocks into registers (``row_block``), more rows read them from a
-    buffer (the tiles): the same integer sums, so the same bits, for nibbles and int8 in groups of 16 and 32 (fp32
-    scales: the per-group layout), over activation blocks of 128 k's."""
+def test_one_row_gives_the_bits_of_four_at_a_time_for_every_kind_the_integer_kernel_takes(bits, group):
+    """Up to 4 rows at a time take each group's quads from the blocks into registers (``rows_block``), one row in two
+    chains a block, 9 rows as 4 + 4 + 1: the same integer sums, so the same bits, for nibbles and int8 in groups of 16
+    and 32 (fp32 scales: the per-group layout), over activation blocks of 128 k's."""
     g = torch.Generator().manual_seed(bits + group)
     n, k, groups = 48, 384, 384 // group
     values = torch.randint(0, 16, (n, k), generator=g) if bits == 4 else torch.randint(-128, 128, (n, k), generator=g)
