@@ -140,7 +140,7 @@ def integer_reference(q: quants.Quantized, x: torch.Tensor, bias: torch.Tensor |
 def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_invariant(kind, dtype):
     """The integer sums are exact, so the product is the one of the 8-bit activations and the blocks' integers, each
     group's scales applied in fp32 (within fp32 summation of the reference); row r of an M-row product equals it
-    alone, bit for bit, at every M up to 40 (tiles of 1-4 rows, an odd block of 16 columns at the end)."""
+    alone, bit for bit, at every M up to 40 (1-8 rows at a time, an odd block of 16 columns at the end)."""
     k = 576 if kind in ("Q8_0", "Q4_1") else 512  # activation scales per 64 k's, or per 256
     q = quants.from_blocks(random_blocks(kind, 80, k, seed=k), kind, 80, k)
     bias = torch.randn(80, generator=torch.Generator().manual_seed(1))
@@ -160,9 +160,9 @@ def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_i
 
 @needs_integer
 @pytest.mark.parametrize("bits, group", [(4, 16), (4, 32), (8, 16), (8, 32)])
-def test_one_row_gives_the_bits_of_four_at_a_time_for_every_kind_the_integer_kernel_takes(bits, group):
-    """Up to 4 rows at a time take each group's quads from the blocks into registers (``rows_block``), one row in two
-    chains a block, 9 rows as 4 + 4 + 1: the same integer sums, so the same bits, for nibbles and int8 in groups of 16
+def test_one_row_gives_the_bits_of_eight_at_a_time_for_every_kind_the_integer_kernel_takes(bits, group):
+    """Up to 8 rows at a time take each group's quads from the blocks into registers (``rows_block``), one row in two
+    chains a block, 9 rows as 8 + 1: the same integer sums, so the same bits, for nibbles and int8 in groups of 16
     and 32 (fp32 scales: the per-group layout), over activation blocks of 128 k's."""
     g = torch.Generator().manual_seed(bits + group)
     n, k, groups = 48, 384, 384 // group

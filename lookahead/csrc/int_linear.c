@@ -30,11 +30,11 @@
    their file holds them (exact in fp16, so the same products as fp32 scales give).
 
    The threads split the blocks two at a time; a pair's scales of one activation block are made into an L1 buffer,
-   then up to 4 rows at a time take its quads straight from the blocks into registers and multiply them at once
+   then up to 8 rows at a time take its quads straight from the blocks into registers and multiply them at once
    (rows_block): nothing is stored to be read again, and the next pair's bytes are prefetched meanwhile, a few lines
-   at a time, so the memory streams while the rows multiply. Past 4 rows, each next 4 read the pair from cache and
-   unpack it again: against quads unpacked once into a buffer that every 4 rows read, 2-4 rows 9-22% faster on the
-   1.5B's file, 8 rows 11%, 16 rows 3% slower (DESIGN). */
+   at a time, so the memory streams while the rows multiply. Past 8 rows, each next 8 read the pair from cache and
+   unpack it again. Against quads unpacked once into a buffer that tiles of 4 rows read, the 1.5B's products 2-8 rows
+   10-25% faster; 12-row register tiles spill and gain nothing (DESIGN). */
 
 #include <immintrin.h>
 #include <omp.h>
@@ -166,9 +166,9 @@ static inline void prefetch_share(const char *next, size_t block, int lines, int
         prefetch(next + 64 * *line, l2), prefetch(next + block + 64 * *line, l2);
 }
 
-#define MAX_ROWS 4
+#define MAX_ROWS 8
 
-/* ROWS (1 .. 4) rows x two blocks of one activation block, straight from the blocks: a unit of each group's quads
+/* ROWS (1 .. 8) rows x two blocks of one activation block, straight from the blocks: a unit of each group's quads
    (an octet of nibbles, two int8 quads, a quartet of 6-bit planes) unpacked in registers and multiplied by every row
    at once, so nothing is stored to be read again; where `next`, the next pair's lines prefetched a few each unit, so
    the memory streams while the rows multiply. One row sums in two chains a block (vpdpbusd's latency): integer sums,
@@ -181,31 +181,31 @@ TARGET static inline ALWAYS void rows_block(int kind, int qs, int ROWS, Rows x, 
     const int groups = x.qblock / x.group, unit = kind == SIX ? 4 : 2, quad_bytes = kind == INT8 ? 64 : kind == SIX ? 48 : 32;
     const int chains = ROWS == 1 ? 2 : 1, units = groups * qs / unit;
     __m512 p0[MAX_ROWS], p1[MAX_ROWS];
-    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) p0[r] = p1[r] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) p0[r] = p1[r] = _mm512_setzero_ps();
     int line = 0;
     for (int gl = 0; gl < groups; gl++) {
         const int g = block_index * groups + gl;
         const int8_t *xq = x.qx + g * x.group;
         __m512i sum0[2 * MAX_ROWS], sum1[2 * MAX_ROWS];
-        _Pragma("GCC unroll 8") for (int c = 0; c < ROWS * chains; c++) sum0[c] = sum1[c] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 16") for (int c = 0; c < ROWS * chains; c++) sum0[c] = sum1[c] = _mm512_setzero_si512();
         _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
             if (next) prefetch_share(next, block, lines, (gl * qs + q) / unit, units, &line, l2);
             __m512i u0[4], u1[4];
             group_quads(kind, unit, w0 + gl * stride + quad_bytes * q, u0), group_quads(kind, unit, w1 + gl * stride + quad_bytes * q, u1);
             _Pragma("GCC unroll 4") for (int j = 0; j < unit; j++)
-                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {
                     const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * (q + j)));
                     const int c = r * chains + j % chains;
                     sum0[c] = dot(sum0[c], u0[j], xb), sum1[c] = dot(sum1[c], u1[j], xb);
                 }
         }
-        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {
             __m512i s0 = sum0[r * chains], s1 = sum1[r * chains];
             if (chains == 2) s0 = _mm512_add_epi32(s0, sum0[r * chains + 1]), s1 = _mm512_add_epi32(s1, sum1[r * chains + 1]);
             scale_group(x, r, g, kind != NIBBLES, offsets, s0, s1, scales + 2 * gl, offs + 2 * gl, &p0[r], &p1[r]);
         }
     }
-    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) add_block(x, r, block_index, p0[r], p1[r], out + 32 * r);
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) add_block(x, r, block_index, p0[r], p1[r], out + 32 * r);
 }
 typedef void (*RowsBlock)(Rows, int, const char *, const char *, size_t, const __m512 *, const __m512 *, int, float *,
                           const char *, size_t, int, int);
@@ -215,9 +215,11 @@ typedef void (*RowsBlock)(Rows, int, const char *, const char *, size_t, const _
                                                    const char *next, size_t block, int lines, int l2) {            \
         rows_block(KIND, QS, ROWS, x, b, w0, w1, stride, s, o, offsets, out, next, block, lines, l2);             \
     }
-#define ROWS_BLOCKS(KIND, QS) ROWS_BLOCK(KIND, QS, 1) ROWS_BLOCK(KIND, QS, 2) ROWS_BLOCK(KIND, QS, 3) ROWS_BLOCK(KIND, QS, 4)
+#define ROWS_BLOCKS(KIND, QS) ROWS_BLOCK(KIND, QS, 1) ROWS_BLOCK(KIND, QS, 2) ROWS_BLOCK(KIND, QS, 3) ROWS_BLOCK(KIND, QS, 4) \
+    ROWS_BLOCK(KIND, QS, 5) ROWS_BLOCK(KIND, QS, 6) ROWS_BLOCK(KIND, QS, 7) ROWS_BLOCK(KIND, QS, 8)
 ROWS_BLOCKS(NIBBLES, 4) ROWS_BLOCKS(NIBBLES, 8) ROWS_BLOCKS(INT8, 4) ROWS_BLOCKS(INT8, 8) ROWS_BLOCKS(SIX, 4) ROWS_BLOCKS(SIX, 8)
-#define ROWS_OF(KIND, QS) {rows_##KIND##_##QS##_1, rows_##KIND##_##QS##_2, rows_##KIND##_##QS##_3, rows_##KIND##_##QS##_4}
+#define ROWS_OF(KIND, QS) {rows_##KIND##_##QS##_1, rows_##KIND##_##QS##_2, rows_##KIND##_##QS##_3, rows_##KIND##_##QS##_4, \
+    rows_##KIND##_##QS##_5, rows_##KIND##_##QS##_6, rows_##KIND##_##QS##_7, rows_##KIND##_##QS##_8}
 static const RowsBlock rows_blocks[3][2][MAX_ROWS] = {{ROWS_OF(NIBBLES, 4), ROWS_OF(NIBBLES, 8)}, {ROWS_OF(INT8, 4), ROWS_OF(INT8, 8)},
                                                       {ROWS_OF(SIX, 4), ROWS_OF(SIX, 8)}};
 
@@ -233,7 +235,7 @@ enum { GROUPS, SUPERS, HALVES }; /* how the blocks hold their scales (native.SCA
 /* x (m, k) fp32, or bf16 where `bf16`; packed blocks (as quant_linear.c's, or the K types' per 256 k's where `scaling`
    is SUPERS: see native.pack_supers; fp16 scales where HALVES); bias (n) fp32 or NULL -> y (m, n) fp32 or bf16; k a
    multiple of 32 (of 256 where SUPERS), group 16 or 32. One parallel region a call: the rows quantized, then each thread's pairs of
-   blocks summed into its own (m, 32) fp32 sums, 4 rows at a time (rows_block), and written out (+ bias, rounded to
+   blocks summed into its own (m, 32) fp32 sums, 8 rows at a time (rows_block), and written out (+ bias, rounded to
    y's type). 1 where the buffers could not be allocated. */
 TARGET int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits,
                       int group, int offsets, int scaling, int threads, int l2, int bf16) {
