@@ -34,7 +34,8 @@
    (rows_block): nothing is stored to be read again, and the next pair's bytes are prefetched meanwhile, a few lines
    at a time, so the memory streams while the rows multiply. Past 8 rows, each next 8 read the pair from cache and
    unpack it again. Against quads unpacked once into a buffer that tiles of 4 rows read, the 1.5B's products 2-8 rows
-   10-25% faster; 12-row register tiles spill and gain nothing (DESIGN). */
+   9-23% faster, and 8 rows at a time against 4 another 5-14% from 6 rows on; 12-row register tiles spill and gain
+   nothing (DESIGN). */
 
 #include <immintrin.h>
 #include <omp.h>
@@ -76,13 +77,17 @@ TARGET static inline ALWAYS void quartet_planes(const char *unit, __m512i *quads
     quads[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), _mm512_and_si512(_mm512_srli_epi16(h, 2), two), low, 0xEC);
 }
 
-/* one group's quads of one block (qs of them: 4 or 8) from its values at w: 64 bytes a quad (int8, already in the
-   lanes' order: native._quads), 32 (nibbles), 48 (6 bits) */
+/* the bytes a quad's values take in a block: 64 (int8, already in the lanes' order: native._quads), 32 (nibbles), 48
+   (6 bits) */
+static inline int quad_bytes(int kind) { return kind == INT8 ? 64 : kind == SIX ? 48 : 32; }
+
+/* one group's quads of one block (qs of them: 4 or 8) from its values at w */
 TARGET static inline ALWAYS void group_quads(int kind, int qs, const char *w, __m512i *quads) {
     _Pragma("GCC unroll 8") for (int i = 0; i < qs; i += kind == SIX ? 4 : kind == NIBBLES ? 2 : 1) {
-        if (kind == SIX) quartet_planes(w + 48 * i, quads + i);
-        else if (kind == NIBBLES) octet_nibbles(w + 32 * i, quads + i);
-        else quads[i] = _mm512_loadu_si512(w + 64 * i);
+        const char *at = w + quad_bytes(kind) * i;
+        if (kind == SIX) quartet_planes(at, quads + i);
+        else if (kind == NIBBLES) octet_nibbles(at, quads + i);
+        else quads[i] = _mm512_loadu_si512(at);
     }
 }
 
@@ -178,7 +183,7 @@ static inline void prefetch_share(const char *next, size_t block, int lines, int
 TARGET static inline ALWAYS void rows_block(int kind, int qs, int ROWS, Rows x, int block_index, const char *w0, const char *w1,
                                             size_t stride, const __m512 *scales, const __m512 *offs, int offsets, float *out,
                                             const char *next, size_t block, int lines, int l2) {
-    const int groups = x.qblock / x.group, unit = kind == SIX ? 4 : 2, quad_bytes = kind == INT8 ? 64 : kind == SIX ? 48 : 32;
+    const int groups = x.qblock / x.group, unit = kind == SIX ? 4 : 2, bytes = quad_bytes(kind);
     const int chains = ROWS == 1 ? 2 : 1, units = groups * qs / unit;
     __m512 p0[MAX_ROWS], p1[MAX_ROWS];
     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) p0[r] = p1[r] = _mm512_setzero_ps();
@@ -191,7 +196,7 @@ TARGET static inline ALWAYS void rows_block(int kind, int qs, int ROWS, Rows x, 
         _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
             if (next) prefetch_share(next, block, lines, (gl * qs + q) / unit, units, &line, l2);
             __m512i u0[4], u1[4];
-            group_quads(kind, unit, w0 + gl * stride + quad_bytes * q, u0), group_quads(kind, unit, w1 + gl * stride + quad_bytes * q, u1);
+            group_quads(kind, unit, w0 + gl * stride + bytes * q, u0), group_quads(kind, unit, w1 + gl * stride + bytes * q, u1);
             _Pragma("GCC unroll 4") for (int j = 0; j < unit; j++)
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {
                     const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * (q + j)));
@@ -249,11 +254,11 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
     float *outs = (float *)(biases + rows * groups); /* a thread's (m, 32) sums of its current pair */
     const Rows part = {qx, dx, sums, biases, k, qblock, group};
     const int kind = bits == 8 ? INT8 : bits == 6 ? SIX : NIBBLES, per_block = qblock / group; /* groups an activation block */
-    const int qs = group / 4, quad_bytes = kind == INT8 ? 64 : kind == SIX ? 48 : 32;
+    const int qs = group / 4;
     const int blocks = n / 16, pairs = (blocks + 1) / 2;
     /* a group's fp32 (or fp16) scales (and offsets), then its quads; or, where `supers`, an activation block's (a
        super-block's) fp16 d (and dmin), its groups' int8 sc (and m), then its groups' quads */
-    const size_t head = (offsets ? 2 : 1) * (halves || supers ? 32 : 64), values = (size_t)qs * quad_bytes, group_bytes = head + values;
+    const size_t head = (offsets ? 2 : 1) * (halves || supers ? 32 : 64), values = (size_t)qs * quad_bytes(kind), group_bytes = head + values;
     const size_t super_head = head + (size_t)per_block * 16 * (offsets ? 2 : 1);
     const size_t span = supers ? super_head + per_block * values : per_block * group_bytes; /* an activation block's */
     const size_t first = supers ? super_head : head, stride = supers ? values : group_bytes; /* a group's values: at first + gl stride */
