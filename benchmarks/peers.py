@@ -45,10 +45,15 @@ TOOLS = ("llama-server", "llama-quantize")
 MODES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # llama.cpp's draft-free speculation
 
 
-def build_llama_cpp(cache_dir: Path) -> Path:
-    """The directory holding ``TOOLS``, built on first use. A build that did not finish leaves no ``done`` mark
-    and is started again from scratch."""
-    home = cache_dir / "peers" / LLAMA_CPP.replace("==", "-")
+# llama.cpp's CPU features for a tier of ours held below the CPU's best (``--isa``): built for it, not natively
+GGML_AVX2 = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON")
+GGML_TIERS = {"avx2": GGML_AVX2, "avx-vnni": (*GGML_AVX2, "-DGGML_AVX_VNNI=ON"), "avx512f": (*GGML_AVX2, "-DGGML_AVX512=ON")}
+
+
+def build_llama_cpp(cache_dir: Path, isa: str | None = None) -> Path:
+    """The directory holding ``TOOLS``, built on first use, natively or for ``isa`` (``GGML_TIERS``). A build that
+    did not finish leaves no ``done`` mark and is started again from scratch."""
+    home = cache_dir / "peers" / (LLAMA_CPP.replace("==", "-") + (f"-{isa}" if isa else ""))
     bin_dir, done = home / "build" / "bin", home / "done"
     if done.exists():
         return bin_dir
@@ -60,8 +65,8 @@ def build_llama_cpp(cache_dir: Path) -> Path:
     with tarfile.open(next(home.glob("*.tar.gz"))) as sdist:
         sdist.extractall(home, filter="data")
     source = next(home.glob("*/vendor/llama.cpp"))
-    subprocess.run(["cmake", "-S", str(source), "-B", str(home / "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
+    subprocess.run(["cmake", "-S", str(source), "-B", str(home / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                    *(GGML_TIERS[isa] if isa else ("-DGGML_NATIVE=ON",)), "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
                    check=True, capture_output=True)
     with open(home / "build.log", "w") as log:  # its compilers' warnings run to megabytes
         subprocess.run(["cmake", "--build", str(home / "build"), "--target", *TOOLS, "-j", str(os.cpu_count())], check=True,
@@ -133,7 +138,10 @@ def llama_server(bin_dir: Path, gguf: Path, threads: int, extra: tuple[str, ...]
 def run_all(args) -> dict:
     cache_dir = args.cache_dir or models.default_cache_dir()
     machine = hardware()
-    bin_dir = args.llama_cpp or build_llama_cpp(cache_dir)
+    isa = args.isa if args.isa != native.best_tier() else None  # a tier held below the CPU's best: llama.cpp's too
+    if isa:
+        native.library(cache_dir, tier=isa)  # before anything loads our kernels
+    bin_dir = args.llama_cpp or build_llama_cpp(cache_dir, isa)
     quantized = models.fetch_embedded(args.model, cache_dir)
     bf16 = bf16_gguf(bin_dir, quantized)
     prompts = datasets.load(args.sets, args.limit, cache_dir)
@@ -156,7 +164,7 @@ def run_all(args) -> dict:
         model, tokenizer = models.load(args.model, dtype=dtype, cache_dir=cache_dir, kernels="packed", weights=weights)
         gen = LookaheadGenerator(model, tokenizer, LookaheadConfig(), cache_dir=cache_dir)
         if weights == "gguf":
-            sizes[dtype] = linear_bytes(model)
+            sizes["integer" if dtype == native.INTEGER else "blocks"] = linear_bytes(model)
 
         def call(lookahead: bool):
             def run(prompt: list[int], k: int):
@@ -177,7 +185,8 @@ def run_all(args) -> dict:
 
     # the GGUF's own blocks (``--weights gguf``), bf16 or fp32 activations, and int8 ones where the integer kernel runs
     engines = [partial(stock, "bfloat16"), partial(stock, "float32"), partial(ours, "bfloat16", "dense"),
-               *[partial(ours, dtype, "gguf") for dtype in ("bfloat16", "float32", *([native.INTEGER] if native.integer_runs() else []))],
+               *[partial(ours, dtype, "gguf") for dtype in (*(["bfloat16"] if native.has("bf16_linear") else []), "float32",
+                                                             *([native.INTEGER] if native.integer_runs() else []))],
                *[partial(llama, f"llama.cpp {name} {mode}", gguf, ("--spec-type", mode) if mode != "plain" else ())
                  for name, gguf in (("bf16", bf16), (quantized.name, quantized)) for mode in ("plain", *MODES)]]
     rows: dict[str, dict[int, dict]] = {}
@@ -194,9 +203,10 @@ def run_all(args) -> dict:
     runs = {method: [by[i] for i in sorted(by)] for method, by in rows.items()}
     for method, rs in runs.items():
         print(f"{method}: {sum(len(r['tokens']) for r in rs) / sum(r['seconds'] for r in rs):.1f} tok/s")
-    return {"hardware": machine, "model": args.model, "isa": native.isa(), "max_new_tokens": n, "llama_cpp": LLAMA_CPP,
-            "rounds": args.rounds, "weight_bytes": sizes["weights"], "quantized_bytes": sizes["bfloat16"],
-            "integer_bytes": sizes.get(native.INTEGER), "gguf": quantized.name, "read_bytes_per_s": stream_rate() * 1e9, "runs": runs}
+    return {"hardware": machine, "model": args.model, "isa": native.isa(), "max_new_tokens": n,
+            "llama_cpp": LLAMA_CPP + (f" built for {isa} ({' '.join(GGML_TIERS[isa])})" if isa else ""),
+            "rounds": args.rounds, "weight_bytes": sizes["weights"], "quantized_bytes": sizes["blocks"],
+            "integer_bytes": sizes.get("integer"), "gguf": quantized.name, "read_bytes_per_s": stream_rate() * 1e9, "runs": runs}
 
 
 def write_report(results: dict, out: Path) -> None:
@@ -215,7 +225,8 @@ def write_report(results: dict, out: Path) -> None:
         """Our plain loop on the same weights: on the GGUF's blocks for runs on them (llama.cpp's: bf16 activations)."""
         if " gguf " in method:
             return runs[f"our plain loop gguf {method.rsplit(' ', 1)[-1]}"]
-        return runs["our plain loop gguf bfloat16"] if gguf and gguf in method else plain
+        blocks = runs.get("our plain loop gguf bfloat16", runs.get("our plain loop gguf float32"))  # bf16 where the CPU has it
+        return blocks if gguf and gguf in method else plain
     lines = [f"# {results['model']}: lookahead beside llama.cpp and HF", "",
              f"{hw['cpu']}, {hw['cores']} cores ({hw['torch_threads']} threads for every engine); torch {hw['torch']}, transformers "
              f"{hw['transformers']}; commit {hw['commit']}; our kernels' ISA {results['isa']}; llama.cpp from {results['llama_cpp']}'s sdist. "
@@ -269,13 +280,15 @@ def main(argv=None) -> None:
     datasets.add_arguments(parser, limit=3)
     parser.add_argument("--rounds", type=int, default=2, help="passes over the engines, each taking every rounds-th prompt")
     parser.add_argument("--llama-cpp", type=Path, help="a directory holding llama-server and llama-quantize (default: build them)")
+    parser.add_argument("--isa", choices=list(native.TIERS), help="hold our kernels to this tier, and build llama.cpp for it "
+                        "(default: the CPU's best; torch's own kernels, under the HF rows, keep it)")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/peers-latest"))
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.build_only:
-        print(build_llama_cpp(args.cache_dir or models.default_cache_dir()))
+        print(build_llama_cpp(args.cache_dir or models.default_cache_dir(), args.isa if args.isa != native.best_tier() else None))
         return
     write_report(run_all(args), args.out)
     print((args.out / "results.md").read_text())

@@ -331,7 +331,7 @@ def quantized_unavailable(dtype: torch.dtype, integer: bool = False) -> str | No
     kernel = f"quant_{'bf16' if dtype == torch.bfloat16 else 'fp32'}_linear"
     if reason := own_kernel(dtype) or (None if native.has(kernel) else f"the {native.tier()} kernels have no quantized linear"):
         return reason
-    return "this CPU has no AVX512-VNNI" if integer and not native.integer_runs() else None
+    return "this AVX-512 BF16 CPU has no AVX512-VNNI" if integer and not native.integer_runs() else None
 
 
 def _runnable(quantized: dict[str, Quantized], dtype: torch.dtype, integer: bool) -> tuple[dict[str, Quantized], str | None]:

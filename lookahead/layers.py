@@ -131,7 +131,7 @@ class FusedLayer(nn.Module):
         (h, g, _), d = self.heads, self.head_dim
         if (x.dtype != torch.bfloat16 or not x.is_contiguous() or cos.dtype != x.dtype or cos.shape[1:] != (t, d) or cos.shape[0] not in (1, b)
                 or not cos.is_contiguous() or sin.shape != cos.shape or sin.stride() != cos.stride() or sin.dtype != x.dtype
-                or not native.mask_fits(mask, b, t, t if mask is None else mask.shape[-1], self.causal)):
+                or not native.mask_fits(mask, x.dtype, b, t, t if mask is None else mask.shape[-1], self.causal)):
             return None
         room = kv.reserve(cache, self.layer_idx, t, (b, g, d), None if mask is None else mask.shape[-1] - t)
         if room is None:

@@ -26,11 +26,19 @@ from lookahead.gguf_model import ModelLoadError, one_line
 from lookahead.native import INTEGER
 from ngram_pool.files import written_whole
 
-# the model's dtype for each --dtype: int8 (``native.INTEGER``) runs bf16 between the linears (norms, attention, cache)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, INTEGER: torch.bfloat16}
+# the model's dtype for each --dtype; int8 (``native.INTEGER``): the CPU's (``torch_dtype``)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, INTEGER: None}
 WEIGHTS = ("auto", "gguf", "q8", "dense")  # "auto": a GGUF's own blocks where the model came from one, else dense
 DEFAULT_MODEL = "smollm2-135m"
 Progress = Callable[[str], None]
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    """The model's dtype for ``--dtype`` ``dtype`` (a key of ``DTYPES``): int8 runs bf16 between the linears (norms,
+    attention, cache) where our kernels have bf16 ones (AVX-512 BF16), else fp32 (the AVX2 and AVX-512F tiers)."""
+    from lookahead import native
+
+    return (torch.bfloat16 if native.has("bf16_linear") else torch.float32) if dtype == INTEGER else DTYPES[dtype]
 
 
 @dataclass(frozen=True)
@@ -244,7 +252,7 @@ def weights_mode(spec: str, weights: str, kernels: str, cache_dir: Path, progres
         raise ModelLoadError(f"--weights {weights} runs on our packed kernels: use --kernels packed")
     native.library(cache_dir)  # built (or found) where the caller keeps its cache, before asking what it runs
     why_not = (f"they run on the CPU, not {device}" if device != "cpu"
-               else kernel_layer.quantized_unavailable(DTYPES.get(dtype, torch.float32), integer))
+               else kernel_layer.quantized_unavailable(torch_dtype(dtype) if dtype in DTYPES else torch.float32, integer))
     if integer and why_not:
         raise ModelLoadError(f"--dtype int8 needs our integer kernel, which cannot run here: {why_not}")
     if weights == "auto":
@@ -274,7 +282,7 @@ def load(
     "gguf" builds the model straight from its GGUF file, its linears on the file's own blocks (``gguf_model``:
     the integers and scales, nothing re-quantized, no dense copy), "q8" quantizes every linear to Q8_0 once,
     "auto" is "gguf" for a GGUF model (where the quantized kernel runs) and "dense" otherwise; ``dtype`` is then
-    the activations' (``INTEGER``: bf16, rounded to 8 bits into each quantized linear, whose products are integer:
+    the activations' (``INTEGER``: ``torch_dtype``'s, rounded to 8 bits into each quantized linear, whose products are integer:
     another arithmetic, as llama.cpp's)."""
     from lookahead import kernels as kernel_layer, quants
 
@@ -287,7 +295,7 @@ def load(
     progress(f"loading {spec} ({dtype}, {device}, {weights} weights)")
     gguf = gguf or gguf_file(spec, cache_dir, progress)  # a GGUF model is built from its file, whatever its weights
     if gguf is not None:
-        model, tokenizer, quantized, left = gguf_model.load(gguf, DTYPES[dtype], cache_dir, progress, dense=weights != "gguf",
+        model, tokenizer, quantized, left = gguf_model.load(gguf, torch_dtype(dtype), cache_dir, progress, dense=weights != "gguf",
                                                             integer=dtype == INTEGER)
         if device != "cpu":  # dense then (its blocks run on the CPU): built on the CPU, moved whole
             model.to(device)
@@ -295,7 +303,7 @@ def load(
     else:
         source = resolve(spec, cache_dir, progress)
         try:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device).eval()
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype)).to(device).eval()
         except Exception as e:
             raise ModelLoadError(f"cannot load model {spec}: {one_line(e)}") from None
         try:

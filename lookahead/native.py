@@ -19,7 +19,9 @@ the KV compaction's moves in one call (``csrc/move_columns.c``, in place of thre
 The quantized linear (``csrc/quant_linear.c``, bf16 on AMX in ``csrc/amx_linear.c``): a GGUF's integers and
 scales (``lookahead.quants``) laid out once by ``pack_quantized`` in the same blocks of 16 columns, dequantized in
 registers inside the product; ``Linear`` runs either layout. The integer linear (``csrc/int_linear.c``, AVX512-VNNI):
-the same blocks times activations rounded to 8 bits, in integer dot products (``QuantLayout.integer``).
+the same blocks times activations rounded to 8 bits, in integer dot products (``QuantLayout.integer``); on the
+other tiers ``csrc/int_linear_avx2.c``, the same bits on fp32 activations, and ``csrc/tree_attention_avx2.c``, the
+attention in fp32 (row-invariant as the bf16 one: what int8's lookahead needs there to equal its plain loop).
 
 ``library`` says why not where they cannot run: the packed kernels then use oneDNN's product and SDPA, as they do
 for fp16."""
@@ -56,25 +58,32 @@ class Tier:
 
 
 # the best tier this CPU has serves the process; an AVX-512F CPU without BF16 (Skylake-X, Cascade Lake, Ice
-# Lake) gets the fp32 linears (dense and quantized), the fp32 RMSNorm and RoPE, the top-k and the KV moves (their
-# bf16 code is not compiled); an AVX2 one (Haswell and later, Zen 1-3) the fp32 linears, RMSNorm and RoPE
-# (linear_avx2.c, quant_linear_avx2.c, rms_norm_avx2.c, rope_avx2.c: the same bits; -ffp-contract=off keeps each
-# product and sum apart where the AVX-512 code rounds them apart) and the KV moves
+# Lake) gets the fp32 linears (dense, quantized and integer), the fp32 attention, RMSNorm and RoPE, the top-k and
+# the KV moves (their bf16 code is not compiled); an AVX2 one (Haswell and later, Zen 1-3) the fp32 linears,
+# attention, RMSNorm and RoPE (linear_avx2.c, quant_linear_avx2.c, int_linear_avx2.c, tree_attention_avx2.c,
+# rms_norm_avx2.c, rope_avx2.c: the same bits; -ffp-contract=off keeps each product and sum apart where the
+# AVX-512 code rounds them apart) and the KV moves; an AVX-VNNI one (Alder Lake and later client chips) the
+# same, its integer dot products on vpdpbusd
+AVX2_SOURCES = ("linear_avx2.c", "quant_linear_avx2.c", "int_linear_avx2.c", "tree_attention_avx2.c", "rms_norm_avx2.c", "rope_avx2.c",
+                "move_columns.c")
+AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-                        ("linear.c", "amx_linear.c", "quant_linear.c", "int_linear.c", "tree_attention.c", "rms_norm.c", "top_k.c",
-                         "move_columns.c", "rope.c", "decoder_layer.c"),
+                        ("linear.c", "amx_linear.c", "quant_linear.c", "int_linear.c", "tree_attention.c", "tree_attention_avx2.c",
+                         "rms_norm.c", "top_k.c", "move_columns.c", "rope.c", "decoder_layer.c"),
                         BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
-    "avx512f": Tier(("avx512f", "avx512bw", "avx512vl"), ("linear.c", "quant_linear.c", "rms_norm.c", "top_k.c", "move_columns.c", "rope.c"),
-                    BASE_FLAGS),
-    "avx2": Tier(("avx2", "fma"), ("linear_avx2.c", "quant_linear_avx2.c", "rms_norm_avx2.c", "rope_avx2.c", "move_columns.c"),
-                 ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")),
+    "avx512f": Tier(("avx512f", "avx512bw", "avx512vl", "f16c"),
+                    ("linear.c", "quant_linear.c", "int_linear_avx2.c", "tree_attention_avx2.c", "rms_norm.c", "top_k.c", "move_columns.c",
+                     "rope.c"), BASE_FLAGS),
+    "avx-vnni": Tier(("avx2", "fma", "f16c", "avx_vnni"), AVX2_SOURCES, AVX2_FLAGS + ("-mavxvnni",)),
+    "avx2": Tier(("avx2", "fma", "f16c"), AVX2_SOURCES, AVX2_FLAGS),
 }
 INTEGER = "int8"  # the --dtype whose quantized linears round their activations to 8 bits and multiply integers
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 Longs = ctypes.c_long * 3
 SCALINGS = ("groups", "supers", "halves")  # csrc/int_linear.c's: a layout's scales fp32 a group, the K types', fp16 a group
 PRODUCTS = ("bf16_linear", "amx_bf16_linear", "quant_bf16_linear", "amx_quant_linear", "int_linear")  # csrc/decoder_layer.c's kinds
+ATTENTIONS = {torch.bfloat16: "tree_attention", torch.float32: "tree_attention_fp32"}  # csrc/tree_attention.c's, _avx2.c's
 ACTIVATIONS = (None, "silu", "gelu_tanh")  # csrc/decoder_layer.c's: what ``gated`` and ``decoder_layer`` compute as torch does
 NORMS = ("input", "residual", "attended", "mlp_out", "q_heads", "k_heads")  # a layer's norms, as ``decoder_layer`` takes them
 
@@ -228,8 +237,8 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
         "quant_bf16_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
         "amx_quant_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
         "int_linear": (linear + [ctypes.c_int] * 5, ctypes.c_int),  # ... offsets, scaling, threads, l2, bf16; 1: out of memory
-        "tree_attention": ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
-                           + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
+        **{name: ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
+                  + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int) for name in ATTENTIONS.values()},  # 1: out of memory
         "rms_norm": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),
         "add_rms_norm": ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),
         "rope": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 5, None),
@@ -524,13 +533,14 @@ def amx() -> bool:
 
 @functools.cache
 def integer_runs() -> bool:
-    """Whether the integer linear runs here: built (the AVX-512 BF16 tier) and the CPU has AVX512-VNNI."""
-    return has("int_linear") and "avx512_vnni" in cpu.flags()
+    """Whether the integer linear runs here: built, and on the AVX-512 BF16 tier (``csrc/int_linear.c``) the CPU has
+    AVX512-VNNI (the other tiers' ``csrc/int_linear_avx2.c`` needs no more than the tier does)."""
+    return has("int_linear") and (tier() != "avx512-bf16" or "avx512_vnni" in cpu.flags())
 
 
 def isa() -> str:
     """What our kernels run on in this process, for ``--json`` and ``lookahead tune``: "avx512-bf16+amx",
-    "avx512-bf16", "avx512f", "avx2", or "none (why)"."""
+    "avx512-bf16", "avx512f", "avx-vnni", "avx2", or "none (why)"."""
     lib = library()
     return f"none ({lib})" if isinstance(lib, str) else f"{tier()}+amx" if amx() else str(tier())
 
@@ -548,7 +558,9 @@ class Linear:
         quantized = isinstance(packed, QuantLayout)
         integer = quantized and packed.integer  # the integer kernel: bf16 or fp32 activations, said in its last argument
         if integer and not integer_runs():
-            raise ValueError("this CPU or build has no integer linear (AVX512-VNNI)")
+            raise ValueError("no integer linear runs here (no kernels, or an AVX-512 BF16 CPU without AVX512-VNNI)")
+        if integer and packed.dtype == torch.bfloat16 and not has("bf16_linear"):
+            raise ValueError(f"the {tier()} integer linear takes fp32 activations, not bf16")
         if quantized:
             self.dtype, self.n, self.k = packed.dtype, packed.n, packed.k
             self.format = (packed.bits, packed.group, int(packed.offsets)) + ((packed.scaling,) if integer else ())  # the kernels' extra arguments
@@ -643,21 +655,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head
 
 
 def attention_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> bool:
-    """Whether ``attention`` runs this call: bf16 on CPU where the kernels run (a step's rows or a prompt's: 3-5x
-    CPU SDPA's speed at 16-1024 causal rows), an additive bf16 mask (B or 1, 1, T, S) or none (then only causal),
-    head size a multiple of 32 up to 256, whole groups of query heads."""
-    if query.dtype != torch.bfloat16 or query.device.type != "cpu" or not has("tree_attention"):
+    """Whether ``attention`` runs this call: bf16 or fp32 on CPU where the kernels run (a step's rows or a prompt's:
+    bf16 3-5x CPU SDPA's speed at 16-1024 causal rows), an additive mask of the same dtype (B or 1, 1, T, S) or
+    none (then only causal), head size a multiple of 32 up to 256, whole groups of query heads."""
+    if query.dtype not in ATTENTIONS or query.device.type != "cpu" or not has(ATTENTIONS[query.dtype]):
         return False
     (b, h, t, d), (kb, g, s, kd) = query.shape, key.shape
-    return (mask_fits(mask, b, t, s, causal) and key.dtype == value.dtype == torch.bfloat16 and value.shape == key.shape
+    return (mask_fits(mask, query.dtype, b, t, s, causal) and key.dtype == value.dtype == query.dtype and value.shape == key.shape
             and key.stride() == value.stride() and kb == b and kd == d and heads_fit(h, g, d) and 0 < t <= s
             and query.stride(-1) == key.stride(-1) == 1)
 
 
-def mask_fits(mask: torch.Tensor | None, b: int, t: int, s: int, causal: bool) -> bool:
-    """Whether the attention kernel takes ``mask`` for ``b`` sequences' ``t`` rows over ``s`` keys: additive bf16
-    (B or 1, 1, T, S), or none where the attention is causal."""
-    return causal if mask is None else (mask.dtype == torch.bfloat16 and mask.dim() == 4 and mask.shape[0] in (1, b)
+def mask_fits(mask: torch.Tensor | None, dtype: torch.dtype, b: int, t: int, s: int, causal: bool) -> bool:
+    """Whether the attention kernel takes ``mask`` for ``b`` sequences' ``t`` rows over ``s`` keys: additive in
+    ``dtype`` (B or 1, 1, T, S), or none where the attention is causal."""
+    return causal if mask is None else (mask.dtype == dtype and mask.dim() == 4 and mask.shape[0] in (1, b)
                                         and tuple(mask.shape[1:]) == (1, t, s) and mask.stride(-1) == 1)
 
 
@@ -668,13 +680,13 @@ def heads_fit(h: int, g: int, d: int) -> bool:
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor | None:
     """softmax(scale q k^T + mask) v for query (B, H, T, D), key and value (B, G, S, D) of G grouped heads, mask
-    (B or 1, 1, T, S) additive, or None for causal (row t sees keys up to S - T + t), all bf16
-    (``attention_fits``) -> (B, T, H, D) bf16, as transformers' attention functions return; None where the
-    kernel could not allocate its buffers (the caller runs SDPA)."""
+    (B or 1, 1, T, S) additive, or None for causal (row t sees keys up to S - T + t), all bf16 or all fp32
+    (``attention_fits``) -> (B, T, H, D) of that dtype, as transformers' attention functions return; None where
+    the kernel could not allocate its buffers (the caller runs SDPA)."""
     b, h, t, d = query.shape
     g, s = key.shape[1], key.shape[2]
-    out = torch.empty(b, t, h, d, dtype=torch.bfloat16)
-    failed = library().tree_attention(query.data_ptr(), Longs(*query.stride()[:3]), key.data_ptr(), value.data_ptr(),
+    out = torch.empty(b, t, h, d, dtype=query.dtype)
+    failed = getattr(library(), ATTENTIONS[query.dtype])(query.data_ptr(), Longs(*query.stride()[:3]), key.data_ptr(), value.data_ptr(),
                                       Longs(*key.stride()[:3]), _pointer(mask), _mask_strides(mask), out.data_ptr(),
                                       b, h, g, t, s, d, scale, torch.get_num_threads())
     return None if failed else out

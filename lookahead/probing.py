@@ -148,7 +148,7 @@ def choices(spec: str, dtype: str, weights: str, kernels: str, device: str, cach
 def dense_fits(prepared: gguf_model.Prepared, dtype: str) -> bool:
     """Whether a GGUF model's dequantized weights in ``dtype`` fit in half the memory this machine has free now
     (the rest: the blocks' pages, activations, the cache and whatever else runs)."""
-    size = torch.finfo(models.DTYPES[dtype]).bits // 8 * gguf_model.dense_parameters(prepared)
+    size = torch.finfo(models.torch_dtype(dtype)).bits // 8 * gguf_model.dense_parameters(prepared)
     try:
         free = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable"))
     except (OSError, StopIteration, ValueError):
@@ -173,7 +173,7 @@ def fastest(spec: str, device: str, cache_dir: Path, progress: Callable[[str], N
         try:
             runs_on = _kernels_for(kernels, name, device, cache_dir)
             kinds = {"dense": "dense", "q8": "q8/32"} | ({"gguf": gguf_model.weight_kinds(prepared, name == INTEGER)} if prepared else {})
-            path = curve_path(source, models.DTYPES[name], device, cache_dir, runs_on,  # our kernels alone run quantized weights
+            path = curve_path(source, models.torch_dtype(name), device, cache_dir, runs_on,  # our kernels alone run quantized weights
                               kinds[mode] if runs_on in ("packed-own", INTEGER_KERNELS) else "dense")
             curve = CostCurve.from_json(path.read_text())
         except (OSError, UnicodeDecodeError, ValueError):
@@ -195,10 +195,10 @@ def _kernels_for(kernels: str, dtype: str, device: str, cache_dir: Path) -> str:
     """The kernel set a model loaded with ``kernels`` will run (packing falls back to stock where unavailable)."""
     if kernels == "packed":
         native.library(cache_dir)  # where ``models.load`` would build them
-    packs = kernels == "packed" and torch.device(device).type == "cpu" and available(models.DTYPES[dtype]) is None
+    packs = kernels == "packed" and torch.device(device).type == "cpu" and available(models.torch_dtype(dtype)) is None
     if packs and dtype == INTEGER:
         return INTEGER_KERNELS
-    return "stock" if not packs else "packed" if own_kernel(models.DTYPES[dtype]) else "packed-own"
+    return "stock" if not packs else "packed" if own_kernel(models.torch_dtype(dtype)) else "packed-own"
 
 
 def cached_curve(model: PreTrainedModel, cache_dir: Path, progress: Callable[[str], None] = lambda _: None,

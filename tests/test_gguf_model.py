@@ -95,7 +95,7 @@ def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not native.integer_runs(), reason="the integer kernel needs AVX512-VNNI")
+@pytest.mark.skipif(not native.integer_runs(), reason="no integer linear runs here")
 def test_the_integer_kernel_maps_the_k_types_in_their_own_scales(tmp_path):
     """Gemma 3's Q4_K and Q6_K linears on the integer kernel are views of ``integer.bin`` (4.625 and 6.5625 bits a
     weight where ``blocks.bin`` holds 6 and 10), and give the logits of the same kernel on ``blocks.bin``'s per-group
@@ -217,7 +217,7 @@ def test_weights_and_dtype_are_chosen_together_by_their_curves(tmp_path):
     for dtype in probing.AUTO_DTYPES:
         runs_on = probing._kernels_for("packed", dtype, "cpu", cache)
         for weights in ("gguf", "dense"):
-            path = probing.curve_path(str(gguf), models.DTYPES[dtype], "cpu", cache, runs_on,
+            path = probing.curve_path(str(gguf), models.torch_dtype(dtype), "cpu", cache, runs_on,
                                       gguf_model.weight_kinds(prepared, runs_on == kernels.INTEGER_KERNELS)
                                       if weights == "gguf" and runs_on in ("packed-own", kernels.INTEGER_KERNELS) else "dense")
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
+from test_quants import random_blocks
 from lookahead import LookaheadConfig, LookaheadGenerator, cpu, kernels, native, quants
 from lookahead.cli import main
 from lookahead.probing import curve_file
@@ -349,6 +350,61 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
                                          | {f"quant {q.kind} {r}" for q in blocks for r in (1, 13)})
 
 
+@pytest.mark.skipif(not native.runs("avx2") or shutil.which("gcc") is None, reason="no AVX2 or no gcc here")
+def test_the_integer_linear_and_the_fp32_attention_give_the_same_bits_on_every_tier(tmp_path, monkeypatch):
+    """int_linear_avx2.c (the AVX2, AVX-VNNI and AVX-512F tiers') gives int_linear.c's bits for every layout kind (int8
+    quads, nibbles, 6-bit planes; fp32, fp16 and the K types' scales) at every M up to 40, and so does its vpdpbusd
+    path, built here EVEX-encoded (AVX512-VNNI with VL: the instruction the AVX-VNNI tier runs, VEX-encoded, which
+    gcc is shown to build); tree_attention_avx2.c is one code on every tier, so one bits."""
+    import ctypes
+    import subprocess
+
+    evex = native.Tier(("avx2", "fma", "f16c", "avx512_vnni", "avx512vl"), ("int_linear_avx2.c",),
+                       native.AVX2_FLAGS + ("-mavx512vnni", "-mavx512vl"))
+    monkeypatch.setitem(native.TIERS, "avx2 with avx512-vnni", evex)
+    tiers = [t for t in native.TIERS if native.runs(t)]
+    libs = {t: native.build(tmp_path, t) for t in tiers}
+    assert all(not isinstance(lib, str) for lib in libs.values()), libs
+    vnni = native.TIERS["avx-vnni"]
+    built = subprocess.run(["gcc", *vnni.flags[:-1], "-c", str(native.CSRC / "int_linear_avx2.c"), "-o", str(tmp_path / "vnni.o")],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    layouts = []
+    for kind in ("Q8_0", "Q4_1", "Q4_K", "Q6_K"):
+        k = 576 if kind in ("Q8_0", "Q4_1") else 512
+        q = quants.from_blocks(random_blocks(kind, 48, k, seed=k), kind, 48, k)
+        layouts.append(native.lay_out(q, torch.float32, integer=True))  # fp16 scales, the K types' own
+    g = torch.Generator().manual_seed(5)  # fp32 scales a group, groups of 16 and 32
+    for bits, group in ((8, 16), (4, 32)):
+        values = torch.randint(0, 16, (48, 384), generator=g) if bits == 4 else torch.randint(-128, 128, (48, 384), generator=g)
+        offset = torch.randn(48, 384 // group, generator=g) if bits == 4 else None
+        layouts.append(native.pack_quantized(values.to(torch.int8), torch.rand(48, 384 // group, generator=g), offset, group, bits, torch.float32,
+                                             integer=True))
+    assert {layout.scaling for layout in layouts} == {0, 1, 2} and {layout.bits for layout in layouts} == {4, 6, 8}
+    bias = torch.randn(48, generator=g)
+    outputs = {}
+    for t, lib in libs.items():
+        out = outputs[t] = {}
+        for i, layout in enumerate(layouts):
+            x = torch.randn(40, layout.k, generator=torch.Generator().manual_seed(i))
+            for m in (1, 2, 3, 4, 5, 9, 16, 21, 40):
+                y = torch.empty(m, 48)
+                assert lib.int_linear(x.data_ptr(), layout.packed.data_ptr(), bias.data_ptr(), y.data_ptr(), m, 48, layout.k, layout.bits,
+                                      layout.group, int(layout.offsets), layout.scaling, 2, 1, 0) == 0
+                out[f"int {i} {m}"] = y
+            assert all(torch.equal(out[f"int {i} {m}"], out[f"int {i} 40"][:m]) for m in (1, 2, 3, 4, 5, 9, 16, 21)), (t, i)
+        if hasattr(lib, "tree_attention_fp32"):
+            q, k, v, mask = attention_case(1, 9, 3, 5, 37, 64, seed=3, dtype=torch.float32)
+            out["attention"] = torch.empty(1, 5, 9, 64)
+            assert lib.tree_attention_fp32(q.data_ptr(), native.Longs(*q.stride()[:3]), k.data_ptr(), v.data_ptr(),
+                                           native.Longs(*k.stride()[:3]), mask.data_ptr(), native.Longs(0, mask.stride(2), 0),
+                                           out["attention"].data_ptr(), 1, 9, 3, 5, 37, 64, ctypes.c_float(0.125), 2) == 0
+    assert {t for t in outputs if "attention" in outputs[t]} == set(tiers) - {"avx2 with avx512-vnni"}
+    first = outputs[tiers[0]]
+    for t, out in outputs.items():
+        assert all(torch.equal(out[name], first[name]) for name in out), t
+
+
 def test_tiles_are_refused_where_amx_cannot_run(monkeypatch):
     monkeypatch.setattr(native, "amx", lambda: False)
     with pytest.raises(ValueError, match="cannot use AMX tiles"):
@@ -419,63 +475,71 @@ def test_without_gcc_a_bf16_model_packs_on_onednn_with_a_notice(monkeypatch):
         native.library.cache_clear()  # the next test builds (or finds) the real one again
 
 
-def attention_case(b: int, h: int, g: int, t: int, s: int, d: int, seed: int):
+def attention_case(b: int, h: int, g: int, t: int, s: int, d: int, seed: int, dtype: torch.dtype = torch.bfloat16):
     """query (B, H, T, D) as transformers makes it (a transposed view), key/value views into a roomier cache
-    buffer, and a random additive mask that leaves every row its first key."""
+    buffer, and a random additive mask that leaves every row its first key, all ``dtype``."""
     torch.manual_seed(seed)
-    q = torch.randn(b, t, h, d).to(torch.bfloat16).transpose(1, 2)
-    kv = torch.randn(2, b, g, s + 5, d).to(torch.bfloat16)[:, :, :, :s]
+    q = torch.randn(b, t, h, d).to(dtype).transpose(1, 2)
+    kv = torch.randn(2, b, g, s + 5, d).to(dtype)[:, :, :, :s]
     allowed = torch.rand(b, 1, t, s) < 0.7
     allowed[..., 0] = True
-    mask = torch.zeros(b, 1, t, s, dtype=torch.bfloat16).masked_fill(~allowed, torch.finfo(torch.bfloat16).min)
+    mask = torch.zeros(b, 1, t, s, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     return q, kv[0], kv[1], mask
 
 
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])  # tree_attention.c, _avx2.c
+
+
 @needs_own
+@DTYPES
 @pytest.mark.parametrize("shape", [(1, 9, 3, 1, 300, 64), (1, 9, 3, 16, 316, 64), (2, 9, 3, 5, 37, 64), (1, 14, 2, 7, 100, 64),
                                    (1, 8, 8, 3, 50, 128), (1, 4, 1, 16, 33, 256), (1, 9, 3, 20, 20, 64), (1, 6, 2, 5, 70, 96),
                                    (1, 9, 3, 179, 179, 64)])
-def test_own_attention_agrees_with_fp32_sdpa_to_bf16_rounding(shape):
+def test_own_attention_agrees_with_fp32_sdpa_to_its_rounding(shape, dtype):
     """Grouped heads 3:1, 7:1, 1:1 and 4:1, head sizes 64-256 (96: a 32-wide tail of columns), one to 20 rows
-    (49 of a K/V head in four tasks), a batch of two, no mask (causal), a prompt's prefill (179 rows: tasks that
-    straddle two heads)."""
-    q, k, v, mask = attention_case(*shape, seed=sum(shape))
+    (49 of a K/V head in four tasks in bf16, seven in fp32), a batch of two, no mask (causal), a prompt's prefill
+    (179 rows: tasks that straddle two heads)."""
+    q, k, v, mask = attention_case(*shape, seed=sum(shape), dtype=dtype)
     t, s = q.shape[2], k.shape[2]
     causal = torch.ones(t, s, dtype=torch.bool).tril(s - t)  # row t sees keys up to s - t + t
+    bound = (2 ** -7, 2e-3) if dtype == torch.bfloat16 else (1e-5, 1e-5)
     for given, reference in ((mask, mask.float()), (None, causal)):
         got = native.attention(q, k, v, given, 0.125)
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=reference, scale=0.125, enable_gqa=True)
-        assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want.transpose(1, 2), rtol=2 ** -7, atol=2e-3)
+        assert got.dtype == dtype and torch.allclose(got.float(), want.transpose(1, 2), rtol=bound[0], atol=bound[1])
 
 
 @needs_own
-def test_own_attention_row_depends_only_on_its_query_and_the_keys_it_sees():
+@DTYPES
+def test_own_attention_row_depends_only_on_its_query_and_the_keys_it_sees(dtype):
     """Bit for bit: whatever other rows the call carries and wherever masked keys sit between the seen ones,
     which is what makes a lookahead step's rows the plain loop's."""
-    q, k, v, _ = attention_case(1, 9, 3, 4, 40, 64, seed=1)
+    q, k, v, _ = attention_case(1, 9, 3, 4, 40, 64, seed=1, dtype=dtype)
     keep = torch.tensor(sorted(torch.randperm(40)[:25].tolist()))
-    mask = torch.full((1, 1, 4, 40), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16)
+    mask = torch.full((1, 1, 4, 40), torch.finfo(dtype).min, dtype=dtype)
     mask[..., keep] = 0
     scattered = native.attention(q, k, v, mask, 0.125)
     seen = k[:, :, keep].contiguous(), v[:, :, keep].contiguous()
-    assert torch.equal(scattered, native.attention(q, *seen, torch.zeros(1, 1, 4, 25, dtype=torch.bfloat16), 0.125))
+    assert torch.equal(scattered, native.attention(q, *seen, torch.zeros(1, 1, 4, 25, dtype=dtype), 0.125))
     assert torch.equal(scattered[:, 2:3], native.attention(q[:, :, 2:3], *seen, None, 0.125))
 
 
 @needs_own
+@DTYPES
 @pytest.mark.parametrize("t, s", [(179, 179), (40, 100), (1, 30)])
-def test_own_causal_attention_is_the_causal_mask_bit_for_bit(t, s):
+def test_own_causal_attention_is_the_causal_mask_bit_for_bit(t, s, dtype):
     """Without a mask a task skips the keys none of its rows sees (half a prefill's work): each would add an exact
     0 to the sums, so the output is the masked path's, which reads every key."""
-    q, k, v, _ = attention_case(1, 9, 3, t, s, 64, seed=t + s)
+    q, k, v, _ = attention_case(1, 9, 3, t, s, 64, seed=t + s, dtype=dtype)
     causal = torch.ones(t, s, dtype=torch.bool).tril(s - t)
-    mask = torch.zeros(1, 1, t, s, dtype=torch.bfloat16).masked_fill(~causal, torch.finfo(torch.bfloat16).min)
+    mask = torch.zeros(1, 1, t, s, dtype=dtype).masked_fill(~causal, torch.finfo(dtype).min)
     assert torch.equal(native.attention(q, k, v, None, 0.125), native.attention(q, k, v, mask, 0.125))
 
 
 @needs_own
-def test_attention_that_could_not_allocate_runs_sdpa(monkeypatch):
-    q, k, v, mask = attention_case(1, 9, 3, 4, 40, 64, seed=5)
+@DTYPES
+def test_attention_that_could_not_allocate_runs_sdpa(monkeypatch, dtype):
+    q, k, v, mask = attention_case(1, 9, 3, 4, 40, 64, seed=5, dtype=dtype)
     ours = kernels.grouped_sdpa(torch.nn.Module(), q, k, v, mask, scaling=0.125)[0]
     monkeypatch.setattr(native, "attention", lambda *args: None)  # what it returns when its buffers fail
     stock = kernels.grouped_sdpa(torch.nn.Module(), q, k, v, mask, scaling=0.125)[0]
@@ -487,8 +551,10 @@ def test_attention_that_could_not_allocate_runs_sdpa(monkeypatch):
 def test_own_attention_declines_what_it_does_not_do():
     q, k, v, mask = attention_case(1, 9, 3, 4, 40, 64, seed=2)
     assert native.attention_fits(q, k, v, mask, causal=True) and native.attention_fits(q, k, v, None, causal=True)
+    assert native.attention_fits(q.float(), k.float(), v.float(), mask.float(), causal=True)  # fp32: tree_attention_avx2.c
     assert not native.attention_fits(q, k, v, None, causal=False)  # no mask and not causal: an encoder's
-    assert not native.attention_fits(q.float(), k.float(), v.float(), mask.float(), causal=True)  # fp32 stays SDPA's
+    assert not native.attention_fits(q.half(), k.half(), v.half(), mask.half(), causal=True)  # fp16 stays SDPA's
+    assert not native.attention_fits(q.float(), k.float(), v.float(), mask, causal=True)  # a mask of another dtype
     assert not native.attention_fits(q, k, v, mask.bool(), causal=True)
     assert not native.attention_fits(q[..., :48], k[..., :48], v[..., :48], mask, causal=True)  # head size not a multiple of 32
 

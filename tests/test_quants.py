@@ -5,6 +5,8 @@ and greedy lookahead on a real GGUF's own blocks equal to the plain loop on them
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -108,8 +110,8 @@ def test_quantized_products_equal_the_dense_kernels_and_are_row_invariant(kind, 
         assert torch.equal(wide, native.Linear(native.pack(w), bias)(x.float()).bfloat16())
 
 
-INTEGER = native.integer_runs()  # the integer kernel runs here (AVX512-VNNI)
-needs_integer = pytest.mark.skipif(not INTEGER, reason="the integer kernel needs AVX512-VNNI")
+INTEGER = native.integer_runs()  # an integer linear runs here
+needs_integer = pytest.mark.skipif(not INTEGER, reason="no integer linear runs here")
 
 
 def rounded_to_8_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +143,8 @@ def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_i
     """The integer sums are exact, so the product is the one of the 8-bit activations and the blocks' integers, each
     group's scales applied in fp32 (within fp32 summation of the reference); row r of an M-row product equals it
     alone, bit for bit, at every M up to 40 (1-8 rows at a time, an odd block of 16 columns at the end)."""
+    if dtype == torch.bfloat16 and not OWN_BF16:
+        pytest.skip("no AVX-512 BF16 here")
     k = 576 if kind in ("Q8_0", "Q4_1") else 512  # activation scales per 64 k's, or per 256
     q = quants.from_blocks(random_blocks(kind, 80, k, seed=k), kind, 80, k)
     bias = torch.randn(80, generator=torch.Generator().manual_seed(1))
@@ -183,6 +187,8 @@ def test_one_row_gives_the_bits_of_eight_at_a_time_for_every_kind_the_integer_ke
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_k_types_own_scales_give_the_integer_products_bit_for_bit(kind, dtype):
     """pack_supers' scales are made in the kernel as the decoders make them, so both layouts give one product."""
+    if dtype == torch.bfloat16 and not OWN_BF16:
+        pytest.skip("no AVX-512 BF16 here")
     q = quants.from_blocks(random_blocks(kind, 48, 768, seed=7), kind, 48, 768)
     x = torch.randn(19, 768, generator=torch.Generator().manual_seed(3)).to(dtype)
     bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
@@ -199,6 +205,8 @@ def test_the_legacy_types_fp16_scales_give_the_integer_products_bit_for_bit(kind
     """The legacy types' d (and m) are fp16 in their file: laid out as fp16 (8.5 and 5 bits a weight, as in the
     file, where fp32 scales take 9 and 6), the integer products are the fp32 scales' bit for bit; scales that are
     not exact in fp16 are refused."""
+    if dtype == torch.bfloat16 and not OWN_BF16:
+        pytest.skip("no AVX-512 BF16 here")
     q = quants.from_blocks(random_blocks(kind, 48, 768, seed=7), kind, 48, 768)
     x = torch.randn(19, 768, generator=torch.Generator().manual_seed(3)).to(dtype)
     bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
@@ -214,12 +222,20 @@ def test_the_legacy_types_fp16_scales_give_the_integer_products_bit_for_bit(kind
 
 @needs_integer
 def test_a_tiny_model_on_the_integer_kernel_drafts_exactly_its_own_plain_loop():
-    model = tiny_llama(seed=3).to(torch.bfloat16)
+    model = tiny_llama(seed=3).to(torch.bfloat16 if OWN_BF16 else torch.float32)
     report = kernels.pack(model, "packed", quantized=quants.q8_linears(model), integer=True)
     assert report.kernels == kernels.kernels_of(model) == kernels.INTEGER_KERNELS and kernels.dtype_of(model) == "int8"
     prompt = [5, 9, 3, 5, 9, 3, 7] * 3
     plain = on_fixed_cost(model).generate(prompt, 40, lookahead=False).tokens
     assert on_fixed_cost(model).generate(prompt, 40).tokens == plain
+
+
+def test_int8_runs_bf16_between_the_linears_only_where_the_kernels_have_bf16(monkeypatch):
+    assert models.torch_dtype("float32") == torch.float32 and models.torch_dtype("bfloat16") == torch.bfloat16
+    monkeypatch.setattr(native, "has", lambda kernel: True)
+    assert models.torch_dtype("int8") == torch.bfloat16
+    monkeypatch.setattr(native, "has", lambda kernel: kernel != "bf16_linear")  # the AVX2 and AVX-512F tiers
+    assert models.torch_dtype("int8") == torch.float32
 
 
 def test_int8_multiplies_quantized_weights_only(tmp_path):
@@ -357,6 +373,39 @@ def test_smollm2_int8_on_its_blocks_lookahead_equals_the_plain_loop():
     for text in ("import numpy as np\n\ndef softmax(x):", "The capital of France is"):
         prompt = tok(text)["input_ids"]
         assert gen.generate(prompt, 40).tokens == gen.generate(prompt, 40, lookahead=False).tokens
+
+
+AVX2_INT8_RUN = """
+import json, sys
+from conftest import on_fixed_cost
+from lookahead import LookaheadConfig, kernels, models, native
+native.library(tier="avx2")
+model, tok = models.load("smollm2-135m", dtype="int8", kernels="packed", weights="gguf")
+assert kernels.kernels_of(model) == kernels.INTEGER_KERNELS and str(model.dtype) == "torch.float32", (native.isa(), model.dtype)
+gen = on_fixed_cost(model, tok, LookaheadConfig(recycle_prior=0))
+for config in (LookaheadConfig(recycle_prior=0), LookaheadConfig(auto=False, window=3, ngram=5, guess=100, tree_budget=64, recycle_prior=0)):
+    gen = on_fixed_cost(model, tok, config)
+    for text in json.loads(sys.argv[1]):
+        prompt = tok(text)["input_ids"]
+        assert gen.generate(prompt, 48).tokens == gen.generate(prompt, 48, lookahead=False).tokens, (config, text)
+print("equal")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not OWN or not native.runs("avx2"), reason="our kernels do not run here")
+def test_smollm2_int8_on_the_avx2_tier_lookahead_equals_the_plain_loop():
+    """Without AVX-512 BF16 int8 runs fp32 between the linears (``models.torch_dtype``), its integer products on
+    int_linear_avx2.c and its attention on tree_attention_avx2.c: both row-invariant, so lookahead (the default
+    trees, and 64-node ones) gives the plain loop's tokens. A process runs one tier: this one is held in a child."""
+    import json
+    import subprocess
+    import sys
+
+    texts = ["import numpy as np\n\ndef softmax(x):", "The capital of France is", "Summarise: the cat sat on the mat because the mat was warm."]
+    run = subprocess.run([sys.executable, "-c", AVX2_INT8_RUN, json.dumps(texts)], capture_output=True, text=True,
+                         cwd=Path(__file__).parent, timeout=900)
+    assert run.returncode == 0 and run.stdout.strip() == "equal", run.stderr[-2000:]
 
 
 @pytest.mark.slow
