@@ -10,7 +10,8 @@
    int16) then vpmaddwd by ones (into int32), as ggml's AVX2 kernels do. vpmaddubsw saturates at 2^15: nibbles
    (15 x 127 x 2) and 6-bit planes (63 x 127 x 2) never reach it, int8 weights biased to 0 .. 255 could, so here
    int8 weights are multiplied as |w| times x with w's sign (at most 128 x 127 x 2) on both paths, with no bias to
-   take off. Integer sums are exact: the AVX-512 kernel's, whatever the instruction or order.
+   take off; and up to 8 quads of nibbles (2 of 6-bit planes) are summed in int16 before one vpmaddwd widens them,
+   still below 2^15. Integer sums are exact: the AVX-512 kernel's, whatever the instruction or order.
 
    A tile is up to 4 rows x one half over an activation block: 4 integer sums, 4 fp32 partial sums, a unit of quads
    and a row's broadcast bytes, within the 16 registers. The threads split the blocks; the first tile of each
@@ -33,16 +34,26 @@ enum { GROUPS, SUPERS, HALVES }; /* how it holds its scales */
 
 static inline int quad_bytes(int kind) { return kind == INT8 ? 64 : kind == SIX ? 48 : 32; }
 
-/* acc + the products of u's unsigned and s's signed bytes, four to a lane */
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define VNNI 1
+#else
+#define VNNI 0
+#endif
+
+/* acc + the products of u's unsigned and s's signed bytes, four to a lane (vpdpbusd) */
 TARGET static inline ALWAYS __m256i dot(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(acc, u, s);
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#elif VNNI
     return _mm256_dpbusd_epi32(acc, u, s);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
+
+/* without VNNI, how many quads' vpmaddubsw pairs (each at most 2 x 15 x 127, 2 x 63 x 127 or 2 x 128 x 127) an
+   int16 lane sums before one vpmaddwd widens them: the most that stay below 2^15 */
+static inline int pairs_span(int kind) { return kind == NIBBLES ? 8 : kind == SIX ? 2 : 1; }
 
 /* a unit of one group's quads (an octet's two, two int8 quads as signed bytes, a quartet's four), half h, from at */
 TARGET static inline ALWAYS void unit_quads(int kind, const char *at, int h, __m256i *quads) {
@@ -117,7 +128,8 @@ static inline Rows from_row(Rows x, int r) {
 TARGET static inline ALWAYS void rows_half(int kind, int qs, int ROWS, Rows x, int block_index, const char *w, int h, size_t stride,
                                            const __m256 *scales, const __m256 *offs, int offsets, float *out, const char *next,
                                            int lines, int l2) {
-    const int groups = x.qblock / x.group, unit = kind == SIX ? 4 : 2, bytes = quad_bytes(kind), chains = ROWS == 1 ? 2 : 1;
+    const int groups = x.qblock / x.group, unit = kind == SIX ? 4 : 2, bytes = quad_bytes(kind), chains = VNNI && ROWS == 1 ? 2 : 1;
+    const int span = pairs_span(kind) < qs ? pairs_span(kind) : qs;
     const int units = groups * qs / unit;
     __m256 p[MAX_ROWS];
     _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) p[r] = _mm256_setzero_ps();
@@ -125,7 +137,7 @@ TARGET static inline ALWAYS void rows_half(int kind, int qs, int ROWS, Rows x, i
     for (int gl = 0; gl < groups; gl++) {
         const int g = block_index * groups + gl;
         const int8_t *xq = x.qx + g * x.group;
-        __m256i sum[MAX_ROWS + 1];
+        __m256i sum[MAX_ROWS + 1], pairs[MAX_ROWS];
         _Pragma("GCC unroll 5") for (int c = 0; c < ROWS + chains - 1; c++) sum[c] = _mm256_setzero_si256();
         _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
             if (next)
@@ -137,8 +149,14 @@ TARGET static inline ALWAYS void rows_half(int kind, int qs, int ROWS, Rows x, i
                 _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {
                     __m256i xb = _mm256_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * (q + j)));
                     if (kind == INT8) xb = _mm256_sign_epi8(xb, u[j]);
-                    const int c = r + (chains == 2 ? j % 2 : 0);
-                    sum[c] = dot(sum[c], a, xb);
+                    if (VNNI) {
+                        const int c = r + (chains == 2 ? j % 2 : 0);
+                        sum[c] = dot(sum[c], a, xb);
+                    } else { /* int16 sums of `span` quads, widened once */
+                        const __m256i products = _mm256_maddubs_epi16(a, xb);
+                        pairs[r] = (q + j) % span ? _mm256_add_epi16(pairs[r], products) : products;
+                        if ((q + j) % span == span - 1) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
+                    }
                 }
             }
         }
