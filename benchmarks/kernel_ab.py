@@ -2,7 +2,7 @@
 every product called once in a forward's order (its weights streamed from memory), the two builds' passes
 interleaved; then each product repeated (its weights hot in cache: what its arithmetic costs).
 
-    python -m benchmarks.kernel_ab --before REV [--model qwen2.5-coder-1.5b --dtype int8 --weights gguf --rows 1]
+    python -m benchmarks.kernel_ab --before REV [--model qwen2.5-coder-1.5b --dtype int8 --weights gguf --rows 1 --isa avx2]
 
 ``--before``: a git revision whose ``lookahead/csrc`` is built beside the working tree's. Why one process: on a
 2-core VM whose memory rate moved 31-60 GB/s between runs, a change that measured 7% faster in runs before and
@@ -69,7 +69,10 @@ def main(argv=None) -> None:
     parser.add_argument("--weights", choices=models.WEIGHTS, default="gguf")
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--isa", choices=list(native.TIERS), help="hold our kernels to this tier (default: the CPU's best)")
     args = parser.parse_args(argv)
+    if args.isa:
+        native.library(tier=args.isa)  # before the model loads them
     with tempfile.TemporaryDirectory() as tmp:
         sources = sources_at(args.before, Path(tmp))  # a wrong revision is said before the model loads
         model = models.load(args.model, dtype=args.dtype, kernels="packed", weights=args.weights)[0]
@@ -93,7 +96,7 @@ def main(argv=None) -> None:
         hot = {name: min(passes(calls, lib, hot=5) for _ in range(2)) for name, lib in builds.items()}
     megabytes = sum(linear.packed.nbytes() if isinstance(linear.packed, native.QuantLayout) else linear.packed.nbytes for linear in found) / 1e6
     hw = hardware()
-    print(f"# {args.model} {args.dtype} ({args.weights}), {len(found)} products ({megabytes:.0f} MB), {args.rows} row(s); {hw['cpu']}, "
+    print(f"# {args.model} {args.dtype} ({args.weights}), {len(found)} products ({megabytes:.0f} MB), {args.rows} row(s), {tier} kernels; {hw['cpu']}, "
           f"{hw['cores']} cores, commit {hw['commit']}; ms, {args.rounds} interleaved passes\n")
     print("| build | streamed: fastest | median | GB/s | hot |\n|---|---|---|---|---|")
     for name, times in streamed.items():
