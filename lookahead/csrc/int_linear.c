@@ -246,12 +246,15 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                       int group, int offsets, int scaling, int threads, int l2, int bf16) {
     const int qblock = qblock_of(k), supers = scaling == SUPERS, halves = scaling == HALVES;
     const size_t rows = (size_t)m, width = (size_t)k, groups = width / group;
-    char *buffer = malloc(rows * width + rows * (width / qblock) * 4 + rows * groups * 8 + (size_t)threads * rows * 32 * 4 + 64);
+    /* a thread's (m, 32) sums of its current pair: whole cache lines of its own, read and written at every step
+       (sharing a line with the other thread's, as malloc's alignment of the moment decided, cost a third of a step) */
+    const size_t own = (rows * 32 * 4 + 63) / 64 * 64;
+    char *buffer = malloc(rows * width + rows * (width / qblock) * 4 + rows * groups * 8 + (size_t)threads * own + 128);
     if (!buffer) return 1;
     int8_t *qx = (int8_t *)buffer;
     float *dx = (float *)(buffer + (rows * width + 3) / 4 * 4), *sums = dx + rows * (width / qblock);
     int32_t *biases = (int32_t *)(sums + rows * groups);
-    float *outs = (float *)(biases + rows * groups); /* a thread's (m, 32) sums of its current pair */
+    char *outs = (char *)(((uintptr_t)(biases + rows * groups) + 63) & ~(uintptr_t)63);
     const Rows part = {qx, dx, sums, biases, k, qblock, group};
     const int kind = bits == 8 ? INT8 : bits == 6 ? SIX : NIBBLES, per_block = qblock / group; /* groups an activation block */
     const int qs = group / 4;
@@ -269,7 +272,7 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
         for (int r = 0; r < m; r++)
             quantize_row((const char *)x + (size_t)r * k * (bf16 ? 2 : 4), bf16, k, qblock, group, kind == INT8 ? 128 : kind == SIX ? 32 : 0,
                          qx + (size_t)r * k, dx + (size_t)r * (k / qblock), sums + (size_t)r * groups, biases + (size_t)r * groups);
-        float *out = outs + (size_t)omp_get_thread_num() * rows * 32;
+        float *out = (float *)(outs + (size_t)omp_get_thread_num() * own);
         __m512 scales[2 * 256 / 16], offs[2 * 256 / 16];
         _Pragma("omp for schedule(static)")
         for (int q = 0; q < pairs; q++) {
