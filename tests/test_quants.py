@@ -382,7 +382,6 @@ from lookahead import LookaheadConfig, kernels, models, native
 native.library(tier="avx2")
 model, tok = models.load("smollm2-135m", dtype="int8", kernels="packed", weights="gguf")
 assert kernels.kernels_of(model) == kernels.INTEGER_KERNELS and str(model.dtype) == "torch.float32", (native.isa(), model.dtype)
-gen = on_fixed_cost(model, tok, LookaheadConfig(recycle_prior=0))
 for config in (LookaheadConfig(recycle_prior=0), LookaheadConfig(auto=False, window=3, ngram=5, guess=100, tree_budget=64, recycle_prior=0)):
     gen = on_fixed_cost(model, tok, config)
     for text in json.loads(sys.argv[1]):
