@@ -50,6 +50,11 @@ GGML_AVX2 = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA
 GGML_TIERS = {"avx2": GGML_AVX2, "avx-vnni": (*GGML_AVX2, "-DGGML_AVX_VNNI=ON"), "avx512f": (*GGML_AVX2, "-DGGML_AVX512=ON")}
 
 
+def held(isa: str | None) -> str | None:
+    """``--isa`` where it holds our kernels below the CPU's best tier (llama.cpp is then built for it too), else None."""
+    return isa if isa != native.best_tier() else None
+
+
 def build_llama_cpp(cache_dir: Path, isa: str | None = None) -> Path:
     """The directory holding ``TOOLS``, built on first use, natively or for ``isa`` (``GGML_TIERS``). A build that
     did not finish leaves no ``done`` mark and is started again from scratch."""
@@ -138,7 +143,7 @@ def llama_server(bin_dir: Path, gguf: Path, threads: int, extra: tuple[str, ...]
 def run_all(args) -> dict:
     cache_dir = args.cache_dir or models.default_cache_dir()
     machine = hardware()
-    isa = args.isa if args.isa != native.best_tier() else None  # a tier held below the CPU's best: llama.cpp's too
+    isa = held(args.isa)
     if isa:
         native.library(cache_dir, tier=isa)  # before anything loads our kernels
     bin_dir = args.llama_cpp or build_llama_cpp(cache_dir, isa)
@@ -288,7 +293,7 @@ def main(argv=None) -> None:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.build_only:
-        print(build_llama_cpp(args.cache_dir or models.default_cache_dir(), args.isa if args.isa != native.best_tier() else None))
+        print(build_llama_cpp(args.cache_dir or models.default_cache_dir(), held(args.isa)))
         return
     write_report(run_all(args), args.out)
     print((args.out / "results.md").read_text())
