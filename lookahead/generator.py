@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from lookahead import capability, models, prior
+from lookahead import capability, models, planner, prior
 from lookahead.config import LookaheadConfig
 from lookahead.curve import CostCurve
 from lookahead.rules import Rules
@@ -62,6 +62,7 @@ class LookaheadGenerator:
         self.windows = capability.mask_windows(mc)
         TokenTree.warm_up()
         DraftState.warm_up()
+        planner.warm_up()
         capability.check_step(model, *self._probes())
 
     def _probes(self) -> tuple[capability.Prefill, capability.Forward]:

@@ -51,18 +51,18 @@ GROWTH = 1.5  # a full layer's buffer grows to this many times what it must hold
 SLACK = 64
 
 
-def _cut_on_read(attribute: str) -> property:
-    """A layer's ``keys`` or ``values``: the view in ``attribute``, cut first if a crop is pending (``_dropped``);
-    a tensor put there from outside (a reset, a join) leaves nothing to cut."""
+def _fitted_on_read(attribute: str) -> property:
+    """A layer's ``keys`` or ``values``: the view in ``attribute``, first fitted to the columns held if a reserve or a
+    crop is pending (``_pending``); a tensor put there from outside (a reset, a join) leaves nothing pending."""
 
     def read(layer: "GrowingLayer") -> torch.Tensor | None:
-        if layer._dropped:
-            layer._cut()
+        if layer._pending:
+            layer._fit()
         return getattr(layer, attribute)
 
     def write(layer: "GrowingLayer", tensor: torch.Tensor | None) -> None:
         setattr(layer, attribute, tensor)
-        layer._dropped = 0
+        layer._pending = 0
 
     return property(read, write)
 
@@ -72,27 +72,29 @@ class GrowingLayer(DynamicLayer):
 
     The stock layer concatenates (copies) the whole cache on every forward: measured, 8 sequences x ~450 keys
     on SmolLM2 spent ~8 ms of a ~75 ms step in those copies. Here ``keys``/``values`` are views of the buffer's
-    first columns; a step writes its T columns after them, and a crop only counts the columns it drops: the
-    views are cut when next read, and the next update writes over those columns (cutting 60 views after
-    every step that rejected drafts was ~0.1 ms of a ~16 ms bf16 step, SmolLM2, Zen 5). Whatever else
-    replaces ``keys``/``values`` (``BatchCache.join``, ``keep``, ``squeeze``) is moved into a new buffer at the
-    next update (``self.keys is not self._view``)."""
+    first columns; a step writes its T columns after them, and neither a reserve nor a crop makes new views: each
+    only counts the columns it adds or drops (``_pending``), the views are fitted when next read, and the next update
+    writes over dropped columns. Cutting 60 views after every step that rejected drafts was ~0.1 ms of a ~16 ms bf16
+    step (SmolLM2, Zen 5), and growing them at every one-call layer's reserve 2 of its ~25 microseconds of Python
+    (Zen 4), where nothing reads them before the next step's reserve. Whatever else replaces ``keys``/``values``
+    (``BatchCache.join``, ``keep``, ``squeeze``) is moved into a new buffer at the next update
+    (``self._key_view is not self._view[0]``)."""
 
-    _view = None  # the (keys, values) views this layer last handed out
-    _dropped = 0  # columns cropped off those views since: they are cut at the next read, overwritten at the next update
+    _view = None  # the (keys, values) views this layer last made
+    _pending = 0  # columns reserved (+) or cropped (-) since: the views are fitted at the next read
 
-    keys = _cut_on_read("_key_view")  # (batch, heads, seq, head_dim)
-    values = _cut_on_read("_value_view")
+    keys = _fitted_on_read("_key_view")  # (batch, heads, seq, head_dim)
+    values = _fitted_on_read("_value_view")
 
-    def _cut(self) -> None:
-        length = self._key_view.shape[-2] - self._dropped
+    def _fit(self) -> None:
+        length = self._key_view.shape[-2] + self._pending
         self._key_view, self._value_view = self._view = self._keys.narrow(2, 0, length), self._values.narrow(2, 0, length)
-        self._dropped = 0
+        self._pending = 0
 
     def get_seq_length(self) -> int:
-        if not self.is_initialized or self._key_view.numel() == 0:
+        if not self.is_initialized or self._key_view.numel() == 0 and not self._pending:
             return 0
-        return self._key_view.shape[-2] - self._dropped
+        return self._key_view.shape[-2] + self._pending
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
@@ -101,17 +103,18 @@ class GrowingLayer(DynamicLayer):
         held = self.reserve(rows, key_states, value_states)
         self._keys.narrow(2, held, rows).copy_(key_states)  # narrow, not indexing: ~3x cheaper a call
         self._values.narrow(2, held, rows).copy_(value_states)
-        return self._view
+        return self.keys, self.values
 
     def reserve(self, rows: int, key_like: torch.Tensor, value_like: torch.Tensor) -> int:
-        """Room in the buffers (``_keys``, ``_values``) for ``rows`` more columns, and the views over them, their
-        values for the caller to write: how many columns were held before. ``key_like``, ``value_like``: tensors
-        of the layer's (batch, heads, ., head_dim) and dtype, for a new buffer."""
+        """Room in the buffers (``_keys``, ``_values``) for ``rows`` more columns, their values for the caller to
+        write, the views over them made when next read: how many columns were held before. ``key_like``,
+        ``value_like``: tensors of the layer's (batch, heads, ., head_dim) and dtype, for a new buffer."""
         held = self.get_seq_length()  # (batch, heads, seq, head_dim)
         length = held + rows
-        if not self._in_buffer or length > self._keys.shape[-2]:
-            self._keys, self._values = self._grown(self.keys, key_like, held, length), self._grown(self.values, value_like, held, length)
-        self._dropped = 0
+        if self._in_buffer and length <= self._keys.shape[-2]:
+            self._pending += rows
+            return held
+        self._keys, self._values = self._grown(self.keys, key_like, held, length), self._grown(self.values, value_like, held, length)
         self.keys, self.values = self._view = self._keys.narrow(2, 0, length), self._values.narrow(2, 0, length)
         return held
 
@@ -140,6 +143,11 @@ class GrowingLayer(DynamicLayer):
             buffer[:, :, :held].copy_(old)
         return buffer
 
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors holding ``keys`` and ``values`` in their first columns, for moving columns in place without
+        fitting the views first: the buffers, or the views themselves where something else replaced them."""
+        return (self._keys, self._values) if self._in_buffer else (self.keys, self.values)
+
     @property
     def _in_buffer(self) -> bool:
         """Whether ``keys``/``values`` are still the views of the buffer this layer handed out (they go together)."""
@@ -147,7 +155,7 @@ class GrowingLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0 and self._in_buffer and -tokens_to_remove <= self.get_seq_length():
-            self._dropped -= tokens_to_remove  # the views are cut when read, the columns overwritten by the next update
+            self._pending += tokens_to_remove  # the views are cut when read, the columns overwritten by the next update
             return
         super().crop(tokens_to_remove)
 
@@ -261,7 +269,13 @@ class BatchCache:
     def compact(self, step: int, keep: list[np.ndarray], positions: list[np.ndarray]) -> None:
         """Of the ``step`` columns the last forward appended, sequence b keeps the rows ``keep[b]`` (sorted ints),
         which sit at ``positions[b]``; they move to the front of the step's block, the rest is cropped or a hole.
-        The bookkeeping is numpy, not a few small torch ops per sequence (0.75 ms a step at 8 sequences)."""
+        The bookkeeping is numpy, not a few small torch ops per sequence (0.75 ms a step at 8 sequences), and a plain
+        step's (one row, kept where it is) only its positions."""
+        spare = self._spare
+        if step == 1:
+            self.positions = torch.cat([self.positions, torch.tensor([[int(p[0])] for p in positions])], dim=1)
+            self._spare = spare
+            return
         keep = [np.asarray(k, dtype=np.int64) for k in keep]
         kept = max(k.size for k in keep)
         index = np.empty((len(keep), kept), np.int64)  # (B, kept): a short row repeats its last column
@@ -269,15 +283,14 @@ class BatchCache:
         for b, (k, p) in enumerate(zip(keep, positions)):
             index[b, : k.size], index[b, k.size :], new[b, : k.size] = k, k[-1], p
         if (index != np.arange(kept)).any():  # else rows 0..kept-1 are already in place
-            tensors = [states for layer in self._layers() for states in (layer.keys, layer.values)]  # (batch, heads, seq, head_dim)
-            if not native.move_columns(tensors, tensors[0].shape[-2] - step, index):  # one call on CPU, else torch's ops
+            tensors = [states for layer in self.cache.layers if layer.is_initialized for states in layer.buffers()]  # (batch, heads, ., head_dim)
+            if not native.move_columns(tensors, self.length, index):  # one call on CPU, else torch's ops
                 rows = torch.from_numpy(index)
                 for states in tensors:
-                    block = states.narrow(-2, states.shape[-2] - step, step)
+                    block = states.narrow(-2, self.length, step)
                     block.narrow(-2, 0, kept).copy_(_gather_columns(block, rows))
         if kept < step:
             self.cache.crop(kept - step)
-        spare = self._spare
         self.positions = torch.cat([self.positions, torch.from_numpy(new)], dim=1)
         if all(k.size == kept for k in keep):  # every sequence gained ``kept`` keys: as many spare columns as before
             self._spare = spare

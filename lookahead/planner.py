@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from numba import njit
 
 from lookahead.curve import CostCurve
 from lookahead.drafting import TRAJECTORY
@@ -183,27 +184,68 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
     single-sequence rule of the module docstring; of equal values (within 1e-9), the narrowest width.
     ``factors``: each sequence's ``Calibration.factor`` (its node scores times it, at most 1 a node).
     ``explore``: the best step that drafts, even where plain is expected to be better (to re-measure a width
-    the live curve has kept off; plain when nothing is drafted). Every width at once, in numpy: a loop over
-    widths was ~0.1 ms a step."""
-    factors = factors or [1.0] * len(trees)
-    gains = [np.concatenate([[0.0], np.cumsum(np.minimum(np.sort(tree.scores)[::-1] * f, 1.0))]) for tree, f in zip(trees, factors)]  # S_b(k)
-    widest = max(g.size + w for g, w in zip(gains, window_rows))
-    extra = np.arange(widest)  # rows beyond the current token, for the widths 1 .. widest
-    total, uses = np.zeros(widest), []
-    for g, rows, worth in zip(gains, window_rows, window_values):
-        nodes, window = np.minimum(extra, g.size - 1), np.zeros(widest, bool)
-        gain = g[nodes]
-        if rows:  # the window where it fits and gains more than the nodes its rows would hold
-            beside = np.minimum(np.maximum(extra - rows, 0), g.size - 1)
-            window = (extra >= rows) & (g[beside] + worth > gain + 1e-12)
-            nodes, gain = np.where(window, beside, nodes), np.where(window, g[beside] + worth, gain)
-        total += 1.0 + gain
-        uses.append((nodes, window))
-    values = total / curve.ratio(len(trees) * (extra + 1), len(trees))
+    the live curve has kept off; plain when nothing is drafted). Every width at once, in one kernel
+    (``best_widths``): numpy over the widths was ~0.13 ms of a SmolLM2 step's host work, right after a forward
+    that left every cache line it touches cold."""
+    b = len(trees)
+    sizes = np.array([len(tree) for tree in trees], np.int64)
+    rows = np.asarray(window_rows, np.int64)
+    widest = int((sizes + 1 + rows).max())
+    ratios = np.asarray(curve.ratio(b * np.arange(1, widest + 1), b), np.float64)  # (widest,): r(B x T) at T = 1 .. widest
+    scores = trees[0].scores if b == 1 else np.concatenate([tree.scores for tree in trees])
+    nodes, window, value = best_widths(np.asarray(scores, np.float64), np.concatenate([[0], np.cumsum(sizes)]),
+                                       np.asarray(factors or [1.0] * b, np.float64), rows, np.asarray(window_values, np.float64),
+                                       ratios, explore)
+    return [Choice(int(n), bool(w), value) for n, w in zip(nodes, window)]
+
+
+@njit(cache=True)
+def best_widths(scores: np.ndarray, bounds: np.ndarray, factors: np.ndarray, rows: np.ndarray, worths: np.ndarray,
+                ratios: np.ndarray, explore: bool) -> tuple[np.ndarray, np.ndarray, float]:
+    """``plan``'s rule: sequence b's node scores are ``scores[bounds[b]:bounds[b + 1]]``, its Jacobi branch ``rows[b]``
+    rows worth ``worths[b]`` tokens; ``ratios`` (widest,) r(B x T) for T = 1 .. widest. Returns each sequence's nodes
+    and whether its branch runs, at the best width, and that width's value per sequence."""
+    b_count, widest = bounds.size - 1, ratios.size
+    gains = np.zeros(scores.size + b_count)  # S_b(k) for k = 0 .. n_b, sequence b's from bounds[b] + b
+    for b in range(b_count):
+        ranked = np.sort(scores[bounds[b]:bounds[b + 1]])[::-1]
+        at = bounds[b] + b
+        for i in range(ranked.size):
+            gains[at + i + 1] = gains[at + i] + min(ranked[i] * factors[b], 1.0)
+    values = np.zeros(widest)
+    for b in range(b_count):
+        for extra in range(widest):  # rows beyond the current token
+            values[extra] += 1.0 + _fill(gains, bounds, rows, worths, b, extra)[2]
+    values /= ratios
     if explore and widest > 1:
         values[0] = -np.inf  # exploring: plain (width 1) is not a candidate
-    best = int(np.flatnonzero(values >= values.max() - 1e-9)[0])
-    return [Choice(int(nodes[best]), bool(window[best]), float(values[best]) / len(trees)) for nodes, window in uses]
+    best, top = 0, values.max()
+    while values[best] < top - 1e-9:  # the narrowest of equal values
+        best += 1
+    nodes, window = np.zeros(b_count, np.int64), np.zeros(b_count, np.bool_)
+    for b in range(b_count):
+        nodes[b], window[b], _ = _fill(gains, bounds, rows, worths, b, best)
+    return nodes, window, values[best] / b_count
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's on-disk cache) ``best_widths`` once per process, at load time, as the drafting
+    kernels are (``DraftState.warm_up``): a fresh install's first drafting step would otherwise compile it."""
+    best_widths(np.ones(1), np.array([0, 1]), np.ones(1), np.ones(1, np.int64), np.ones(1), np.ones(2), False)
+
+
+@njit(cache=True)
+def _fill(gains: np.ndarray, bounds: np.ndarray, rows: np.ndarray, worths: np.ndarray, b: int, extra: int) -> tuple[int, bool, float]:
+    """Sequence b's best use of ``extra`` rows: (its nodes, whether its Jacobi branch runs, the tokens they gain):
+    the branch where it fits and gains more than the nodes its rows would hold."""
+    at, size = bounds[b] + b, bounds[b + 1] - bounds[b]
+    nodes = min(extra, size)
+    gain = gains[at + nodes]
+    if rows[b] and extra >= rows[b]:
+        beside = min(extra - rows[b], size)
+        if gains[at + beside] + worths[b] > gain + 1e-12:
+            return beside, True, gains[at + beside] + worths[b]
+    return nodes, False, gain
 
 
 class Calibration:

@@ -240,7 +240,7 @@ def compiled():
 
 gen = LookaheadGenerator(tiny_llama(), tiny_tokenizer(), LookaheadConfig(auto=False))
 built = compiled()
-INNER = {("ngram_pool.kernels", "_insert")}  # called by kernels only: compiled into theirs, with no signature of its own
+INNER = {("ngram_pool.kernels", "_insert"), ("lookahead.planner", "_fill")}  # called by kernels only: compiled into theirs, with no signature of its own
 assert len(built) >= 10 and all(v or k in INNER for k, v in built.items()), \
     f"not compiled when the generator was built: {[k for k, v in built.items() if not v and k not in INNER]}"
 for sparse in (False, True):
