@@ -160,17 +160,18 @@ class GrowingLayer(DynamicLayer):
         super().crop(tokens_to_remove)
 
 
-def reserve(cache: Cache, layer_idx: int, rows: int, shape: tuple[int, int, int], held: int | None = None
+def reserve(cache: Cache, layer_idx: int, rows: int, shape: tuple[int, int, int], dtype: torch.dtype, held: int | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """Room for ``rows`` more columns of layer ``layer_idx``'s bf16 keys and values (batch, heads, ., head_dim =
-    ``shape``), for a fused layer's kernel to write: its buffers (B, G, capacity, D) and the columns held before;
-    None, with nothing done, where that layer is not a ``GrowingLayer`` of that shape, or holds other than ``held``."""
+    """Room for ``rows`` more columns of layer ``layer_idx``'s keys and values (batch, heads, ., head_dim = ``shape``)
+    of ``dtype``, for a fused layer's kernel to write: its buffers (B, G, capacity, D) and the columns held before;
+    None, with nothing done, where that layer is not a ``GrowingLayer`` of that shape and dtype, or holds other than
+    ``held``."""
     layers = getattr(cache, "layers", ())
     layer = layers[layer_idx] if layer_idx < len(layers) else None
     if not isinstance(layer, GrowingLayer) or not layer.is_initialized or held is not None and layer.get_seq_length() != held:
         return None
     keys, values = layer._key_view, layer._value_view  # their shapes and dtype: not cut first (``reserve`` makes new views)
-    if keys.dim() != 4 or keys.dtype != torch.bfloat16 or (keys.shape[0], keys.shape[1], keys.shape[3]) != shape or values.shape != keys.shape:
+    if keys.dim() != 4 or keys.dtype != dtype or (keys.shape[0], keys.shape[1], keys.shape[3]) != shape or values.shape != keys.shape:
         return None
     start = layer.reserve(rows, keys, values)
     return layer._keys, layer._values, start

@@ -11,10 +11,13 @@ the cache's update, the attention, the output product, its residual sum with the
 residual sum. Two shapes of layer (``LAYERS``): Llama's (Llama, Mistral, Qwen2, and Qwen3 with its q/k head
 norms), and Gemma 3's, whose attention and MLP outputs are normed before their residual sums ("sandwich").
 
-In bf16 (and int8, bf16 between its products), a layer of either shape on our kernels runs a step in one C call
-(``native.decoder_layer``: the same kernels in the same order, the head norms and the sandwich's where the layer has
-them, SiLU or GELU-tanh as torch computes them, the step's keys and values written straight into the engine's
-cache buffer); with another activation, everything up to it, then the rest from Python.
+On our kernels a layer of either shape runs a step in one C call (``native.decoder_layer``: the same kernels in the
+same order, the head norms and the sandwich's where the layer has them, the step's keys and values written straight
+into the engine's cache buffer), in bf16 (and int8 with bf16 between its products) and in fp32 (and int8 with fp32
+between them, on the tiers without bf16 kernels); the activation too where the call computes it as torch does (bf16:
+SiLU and GELU-tanh; fp32: SiLU), else everything up to it, then the rest from Python. One call a layer took SmolLM2's
+fp32 one-row forward from 9.4 to 7.5 ms on the AVX-512 BF16 tier, and on the AVX2 tier fp32 16.5 -> 12.4 and int8
+10.7 -> 7.8 ms (Zen 4, ``benchmarks.profile_step``).
 
 Every operation is the module's own or rounds as torch's does (``csrc/rope.c``, ``csrc/rms_norm.c``), so a fused
 layer's output equals the layer it replaces (on our kernels) bit for bit: ``fuse`` checks that on each layer at
@@ -69,14 +72,14 @@ class FusedLayer(nn.Module):
         self.heads = [getattr(attention, name).out_features // self.head_dim for name in ATTENTION[:3]]  # query, key and value heads
         self.width = mlp.gate_proj.out_features
         self.causal = getattr(attention, "is_causal", True)
-        bf16 = self.input_layernorm.weight.dtype == torch.bfloat16
-        self.gated = bf16 and self.activation is not None and self.width % 16 == 0 and native.has("gated")  # the activation in one call
+        self.dtype = dtype = self.input_layernorm.weight.dtype
+        self.gated = native.gates(dtype, self.activation, self.width)  # the activation in one call
         roles = [native.role([product.native for product in p]) for p in products[:3 + self.gated]] + [None] * (not self.gated)
         norms = {name: norm for name, norm in self.norms.items() if norm is not None}
-        self.whole = tuple(roles) if (  # a bf16 step's layer in one call (``native.decoder_layer``) on our bf16 kernels
-            bf16 and native.has("decoder_layer") and all(roles[:3 + self.gated])
+        self.whole = tuple(roles) if (  # a step's layer in one call (``native.decoder_layer``) on our kernels of its dtype
+            dtype in native.LAYERS and native.has(native.LAYERS[dtype]) and all(roles[:3 + self.gated])
             and native.heads_fit(self.heads[0], self.heads[1], self.head_dim) and self.heads[1] == self.heads[2]
-            and all(isinstance(norm, FusedRMSNorm) and norm.weight.dtype == torch.bfloat16 for norm in norms.values())
+            and all(isinstance(norm, FusedRMSNorm) and norm.weight.dtype == dtype for norm in norms.values())
             and all(norms[name].weight.numel() == self.head_dim for name in native.NORMS[4:] if name in norms)) else None
         self.layer_norms = native.layer_norms({name: (norm.weight, norm.eps, norm.offset) for name, norm in norms.items()}) \
             if self.whole else None
@@ -129,11 +132,11 @@ class FusedLayer(nn.Module):
         where that call does not take this step."""
         b, t, _ = x.shape
         (h, g, _), d = self.heads, self.head_dim
-        if (x.dtype != torch.bfloat16 or not x.is_contiguous() or cos.dtype != x.dtype or cos.shape[1:] != (t, d) or cos.shape[0] not in (1, b)
+        if (x.dtype != self.dtype or not x.is_contiguous() or cos.dtype != x.dtype or cos.shape[1:] != (t, d) or cos.shape[0] not in (1, b)
                 or not cos.is_contiguous() or sin.shape != cos.shape or sin.stride() != cos.stride() or sin.dtype != x.dtype
                 or not native.mask_fits(mask, x.dtype, b, t, t if mask is None else mask.shape[-1], self.causal)):
             return None
-        room = kv.reserve(cache, self.layer_idx, t, (b, g, d), None if mask is None else mask.shape[-1] - t)
+        room = kv.reserve(cache, self.layer_idx, t, (b, g, d), x.dtype, None if mask is None else mask.shape[-1] - t)
         if room is None:
             return None
         keys, values, held = room

@@ -65,16 +65,17 @@ class Tier:
 # AVX-512 code rounds them apart) and the KV moves; an AVX-VNNI one (Alder Lake and later client chips) the
 # same, its integer dot products on vpdpbusd
 AVX2_SOURCES = ("linear_avx2.c", "quant_linear_avx2.c", "int_linear_avx2.c", "tree_attention_avx2.c", "rms_norm_avx2.c", "rope_avx2.c",
+                "decoder_layer_fp32.c",
                 "move_columns.c")
 AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
                         ("linear.c", "amx_linear.c", "quant_linear.c", "int_linear.c", "tree_attention.c", "tree_attention_avx2.c",
-                         "rms_norm.c", "top_k.c", "move_columns.c", "rope.c", "decoder_layer.c"),
+                         "rms_norm.c", "top_k.c", "move_columns.c", "rope.c", "decoder_layer.c", "decoder_layer_fp32.c"),
                         BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
     "avx512f": Tier(("avx512f", "avx512bw", "avx512vl", "f16c"),
                     ("linear.c", "quant_linear.c", "int_linear_avx2.c", "tree_attention_avx2.c", "rms_norm.c", "top_k.c", "move_columns.c",
-                     "rope.c"), BASE_FLAGS),
+                     "rope.c", "decoder_layer_fp32.c"), BASE_FLAGS),
     "avx-vnni": Tier(("avx2", "fma", "f16c", "avx_vnni"), AVX2_SOURCES, AVX2_FLAGS + ("-mavxvnni",)),
     "avx2": Tier(("avx2", "fma", "f16c"), AVX2_SOURCES, AVX2_FLAGS),
 }
@@ -82,21 +83,24 @@ INTEGER = "int8"  # the --dtype whose quantized linears round their activations 
 BLOCK = 16  # output columns a packed block holds: N must be a multiple (and K even in bf16)
 Longs = ctypes.c_long * 3
 SCALINGS = ("groups", "supers", "halves")  # csrc/int_linear.c's: a layout's scales fp32 a group, the K types', fp16 a group
-PRODUCTS = ("bf16_linear", "amx_bf16_linear", "quant_bf16_linear", "amx_quant_linear", "int_linear")  # csrc/decoder_layer.c's kinds
+PRODUCTS = ("bf16_linear", "amx_bf16_linear", "quant_bf16_linear", "amx_quant_linear", "int_linear", "fp32_linear",
+            "quant_fp32_linear")  # csrc/decoder_layer.h's kinds
 ATTENTIONS = {torch.bfloat16: "tree_attention", torch.float32: "tree_attention_fp32"}  # csrc/tree_attention.c's, _avx2.c's
-ACTIVATIONS = (None, "silu", "gelu_tanh")  # csrc/decoder_layer.c's: what ``gated`` and ``decoder_layer`` compute as torch does
+LAYERS = {torch.bfloat16: "decoder_layer", torch.float32: "decoder_layer_fp32"}  # csrc/decoder_layer.c's, _fp32.c's
+ACTIVATIONS = (None, "silu", "gelu_tanh")  # csrc/decoder_layer.h's: what ``gated`` and ``decoder_layer`` compute as torch does
+GATES = {torch.bfloat16: ("gated", ACTIVATIONS[1:]), torch.float32: ("gated_fp32", ACTIVATIONS[1:2])}  # each dtype's, and its activations
 NORMS = ("input", "residual", "attended", "mlp_out", "q_heads", "k_heads")  # a layer's norms, as ``decoder_layer`` takes them
 
 
 class Product(ctypes.Structure):
-    """A bf16 product's kernel (its index in ``PRODUCTS``) and weights, as ``csrc/decoder_layer.c`` calls it."""
+    """A product's kernel (its index in ``PRODUCTS``) and weights, as ``csrc/decoder_layer.h`` calls it."""
 
     _fields_ = [("kind", ctypes.c_int), ("packed", ctypes.c_void_p), ("bias", ctypes.c_void_p)] + [
         (name, ctypes.c_int) for name in ("n", "k", "bits", "group", "offsets", "scaling", "l2")]
 
 
 class Role(ctypes.Structure):
-    """A layer's role (q/k/v, output, gate/up, down) as ``csrc/decoder_layer.c`` calls it: one product, or a GGUF's
+    """A layer's role (q/k/v, output, gate/up, down) as ``csrc/decoder_layer.h`` calls it: one product, or a GGUF's
     siblings of other types as one product each (up to three), whose outputs sit side by side."""
 
     _fields_ = [("part", Product * 3), ("parts", ctypes.c_int), ("n", ctypes.c_int)]
@@ -104,14 +108,14 @@ class Role(ctypes.Structure):
 
 def role(linears: list) -> Role | None:
     """The role of ``linears`` (``Linear``s whose outputs sit side by side, in order, each with a ``product``), or None
-    where ``decoder_layer`` cannot call them: more than three, or one not on a bf16 kernel it knows."""
+    where ``decoder_layer`` cannot call them: more than three, or one not on a kernel it knows."""
     if not 0 < len(linears) <= 3 or any(getattr(linear, "product", None) is None for linear in linears):
         return None
     return Role((Product * 3)(*(linear.product for linear in linears)), len(linears), sum(linear.n for linear in linears))
 
 
 class Norm(ctypes.Structure):
-    """A layer's RMSNorm as ``csrc/decoder_layer.c`` calls it: its bf16 weight (None: the layer has none there), eps
+    """A layer's RMSNorm as ``csrc/decoder_layer.h`` calls it: its weight (None: the layer has none there), eps
     and weighting (``rms_norm``'s offset)."""
 
     _fields_ = [("w", ctypes.c_void_p), ("eps", ctypes.c_float), ("offset", ctypes.c_int)]
@@ -132,7 +136,8 @@ def build_id(tier: str, csrc: Path = CSRC) -> str:
     gcc = shutil.which("gcc") or "gcc"
     version = subprocess.run([gcc, "--version"], capture_output=True, text=True).stdout.partition("\n")[0]
     t = TIERS[tier]
-    return hashlib.sha256(b"".join((csrc / s).read_bytes() for s in t.sources) + repr((t.flags, version)).encode()).hexdigest()[:16]
+    files = [csrc / s for s in t.sources] + sorted(csrc.glob("*.h"))  # the sources and the headers they may include
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files) + repr((t.flags, version)).encode()).hexdigest()[:16]
 
 
 def runs(tier: str) -> bool:
@@ -245,10 +250,10 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
         "top_k": ([ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int], ctypes.c_int),  # 1: out of memory
         "argmax": ([ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p], None),
         "move_columns": ([ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int], None),
-        "decoder_layer": ([ctypes.c_void_p] * 3 + [ctypes.POINTER(Role)] * 4 + [ctypes.POINTER(Norm), ctypes.c_int]
-                          + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [Longs, ctypes.c_int, ctypes.c_void_p, Longs]
-                          + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int], ctypes.c_int),  # 1: out of memory
-        "gated": ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 3, None),
+        **{name: ([ctypes.c_void_p] * 3 + [ctypes.POINTER(Role)] * 4 + [ctypes.POINTER(Norm), ctypes.c_int]
+                  + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [Longs, ctypes.c_int, ctypes.c_void_p, Longs]
+                  + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int], ctypes.c_int) for name in LAYERS.values()},  # 1: out of memory
+        **{name: ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 3, None) for name, _ in GATES.values()},
     }
     for name, (arguments, result) in signatures.items():
         if hasattr(lib, name):
@@ -578,7 +583,7 @@ class Linear:
         self.l2 = prefetch_into_l2()
         kernel = "int_linear" if integer else name
         self.product = Product(PRODUCTS.index(kernel), *self.pointers, self.n, self.k, *(self.format + (0,) * 4)[:4], self.l2) \
-            if bf16 and kernel in PRODUCTS else None  # what ``decoder_layer`` calls: its bf16 kernels
+            if kernel in PRODUCTS else None  # what ``decoder_layer`` calls
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:
@@ -704,33 +709,40 @@ def _mask_strides(mask: torch.Tensor | None) -> Longs:
 def decoder_layer(x: torch.Tensor, roles: tuple, norms: ctypes.Array, activation: str | None, cos: torch.Tensor,
                   sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, held: int, mask: torch.Tensor | None,
                   heads: tuple[int, int, int], scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A decoder layer in one call (``csrc/decoder_layer.c``), bf16, x (B, T, E): (its output, None) where ``roles``
-    has a down product (``activation`` one of ``ACTIVATIONS``), else (h, both) for the caller to finish: h the
-    residual sum after attention (B, T, E), both the gate/up product (B, T, 2 width). ``roles``: the q/k/v, output,
-    gate/up and down (or None) ``Role``s; ``norms``: ``layer_norms``'; cos, sin (B or 1, T,
-    D) contiguous; keys, values: the cache's buffers (B, G, capacity, D), room made for T columns after ``held``;
-    ``mask`` as ``mask_fits``; heads (H, G, D)."""
+    """A decoder layer in one call (``csrc/decoder_layer.h``), bf16 or fp32 (``LAYERS``), x (B, T, E): (its output,
+    None) where ``roles`` has a down product (``activation`` one ``gates`` says), else (h, both) for the caller to
+    finish: h the residual sum after attention (B, T, E), both the gate/up product (B, T, 2 width). ``roles``: the
+    q/k/v, output, gate/up and down (or None) ``Role``s, on the dtype's kernels; ``norms``: ``layer_norms``'; cos, sin
+    (B or 1, T, D) contiguous; keys, values: the cache's buffers (B, G, capacity, D), room made for T columns after
+    ``held``; ``mask`` as ``mask_fits``; heads (H, G, D); all of x's dtype."""
     b, t, _ = x.shape
     qkv, o, gate_up, down = roles
     out, both = torch.empty_like(x), None if down else torch.empty(b, t, gate_up.n, dtype=x.dtype)
-    if library().decoder_layer(x.data_ptr(), out.data_ptr(), _pointer(both), qkv, o, gate_up, down,
-                               norms, ACTIVATIONS.index(activation), cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
-                               keys.data_ptr(), values.data_ptr(), Longs(*keys.stride()[:3]), held, _pointer(mask), _mask_strides(mask),
-                               b, t, *heads, scale, torch.get_num_threads()):
+    if getattr(library(), LAYERS[x.dtype])(x.data_ptr(), out.data_ptr(), _pointer(both), qkv, o, gate_up, down, norms,
+                                           ACTIVATIONS.index(activation), cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
+                                           keys.data_ptr(), values.data_ptr(), Longs(*keys.stride()[:3]), held, _pointer(mask),
+                                           _mask_strides(mask), b, t, *heads, scale, torch.get_num_threads()):
         raise MemoryError(f"a decoder layer's kernels could not allocate their buffers for {b * t} rows")
     return out, both
 
 
+def gates(dtype: torch.dtype, activation: str | None, width: int) -> bool:
+    """Whether ``gated`` (and so ``decoder_layer``) computes ``activation`` of ``width`` gates in ``dtype`` here: bf16
+    SiLU and GELU-tanh, fp32 SiLU, width a multiple of 16."""
+    name, activations = GATES.get(dtype, (None, ()))
+    return activation in activations and width % 16 == 0 and has(name)
+
+
 def gated(both: torch.Tensor, activation: str) -> torch.Tensor:
-    """(..., 2 width) bf16 gate, up -> (..., width): ``act(gate) * up`` bit for bit as torch computes it (``F.silu``, or
-    ``F.gelu(approximate="tanh")``: ``ACTIVATIONS``; ``csrc/decoder_layer.c``), in one call; width a multiple of 16."""
+    """(..., 2 width) gate, up -> (..., width): ``act(gate) * up`` bit for bit as torch computes it (``F.silu``, or
+    ``F.gelu(approximate="tanh")``: ``GATES``; ``csrc/decoder_layer.c``, ``_fp32.c``), in one call; width a multiple of 16."""
     both = both.contiguous()
     width = both.shape[-1] // 2
-    if activation not in ACTIVATIONS[1:] or both.dtype != torch.bfloat16 or both.shape[-1] != 2 * width or width % 16 or not has("gated"):
-        raise ValueError(f"gated takes bf16 (..., 2 width) where the bf16 kernels run, width a multiple of 16, and one of "
-                         f"{ACTIVATIONS[1:]}, got {both.dtype} {tuple(both.shape)}, {activation!r}")
+    if both.shape[-1] != 2 * width or not gates(both.dtype, activation, width):
+        raise ValueError(f"gated takes (..., 2 width), width a multiple of 16, bf16 with one of {GATES[torch.bfloat16][1]} or fp32 "
+                         f"with {GATES[torch.float32][1]}, where the kernels run; got {both.dtype} {tuple(both.shape)}, {activation!r}")
     out = torch.empty(*both.shape[:-1], width, dtype=both.dtype)
-    library().gated(both.data_ptr(), out.data_ptr(), both.numel() // both.shape[-1], width, ACTIVATIONS.index(activation))
+    getattr(library(), GATES[both.dtype][0])(both.data_ptr(), out.data_ptr(), both.numel() // both.shape[-1], width, ACTIVATIONS.index(activation))
     return out
 
 

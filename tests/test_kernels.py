@@ -666,7 +666,7 @@ def test_own_fp32_linear_agrees_with_stock_to_fp32_rounding_and_is_row_invariant
 def test_the_kernels_enums_are_in_the_order_python_passes_them():
     """native passes a product's kind, an activation, a layer's norms and a layout's scaling as indices into its
     tuples; the C reads them as enums: one order each (a product's enum name is its kernel's name less "_linear")."""
-    source = "".join((native.CSRC / name).read_text() for name in ("decoder_layer.c", "int_linear.c"))
+    source = "".join((native.CSRC / name).read_text() for name in ("decoder_layer.h", "int_linear.c"))
     enums = [re.findall(r"\w+", body) for body in re.findall(r"enum \{([^}]*)\}", source)]
     for names in (native.PRODUCTS, native.ACTIVATIONS, native.NORMS, native.SCALINGS):
         assert [str(name).removesuffix("_linear").upper() for name in names] in enums, names

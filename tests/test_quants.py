@@ -382,6 +382,7 @@ from lookahead import LookaheadConfig, kernels, models, native
 native.library(tier="avx2")
 model, tok = models.load("smollm2-135m", dtype="int8", kernels="packed", weights="gguf")
 assert kernels.kernels_of(model) == kernels.INTEGER_KERNELS and str(model.dtype) == "torch.float32", (native.isa(), model.dtype)
+assert all(layer.whole and layer.gated for layer in model.model.layers), "every layer's step in one fp32 call"
 for config in (LookaheadConfig(recycle_prior=0), LookaheadConfig(auto=False, window=3, ngram=5, guess=100, tree_budget=64, recycle_prior=0)):
     gen = on_fixed_cost(model, tok, config)
     for text in json.loads(sys.argv[1]):
@@ -394,9 +395,10 @@ print("equal")
 @pytest.mark.slow
 @pytest.mark.skipif(not OWN or not native.runs("avx2"), reason="our kernels do not run here")
 def test_smollm2_int8_on_the_avx2_tier_lookahead_equals_the_plain_loop():
-    """Without AVX-512 BF16 int8 runs fp32 between the linears (``models.torch_dtype``), its integer products on
-    int_linear_avx2.c and its attention on tree_attention_avx2.c: both row-invariant, so lookahead (the default
-    trees, and 64-node ones) gives the plain loop's tokens. A process runs one tier: this one is held in a child."""
+    """Without AVX-512 BF16 int8 runs fp32 between the linears (``models.torch_dtype``), each layer's step in one call
+    (decoder_layer_fp32.c), its integer products on int_linear_avx2.c and its attention on tree_attention_avx2.c: both
+    row-invariant, so lookahead (the default trees, and 64-node ones) gives the plain loop's tokens. A process runs one
+    tier: this one is held in a child."""
     import json
     import subprocess
     import sys

@@ -1,35 +1,10 @@
-/* A decoder layer in one call, bf16 (Llama's shape and Gemma 3's), for lookahead/layers.py's FusedLayer:
-
-       xn = norm_input(x)                rms_norm.c
-       qkv = xn Wqkv^T                   the product's kernel (Product: which, and its layout)
-       each q and k head normed          where the layer has head norms (Gemma 3, Qwen3)
-       RoPE on q and k, in place         rope.c
-       k, v -> the cache's columns held .. held + T - 1 of each sequence (its buffer, which the caller made room in)
-       a = attention(q, keys, values)    tree_attention.c, over held + T keys, the step's mask or causal
-       p = a Wo^T, normed                the product; the norm where the layer is sandwiched (Gemma 3)
-       h = x + p, y = norm_residual(h)   add_rms_norm (rms_norm.c)
-       both = y Wgate_up^T               the product: gate and up side by side
-       m = (act(gate) up) Wdown^T        where act is SiLU or GELU-tanh (else the caller does this and the next line)
-       out = h + m, m normed first where the layer is sandwiched
-
-   The same kernels the module calls one by one from Python, in the same order on the same values, so the same
-   bits; the activations are torch's own arithmetic (below). What it saves is the ~15-20 trips from Python a layer
-   between them (a few microseconds each, more in a step whose products stream every cache line out). */
+/* The bf16 decoder layer in one call (decoder_layer.h's steps) on the bf16 kernels: bf16_linear, amx_linear.c's,
+   quant_linear.c's, int_linear.c's; tree_attention.c; SiLU and GELU-tanh as torch computes them. */
 
 #include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
 #include <math.h>
-#include <string.h>
 
-/* a bf16 product's kernel and its weights, as native.Linear sets it up */
-typedef struct {
-    int kind; /* PRODUCTS */
-    const void *packed;
-    const float *bias;
-    int n, k, bits, group, offsets, scaling, l2;
-} Product;
-enum { BF16, AMX_BF16, QUANT_BF16, AMX_QUANT, INT }; /* native.PRODUCTS' order (their names less "_linear") */
+#include "decoder_layer.h"
 
 void bf16_linear(const void *x, const void *packed, const float *bias, uint16_t *y, int m, int n, int k, int threads, int l2);
 void amx_bf16_linear(const uint16_t *x, const char *packed, const float *bias, uint16_t *y, int m, int n, int k, int threads, int l2);
@@ -37,17 +12,11 @@ int quant_bf16_linear(const uint16_t *x, const char *packed, const float *bias, 
                       int offsets, int threads, int l2);
 int amx_quant_linear(const uint16_t *x, const char *packed, const float *bias, uint16_t *y, int m, int n, int k, int bits, int group,
                      int offsets, int threads, int l2);
-int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits, int group, int offsets,
-               int scaling, int threads, int l2, int bf16);
 int tree_attention(const uint16_t *q, const long *qs, const uint16_t *k, const uint16_t *v, const long *kvs, const uint16_t *mask,
                    const long *ms, uint16_t *out, int B, int H, int G, int T, int S, int D, float scale, int threads);
-void rms_norm(const void *x, const void *w, void *y, int bf16, int rows, int n, float eps, int offset, int threads);
-void add_rms_norm(const void *x, const void *d, void *s, const void *w, void *y, int bf16, int rows, int n, float eps, int offset,
-                  int threads);
-void rope(void *x, const void *c, const void *s, int bf16, int rows, int width, int heads, int d);
 
-/* y (m, p->n) = x (m, p->k) W^T (+ bias); 1 where the kernel could not allocate its buffers */
-static int one_product(const Product *p, const uint16_t *x, uint16_t *y, int m, int threads) {
+/* y (m, p->n) = x (m, p->k) W^T (+ bias); 1 where the kernel could not allocate its buffers, or is no bf16 one */
+static int bf16_product(const Product *p, const void *x, void *y, int m, int threads) {
     switch (p->kind) {
     case BF16: bf16_linear(x, p->packed, p->bias, y, m, p->n, p->k, threads, p->l2); return 0;
     case AMX_BF16: amx_bf16_linear(x, p->packed, p->bias, y, m, p->n, p->k, threads, p->l2); return 0;
@@ -57,27 +26,6 @@ static int one_product(const Product *p, const uint16_t *x, uint16_t *y, int m, 
         return int_linear(x, p->packed, p->bias, y, m, p->n, p->k, p->bits, p->group, p->offsets, p->scaling, threads, p->l2, 1);
     }
     return 1;
-}
-
-/* a layer's role (q/k/v, output, gate/up, down): one product, or a GGUF's siblings of other types as one product
-   each (up to three: q, k and v), whose outputs sit side by side */
-typedef struct {
-    Product part[3];
-    int parts, n; /* n: the parts' together */
-} Role;
-
-/* y (m, r->n) = x (m, k) times the role's weights; 1 where a kernel could not allocate its buffers */
-static int product(const Role *r, const uint16_t *x, uint16_t *y, int m, int threads) {
-    if (r->parts == 1) return one_product(&r->part[0], x, y, m, threads);
-    uint16_t *apart = malloc(2 * (size_t)m * r->n);
-    int failed = !apart;
-    for (int i = 0, at = 0; i < r->parts && !failed; at += r->part[i++].n) {
-        const size_t n = r->part[i].n;
-        failed = one_product(&r->part[i], x, apart, m, threads);
-        for (size_t row = 0; !failed && row < (size_t)m; row++) memcpy(y + row * r->n + at, apart + row * n, 2 * n);
-    }
-    free(apart);
-    return failed;
 }
 
 /* The activations of a bf16 x, times a bf16 u, as torch computes them: in fp32, with the Sleef functions torch's
@@ -206,8 +154,9 @@ static inline __m512 silu(__m512 g) {
 }
 
 /* out (rows, width) = act(gate) up, for both (rows, 2 width): gate, up; width a multiple of 16; act SILU or GELU_TANH */
-enum { NONE, SILU, GELU_TANH }; /* native.ACTIVATIONS' order */
-void gated(const uint16_t *both, uint16_t *out, int rows, int width, int act) {
+void gated(const void *gates, void *acted, int rows, int width, int act) {
+    const uint16_t *both = gates;
+    uint16_t *out = acted;
     for (size_t r = 0; r < (size_t)rows; r++)
         for (int i = 0; i < width; i += 16) {
             const uint16_t *gate = both + 2 * r * width + i;
@@ -217,61 +166,24 @@ void gated(const uint16_t *both, uint16_t *out, int rows, int width, int act) {
         }
 }
 
-/* a layer's norm: its weight (NULL: the layer has none there), eps and weighting (rms_norm.c) */
-typedef struct {
-    const uint16_t *w;
-    float eps;
-    int offset;
-} Norm;
-enum { INPUT, RESIDUAL, ATTENDED, MLP_OUT, Q_HEADS, K_HEADS }; /* norms[]: native.decoder_layer's order */
-
-static void norm(const Norm *n, uint16_t *x, size_t rows, size_t width, int threads) { /* in place, where the layer has it */
-    if (n->w) rms_norm(x, n->w, x, 1, (int)rows, (int)width, n->eps, n->offset, threads);
+/* the residual sum, rounded as torch's; n a multiple of 16 */
+static void bf16_add(const void *a, const void *b, void *out, size_t n) {
+    const uint16_t *x = a, *y = b;
+    for (size_t i = 0; i < n; i += 16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), bf16_bits(_mm512_add_ps(widen(x + i), widen(y + i))));
 }
 
-/* x (B, T, E) -> out (B, T, E), the layer's output, where `down` (act SILU or GELU_TANH); else out = h, the residual
-   sum after attention, and both (B, T, gate_up->n) the gate/up product, for the caller to finish. q, k, v heads H, G,
-   G of D in qkv's output, in that order; norms[6] as the enum above (RESIDUAL: the one after the residual sum;
-   ATTENDED, MLP_OUT: Gemma 3's sandwich, on the attention's and the MLP's outputs; Q_HEADS, K_HEADS: each head's,
-   before RoPE); cos, sin (B or 1, T, D) (cs: a sequence's stride, 0 where they are shared); keys, values (B, G,
-   capacity, D) buffers of one layout (kvs: batch, head, key); mask additive (B or 1, 1, T, held + T) (ms: batch,
-   row) or NULL (causal). 0, or 1 where a kernel could not allocate its buffers (the step's keys may then be
-   written). */
+static int bf16_attention(const void *q, const long *qs, const void *k, const void *v, const long *kvs, const void *mask, const long *ms,
+                          void *out, int B, int H, int G, int T, int S, int D, float scale, int threads) {
+    return tree_attention(q, qs, k, v, kvs, mask, ms, out, B, H, G, T, S, D, scale, threads);
+}
+
+static const Dtype BF16_LAYER = {1, 2, bf16_product, bf16_attention, gated, bf16_add};
+
+/* decoder_layer.h's layer, bf16 (act SILU or GELU_TANH where `down`) */
 int decoder_layer(const uint16_t *x, uint16_t *out, uint16_t *both, const Role *qkv, const Role *o, const Role *gate_up,
                   const Role *down, const Norm *norms, int act, const uint16_t *cos, const uint16_t *sin, long cs, uint16_t *keys,
                   uint16_t *values, const long *kvs, int held, const uint16_t *mask, const long *ms, int B, int T, int H, int G, int D,
                   float scale, int threads) {
-    const size_t rows = (size_t)B * T, E = qkv->part[0].k, width = qkv->n, mlp = gate_up->n; /* width = (H + 2 G) D, mlp = 2 intermediate */
-    /* the norms' outputs, qkv, the attention's, o's, h and the MLP's (where this call finishes the layer) */
-    uint16_t *xn = malloc(2 * rows * (3 * E + width + (size_t)H * D + (down ? E + mlp + mlp / 2 + E : 0)));
-    if (!xn) return 1;
-    uint16_t *q = xn + rows * E, *attended = q + rows * width, *projected = attended + rows * H * D, *y = projected + rows * E;
-    uint16_t *h = down ? y + rows * E : out, *two = down ? h + rows * E : both, *acted = two + rows * mlp, *downed = acted + rows * mlp / 2;
-    int failed = 0;
-    rms_norm(x, norms[INPUT].w, xn, 1, (int)rows, (int)E, norms[INPUT].eps, norms[INPUT].offset, threads);
-    if ((failed = product(qkv, xn, q, (int)rows, threads))) goto done;
-    for (size_t r = 0; r < rows; r++) /* a token's q heads, then its k heads, each normed alone */
-        norm(&norms[Q_HEADS], q + r * width, H, D, 1), norm(&norms[K_HEADS], q + r * width + (size_t)H * D, G, D, 1);
-    for (int b = 0; b < B; b++) rope(q + (size_t)b * T * width, cos + b * cs, sin + b * cs, 1, T, (int)width, H + G, D);
-    for (int b = 0; b < B; b++)
-        for (int g = 0; g < G; g++)
-            for (int t = 0; t < T; t++) {
-                const uint16_t *row = q + ((size_t)b * T + t) * width;
-                const size_t at = b * kvs[0] + g * kvs[1] + (held + t) * kvs[2];
-                memcpy(keys + at, row + (size_t)(H + g) * D, 2 * D), memcpy(values + at, row + (size_t)(H + G + g) * D, 2 * D);
-            }
-    const long qs[3] = {(long)T * width, D, (long)width}; /* q (B, H, T, D) as a view of qkv */
-    if ((failed = tree_attention(q, qs, keys, values, kvs, mask, ms, attended, B, H, G, T, held + T, D, scale, threads))) goto done;
-    if ((failed = product(o, attended, projected, (int)rows, threads))) goto done;
-    norm(&norms[ATTENDED], projected, rows, E, threads);
-    add_rms_norm(x, projected, h, norms[RESIDUAL].w, y, 1, (int)rows, (int)E, norms[RESIDUAL].eps, norms[RESIDUAL].offset, threads);
-    if ((failed = product(gate_up, y, two, (int)rows, threads)) || !down) goto done;
-    gated(two, acted, (int)rows, (int)mlp / 2, act);
-    if ((failed = product(down, acted, downed, (int)rows, threads))) goto done;
-    norm(&norms[MLP_OUT], downed, rows, E, threads);
-    for (size_t i = 0; i < rows * E; i += 16) /* the residual sum, rounded as torch's */
-        _mm256_storeu_si256((__m256i *)(out + i), bf16_bits(_mm512_add_ps(widen(h + i), widen(downed + i))));
-done:
-    free(xn);
-    return failed;
+    return layer(&BF16_LAYER, x, out, both, qkv, o, gate_up, down, norms, act, cos, sin, cs, keys, values, kvs, held, mask, ms, B, T, H,
+                 G, D, scale, threads);
 }

@@ -1,0 +1,84 @@
+/* The fp32 decoder layer in one call (decoder_layer.h's steps), on AVX2 + FMA (every tier builds it): the fp32
+   products (linear.c's or linear_avx2.c's fp32_linear, quant_fp32_linear, the integer linear with fp32
+   activations), tree_attention_avx2.c's attention, and SiLU as torch computes it. */
+
+#include <immintrin.h>
+
+#include "decoder_layer.h"
+
+#define TARGET __attribute__((target("avx2,fma")))
+
+void fp32_linear(const void *x, const void *packed, const float *bias, float *y, int m, int n, int k, int threads, int l2);
+void quant_fp32_linear(const float *x, const char *packed, const float *bias, float *y, int m, int n, int k, int bits, int group,
+                       int offsets, int threads, int l2);
+int tree_attention_fp32(const float *q, const long *qs, const float *k, const float *v, const long *kvs, const float *mask,
+                        const long *ms, float *out, int B, int H, int G, int T, int S, int D, float scale, int threads);
+
+/* y (m, p->n) = x (m, p->k) W^T (+ bias); 1 where the kernel could not allocate its buffers, or is no fp32 one */
+static int fp32_product(const Product *p, const void *x, void *y, int m, int threads) {
+    switch (p->kind) {
+    case FP32: fp32_linear(x, p->packed, p->bias, y, m, p->n, p->k, threads, p->l2); return 0;
+    case QUANT_FP32: quant_fp32_linear(x, p->packed, p->bias, y, m, p->n, p->k, p->bits, p->group, p->offsets, threads, p->l2); return 0;
+    case INT:
+        return int_linear(x, p->packed, p->bias, y, m, p->n, p->k, p->bits, p->group, p->offsets, p->scaling, threads, p->l2, 0);
+    }
+    return 1;
+}
+
+/* Sleef's expf_u10 as torch's vectors call it (decoder_layer.c's sleef_expf, 8 lanes): Cody-Waite reduction by ln 2,
+   the polynomial in FMAs, 2^q in two factors; 0 below -104, infinity above 100 */
+TARGET static inline __m256 sleef_expf8(__m256 d) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+    const __m256 qf = _mm256_cvtepi32_ps(q);
+    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
+    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    const __m256i half = _mm256_srai_epi32(q, 1), rest = _mm256_sub_epi32(q, half); /* 2^q in two factors */
+    u = _mm256_mul_ps(_mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(0x7f)), 23))),
+                      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, _mm256_set1_epi32(0x7f)), 23)));
+    u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), u);
+    return _mm256_blendv_ps(u, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(_mm256_set1_ps(100.0f), d, _CMP_LT_OQ));
+}
+
+/* out (rows, width) = SiLU(gate) up as torch computes it in fp32 (gate / (1 + exp(-gate)), then the product), for
+   both (rows, 2 width): gate, up; width a multiple of 8; act SILU (the only one this dtype computes) */
+TARGET void gated_fp32(const void *gates, void *acted, int rows, int width, int act) {
+    const float *both = gates;
+    float *out = acted;
+    (void)act;
+    for (size_t r = 0; r < (size_t)rows; r++)
+        for (int i = 0; i < width; i += 8) {
+            const float *gate = both + 2 * r * width + i;
+            const __m256 g = _mm256_loadu_ps(gate), minus = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
+            const __m256 a = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), sleef_expf8(minus)));
+            _mm256_storeu_ps(out + r * width + i, _mm256_mul_ps(a, _mm256_loadu_ps(gate + width)));
+        }
+}
+
+static void fp32_add(const void *a, const void *b, void *out, size_t n) { /* the residual sum */
+    const float *x = a, *y = b;
+    float *z = out;
+    for (size_t i = 0; i < n; i++) z[i] = x[i] + y[i];
+}
+
+static int fp32_attention(const void *q, const long *qs, const void *k, const void *v, const long *kvs, const void *mask, const long *ms,
+                          void *out, int B, int H, int G, int T, int S, int D, float scale, int threads) {
+    return tree_attention_fp32(q, qs, k, v, kvs, mask, ms, out, B, H, G, T, S, D, scale, threads);
+}
+
+static const Dtype FP32_LAYER = {0, 4, fp32_product, fp32_attention, gated_fp32, fp32_add};
+
+/* decoder_layer.h's layer, fp32 (act SILU where `down`) */
+int decoder_layer_fp32(const float *x, float *out, float *both, const Role *qkv, const Role *o, const Role *gate_up, const Role *down,
+                       const Norm *norms, int act, const float *cos, const float *sin, long cs, float *keys, float *values,
+                       const long *kvs, int held, const float *mask, const long *ms, int B, int T, int H, int G, int D, float scale,
+                       int threads) {
+    return layer(&FP32_LAYER, x, out, both, qkv, o, gate_up, down, norms, act, cos, sin, cs, keys, values, kvs, held, mask, ms, B, T, H,
+                 G, D, scale, threads);
+}
