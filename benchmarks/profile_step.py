@@ -6,7 +6,7 @@ class (linears, attention, norms, the rest), plus what the engine adds around th
 Op times are torch.profiler's self CPU times (the profiler's own cost included, so they overstate slightly);
 "outside ops" is the wall time of an unprofiled forward minus the ops' sum: Python, module dispatch and what
 no op accounts for. Each number is the fastest of ``--reps`` forwards. Where a step's decoder layers are one C call
-each (bf16 and int8 on our kernels: ``native.decoder_layer``), their products, attention and norms are that call's
+each (on our kernels: ``native.decoder_layer``), their products, attention and norms are that call's
 time ("layers in one call"), and the columns that need them apart say "–".
 
 Then how close each forward is to what the machine allows: the linears' roofline, the larger of streaming
