@@ -14,8 +14,8 @@ norms), and Gemma 3's, whose attention and MLP outputs are normed before their r
 On our kernels a layer of either shape runs a step in one C call (``native.decoder_layer``: the same kernels in the
 same order, the head norms and the sandwich's where the layer has them, the step's keys and values written straight
 into the engine's cache buffer), in bf16 (and int8 with bf16 between its products) and in fp32 (and int8 with fp32
-between them, on the tiers without bf16 kernels); the activation too where the call computes it as torch does (bf16:
-SiLU and GELU-tanh; fp32: SiLU), else everything up to it, then the rest from Python. One call a layer took SmolLM2's
+between them, on the tiers without bf16 kernels); the activation too where the call computes it as torch does (SiLU
+and GELU-tanh), else everything up to it, then the rest from Python. One call a layer took SmolLM2's
 fp32 one-row forward from 9.4 to 7.5 ms on the AVX-512 BF16 tier, and on the AVX2 tier fp32 16.5 -> 12.4 and int8
 10.7 -> 7.8 ms (Zen 4, ``benchmarks.profile_step``).
 

@@ -87,7 +87,7 @@ PRODUCTS = ("bf16_linear", "amx_bf16_linear", "quant_bf16_linear", "amx_quant_li
 ATTENTIONS = {torch.bfloat16: "tree_attention", torch.float32: "tree_attention_fp32"}  # csrc/tree_attention.c's, _avx2.c's
 LAYERS = {torch.bfloat16: "decoder_layer", torch.float32: "decoder_layer_fp32"}  # csrc/decoder_layer.c's, _fp32.c's
 ACTIVATIONS = (None, "silu", "gelu_tanh")  # csrc/decoder_layer.h's: what ``gated`` and ``decoder_layer`` compute as torch does
-GATES = {torch.bfloat16: ("gated", ACTIVATIONS[1:]), torch.float32: ("gated_fp32", ACTIVATIONS[1:2])}  # each dtype's, and its activations
+GATES = {torch.bfloat16: "gated", torch.float32: "gated_fp32"}  # csrc/decoder_layer.c's, _fp32.c's
 NORMS = ("input", "residual", "attended", "mlp_out", "q_heads", "k_heads")  # a layer's norms, as ``decoder_layer`` takes them
 
 
@@ -252,7 +252,7 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
         **{name: ([ctypes.c_void_p] * 3 + [ctypes.POINTER(Role)] * 4 + [ctypes.POINTER(Norm), ctypes.c_int]
                   + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [Longs, ctypes.c_int, ctypes.c_void_p, Longs]
                   + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int], ctypes.c_int) for name in LAYERS.values()},  # 1: out of memory
-        **{name: ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 3, None) for name, _ in GATES.values()},
+        **{name: ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 3, None) for name in GATES.values()},
     }
     for name, (arguments, result) in signatures.items():
         if hasattr(lib, name):
@@ -726,22 +726,21 @@ def decoder_layer(x: torch.Tensor, roles: tuple, norms: ctypes.Array, activation
 
 
 def gates(dtype: torch.dtype, activation: str | None, width: int) -> bool:
-    """Whether ``gated`` (and so ``decoder_layer``) computes ``activation`` of ``width`` gates in ``dtype`` here: bf16
-    SiLU and GELU-tanh, fp32 SiLU, width a multiple of 16."""
-    name, activations = GATES.get(dtype, (None, ()))
-    return activation in activations and width % 16 == 0 and has(name)
+    """Whether ``gated`` (and so ``decoder_layer``) computes ``activation`` (one of ``ACTIVATIONS``) of ``width`` gates in
+    ``dtype`` here: bf16 or fp32 (``GATES``), width a multiple of 16."""
+    return activation in ACTIVATIONS[1:] and width % 16 == 0 and dtype in GATES and has(GATES[dtype])
 
 
 def gated(both: torch.Tensor, activation: str) -> torch.Tensor:
     """(..., 2 width) gate, up -> (..., width): ``act(gate) * up`` bit for bit as torch computes it (``F.silu``, or
-    ``F.gelu(approximate="tanh")``: ``GATES``; ``csrc/decoder_layer.c``, ``_fp32.c``), in one call; width a multiple of 16."""
+    ``F.gelu(approximate="tanh")``; ``csrc/decoder_layer.c``, ``_fp32.c``), in one call; width a multiple of 16."""
     both = both.contiguous()
     width = both.shape[-1] // 2
     if both.shape[-1] != 2 * width or not gates(both.dtype, activation, width):
-        raise ValueError(f"gated takes (..., 2 width), width a multiple of 16, bf16 with one of {GATES[torch.bfloat16][1]} or fp32 "
-                         f"with {GATES[torch.float32][1]}, where the kernels run; got {both.dtype} {tuple(both.shape)}, {activation!r}")
+        raise ValueError(f"gated takes bf16 or fp32 (..., 2 width) where the kernels run, width a multiple of 16, and one of "
+                         f"{ACTIVATIONS[1:]}, got {both.dtype} {tuple(both.shape)}, {activation!r}")
     out = torch.empty(*both.shape[:-1], width, dtype=both.dtype)
-    getattr(library(), GATES[both.dtype][0])(both.data_ptr(), out.data_ptr(), both.numel() // both.shape[-1], width, ACTIVATIONS.index(activation))
+    getattr(library(), GATES[both.dtype])(both.data_ptr(), out.data_ptr(), both.numel() // both.shape[-1], width, ACTIVATIONS.index(activation))
     return out
 
 

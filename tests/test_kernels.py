@@ -355,7 +355,8 @@ def test_the_integer_linear_and_the_fp32_attention_give_the_same_bits_on_every_t
     """int_linear_avx2.c (the AVX2, AVX-VNNI and AVX-512F tiers') gives int_linear.c's bits for every layout kind (int8
     quads, nibbles, 6-bit planes; fp32, fp16 and the K types' scales) at every M up to 40, and so does its vpdpbusd
     path, built here EVEX-encoded (AVX512-VNNI with VL: the instruction the AVX-VNNI tier runs, VEX-encoded, which
-    gcc is shown to build); tree_attention_avx2.c is one code on every tier, so one bits."""
+    gcc is shown to build); tree_attention_avx2.c and decoder_layer_fp32.c's activations are one code on every tier,
+    so one bits."""
     import ctypes
     import subprocess
 
@@ -399,7 +400,12 @@ def test_the_integer_linear_and_the_fp32_attention_give_the_same_bits_on_every_t
             assert lib.tree_attention_fp32(q.data_ptr(), native.Longs(*q.stride()[:3]), k.data_ptr(), v.data_ptr(),
                                            native.Longs(*k.stride()[:3]), mask.data_ptr(), native.Longs(0, mask.stride(2), 0),
                                            out["attention"].data_ptr(), 1, 9, 3, 5, 37, 64, ctypes.c_float(0.125), 2) == 0
-    assert {t for t in outputs if "attention" in outputs[t]} == set(tiers) - {"avx2 with avx512-vnni"}
+        if hasattr(lib, "gated_fp32"):  # built without -ffp-contract=off in the AVX-512 tiers: no product fused all the same
+            both = torch.randn(3, 2 * 64, generator=torch.Generator().manual_seed(7)) * 8
+            for act in (1, 2):  # SiLU, GELU-tanh
+                out[f"gated {act}"] = torch.empty(3, 64)
+                lib.gated_fp32(both.data_ptr(), out[f"gated {act}"].data_ptr(), 3, 64, act)
+    assert {t for t in outputs if "attention" in outputs[t] and "gated 2" in outputs[t]} == set(tiers) - {"avx2 with avx512-vnni"}
     first = outputs[tiers[0]]
     for t, out in outputs.items():
         assert all(torch.equal(out[name], first[name]) for name in out), t
