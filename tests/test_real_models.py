@@ -28,7 +28,8 @@ SMOLLM_CONFIGS = [
     LookaheadConfig(auto=False, window=1, ngram=3, guess=3, tree_budget=1),  # a one-node tree
     LookaheadConfig(auto=False, window=4, ngram=2, guess=4, tree_budget=8),  # N=2, an 8-node tree
     LookaheadConfig(auto=False, window=0, tree_budget=32, suffix_length=16),  # no Jacobi branch, a 32-node tree
-    LookaheadConfig(auto=False, window=3, ngram=5, guess=100, tree_budget=64, recycle_k=16),  # every pool n-gram, a 64-node tree
+    # every pool n-gram, a 64-node tree; no prior (its 16 successors a token would be a prior of their own: ~40 s)
+    LookaheadConfig(auto=False, window=3, ngram=5, guess=100, tree_budget=64, recycle_k=16, recycle_prior=0),
 ]
 
 
@@ -104,16 +105,18 @@ def test_bf16_lookahead_equals_the_bf16_plain_loop_on_our_own_kernels(name):
     model, tok = models.load(name, dtype="bfloat16", kernels="packed")
     assert kernels.kernels_of(model) == "packed-own"
     assert {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RMSNorm")} == {"FusedRMSNorm"}
-    for config in (LookaheadConfig(), LookaheadConfig(auto=False, tree_budget=32, suffix_length=16),
-                   LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=8)):
+    prior = LookaheadConfig().recycle_prior if name == "smollm2-135m" else 0  # Gemma's in bf16: ~30 s of this test
+    for config in (LookaheadConfig(recycle_prior=prior), LookaheadConfig(auto=False, tree_budget=32, suffix_length=16, recycle_prior=prior),
+                   LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=8, recycle_prior=prior)):
         gen = on_fixed_cost(model, tok, config)
         for _, text, chat in PROMPTS[:4] if name == "smollm2-135m" else PROMPTS[:2]:
             ids = prompt_ids(tok, text, chat)
             assert gen.generate(ids, max_new_tokens=48).tokens == gen.generate(ids, max_new_tokens=48, lookahead=False).tokens
     # a batch too: its padding and holes are masked keys, which add exact zeros
     prompts = [prompt_ids(tok, text, chat) for _, text, chat in PROMPTS[:4]]
-    alone = [on_fixed_cost(model, tok).generate(ids, max_new_tokens=32, lookahead=False).tokens for ids in prompts]
-    assert [r.tokens for r in on_fixed_cost(model, tok).generate_batch(prompts, 32)] == alone
+    gen = on_fixed_cost(model, tok, LookaheadConfig(recycle_prior=prior))
+    alone = [gen.generate(ids, max_new_tokens=32, lookahead=False).tokens for ids in prompts]
+    assert [r.tokens for r in gen.generate_batch(prompts, 32)] == alone
 
 
 def test_gguf_conversion_cache_reloads_identical_logits(smollm2, tmp_path):
@@ -130,13 +133,14 @@ def test_gguf_conversion_cache_reloads_identical_logits(smollm2, tmp_path):
 def test_qwen2_coder_equals_generate():
     """fp32 lookahead equals stock generate() on Qwen2.5-Coder. One copy of the model at a time (2 GB each): the
     engine's packed one decodes first, then the stock one gives the references and judges any tie. It runs
-    before the Gemma tests, whose module-scoped models would otherwise add ~2 GB to its peak memory."""
+    before the Gemma tests, whose module-scoped models would otherwise add ~2 GB to its peak memory. No prior
+    (SmolLM2's tests run it): Qwen's in fp32 took ~90 s of this test's ~140."""
     packed, tok = models.load("qwen2.5-coder-0.5b", dtype="float32", kernels="packed")
     runs = []  # (prompt ids, lookahead's tokens) for two prompts, two tree sizes each
     for name, text, chat in (PROMPTS[0], PROMPTS[3]):
         ids = prompt_ids(tok, text, chat)
         for budget in ((32, 1) if name == PROMPTS[0][0] else (64, 8)):
-            gen = LookaheadGenerator(packed, tok, LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=budget))
+            gen = LookaheadGenerator(packed, tok, LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=budget, recycle_prior=0))
             runs.append((ids, gen.generate(ids, max_new_tokens=48).tokens))
     del packed, gen
     gc.collect()
@@ -168,8 +172,9 @@ def test_gemma3_equals_generate_beyond_its_sliding_window(gemma3):
     assert all(isinstance(layer, FusedLayer) for layer in packed.model.layers)  # sandwiched norms, head norms, sliding layers
     long_ids = long_prompt(tok, 600)
     assert len(long_ids) > 512
-    for config in (LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=8),
-                   LookaheadConfig(auto=False, tree_budget=64, suffix_length=16)):  # auto=False: the shape runs as given
+    # auto=False: the shape runs as given; no prior (Gemma's 262k-token head makes it ~60 s in fp32)
+    for config in (LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=8, recycle_prior=0),
+                   LookaheadConfig(auto=False, tree_budget=64, suffix_length=16, recycle_prior=0)):
         gen = LookaheadGenerator(packed, tok, config)
         for ids in (prompt_ids(tok, PROMPTS[0][1], False), prompt_ids(tok, PROMPTS[5][1], False), long_ids):
             out = gen.generate(ids, max_new_tokens=48)
@@ -180,7 +185,7 @@ def test_gemma3_generation_crosses_the_window_boundary(gemma3):
     # prompt just under 512: the cache fills the sliding window during decoding
     model, tok, packed = gemma3
     ids = long_prompt(tok, 490)[:490]
-    out = LookaheadGenerator(packed, tok, LookaheadConfig(auto=False, tree_budget=32)).generate(ids, max_new_tokens=48)
+    out = LookaheadGenerator(packed, tok, LookaheadConfig(auto=False, tree_budget=32, recycle_prior=0)).generate(ids, max_new_tokens=48)
     assert_greedy_equal(model, ids, out.tokens, hf_greedy(model, ids, 48))
 
 
