@@ -36,14 +36,7 @@ static inline __m512 widen(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* The activation of 16 fp32 lanes, as two halves of 8 (activations.h: per lane the operations of torch's AVX-512 vectors) */
-static inline __m512 act16(__m512 g, int act) {
-    const __m256 lo = _mm512_castps512_ps256(g), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1));
-    const __m256 a = act == SILU ? silu8(lo) : gelu_tanh8(lo), b = act == SILU ? silu8(hi) : gelu_tanh8(hi);
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
-}
-
-/* The activations of a bf16 x, times a bf16 u, as torch computes them: in fp32 (act16), rounded to bf16 as torch
+/* The activations of a bf16 x, times a bf16 u, as torch computes them: in fp32 (activations.h), rounded to bf16 as torch
    rounds (to nearest even, in integers: denormals kept, where vcvtneps2bf16 flushes them); then the product, rounded
    alike. Equal to F.silu(x) * u and F.gelu(x, approximate="tanh") * u for every bf16 x (tests/test_layers.py runs
    all 65536). out (rows, width) = act(gate) up, for both (rows, 2 width): gate, up; width a multiple of 16; act SILU or
@@ -55,7 +48,7 @@ void gated(const void *gates, void *acted, int rows, int width, int act) {
         for (int i = 0; i < width; i += 16) {
             const uint16_t *gate = both + 2 * r * width + i;
             const __m512 g = widen(gate);
-            const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(act16(g, act))), 16));
+            const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(act == SILU ? silu_16(g) : gelu_tanh_16(g))), 16));
             _mm256_storeu_si256((__m256i *)(out + r * width + i), bf16_bits(_mm512_mul_ps(a, widen(gate + width))));
         }
 }

@@ -30,8 +30,8 @@ AVX2_FMA void gated_fp32(const void *gates, void *acted, int rows, int width, in
     for (size_t r = 0; r < (size_t)rows; r++)
         for (int i = 0; i < width; i += 8) {
             const float *gate = both + 2 * r * width + i;
-            const __m256 g = _mm256_loadu_ps(gate), a = act == SILU ? silu8(g) : gelu_tanh8(g);
-            _mm256_storeu_ps(out + r * width + i, MUL8(a, _mm256_loadu_ps(gate + width)));
+            const __m256 g = _mm256_loadu_ps(gate), a = act == SILU ? silu_8(g) : gelu_tanh_8(g);
+            _mm256_storeu_ps(out + r * width + i, mul_8(a, _mm256_loadu_ps(gate + width)));
         }
 }
 
