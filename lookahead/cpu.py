@@ -1,9 +1,11 @@
 """What machine this is, for the layers that adapt to it: the CPU's /proc/cpuinfo fields, its name (a cost curve's
 cache key), AMD's core generation (the linears' prefetch choice), and the user's cache directory where kernels,
-converted models and measurements are kept. The bottom of the house: it imports nothing of the engine."""
+converted models and measurements are kept, and handing freed memory back to it. The bottom of the house: it
+imports nothing of the engine."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import platform
@@ -65,3 +67,15 @@ def _zen(family: int, model: int) -> str | None:
 def flags() -> list[str]:
     """The CPU's feature flags (``avx512_bf16``, ...); empty where /proc/cpuinfo has none."""
     return _cpu_fields().get("flags", "").split()
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing). A model's load frees
+    gigabytes of transient arrays (dequantized tensors, blocks being laid out) in pieces glibc keeps in its heap:
+    measured, Qwen2.5-Coder-0.5B loaded in fp32 on the stock kernels and on ours, then both deleted, left 3.38 GB
+    resident (0.71 GB after a trim), and the test suite's peak was 10.9 GB where its largest model needs 8.8."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)

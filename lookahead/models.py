@@ -20,7 +20,7 @@ from typing import BinaryIO, Callable
 
 import torch
 
-from lookahead import gguf_model
+from lookahead import cpu, gguf_model
 from lookahead.cpu import default_cache_dir
 from lookahead.gguf_model import ModelLoadError, one_line
 from lookahead.native import INTEGER
@@ -318,4 +318,5 @@ def load(
         progress(report.notice)
     if report.weights != "dense":
         progress(f"quantized weights: {report.weights}")
+    cpu.release_freed_memory()  # what loading freed, and what models deleted before it left
     return model, tokenizer
