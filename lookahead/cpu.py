@@ -1,7 +1,7 @@
 """What machine this is, for the layers that adapt to it: the CPU's /proc/cpuinfo fields, its name (a cost curve's
 cache key), AMD's core generation (the linears' prefetch choice), and the user's cache directory where kernels,
-converted models and measurements are kept, and handing freed memory back to it. The bottom of the house: it
-imports nothing of the engine."""
+converted models and measurements are kept; and handing the C heap's freed pages back to the OS. The bottom of the
+house: it imports nothing of the engine."""
 
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ def flags() -> list[str]:
 def release_freed_memory() -> None:
     """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing). A model's load frees
     gigabytes of transient arrays (dequantized tensors, blocks being laid out) in pieces glibc keeps in its heap:
-    measured, Qwen2.5-Coder-0.5B loaded in fp32 on the stock kernels and on ours, then both deleted, left 3.38 GB
-    resident (0.71 GB after a trim), and the test suite's peak was 10.9 GB where its largest model needs 8.8."""
+    measured, Qwen2.5-Coder-0.5B loaded in fp32 on the stock kernels and on ours held 7.14 GB (5.63 trimmed at the
+    end of each load), and once both were deleted left 3.38 GB resident (0.71 after a trim)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc
