@@ -256,9 +256,23 @@ def _sibling_order(name: str) -> tuple[str, int, str]:
     return parent, order.index(leaf) if leaf in order else len(order), leaf
 
 
+def tokenizer_of(gguf: Path, model_type: str):
+    """``gguf``'s tokenizer, or None for a file without one (token ids only). Its class named by the config's model
+    type: untyped, transformers parses the whole file again (the vocabulary too) for a config that names it
+    (Qwen2.5-Coder-0.5B 9.7 -> 1.0 s, Gemma 3 15.0 -> 2.5 s, the same tokenizer); untyped where that type names none."""
+    from transformers import AutoTokenizer
+
+    for typed in ({"tokenizer_type": model_type}, {}):
+        try:
+            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **typed)
+        except Exception:  # a type that names no tokenizer class; then a file without a tokenizer
+            continue
+    return None
+
+
 def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
     """``gguf``'s cache directory, made on first use (see the module doc); a ``ModelLoadError`` for a file it cannot read."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     target = cache_dir / "blocks" / cache_key(gguf, _regular(gguf))
     if (target / "index.json").is_file():
@@ -273,10 +287,7 @@ def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # gguf-py and transformers raise many types for an unreadable or unsupported file
         raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except Exception:  # a file without a tokenizer: token ids only
-        tokenizer = None
+    tokenizer = tokenizer_of(gguf, config.model_type)
     model = _skeleton(config, torch.float32)
     processor, blocks = _processor(architecture, config)
     entries, left = _entries(reader, model, processor, blocks)

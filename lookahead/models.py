@@ -170,7 +170,7 @@ def converted_dir(gguf: Path, cache_dir: Path) -> Path:
 
 def convert_gguf(gguf: Path, target: Path, progress: Progress = _quiet) -> Path:
     """Dequantize a GGUF file once into ``target`` (safetensors + tokenizer); return ``target``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if (target / "config.json").is_file():
         return target
@@ -178,9 +178,11 @@ def convert_gguf(gguf: Path, target: Path, progress: Progress = _quiet) -> Path:
     gguf_model.check_header(gguf)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # transformers raises many types for an unreadable or unsupported GGUF
         raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
+    tokenizer = gguf_model.tokenizer_of(gguf, model.config.model_type)
+    if tokenizer is None:
+        raise ModelLoadError(f"cannot read GGUF {gguf}: it holds no tokenizer transformers reads")
     # The weights are plain dequantized tensors now; only the GGUF quantizer's marker blocks saving.
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
