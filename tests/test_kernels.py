@@ -292,8 +292,9 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
     packed, scores, norm_weight, delta = native.pack(weight), torch.randn(5, 1000), torch.randn(576), torch.randn(13, 576)
     angles = torch.randn(13, 32) * 30
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (13, 64): each row's
-    blocks = [quants.quantize_q8_0(weight),  # and a 4-bit kind, with offsets and a bias
-              quants.Quantized(torch.randint(0, 16, (96, 576), dtype=torch.int8), torch.rand(96, 18), torch.randn(96, 18), 32, 4)]
+    blocks = [quants.quantize_q8_0(weight),  # and a 4-bit kind, with offsets and a bias; and an odd count of blocks
+              quants.Quantized(torch.randint(0, 16, (96, 576), dtype=torch.int8), torch.rand(96, 18), torch.randn(96, 18), 32, 4),
+              quants.quantize_q8_0(weight[:80])]
     layouts = [native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32) for q in blocks]
     keys = torch.randn(2, 3, 12, 32)  # (B, H, S, D): sequence b's columns 4 + index[b] move to 4, 5, 6
     index = np.array([[0, 2, 5], [1, 3, 4]], np.int64)
@@ -308,14 +309,15 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
         assert torch.allclose(out["linear 13"], x @ weight.T + bias, rtol=1e-4, atol=1e-4)
         assert torch.equal(out["linear 1"], out["linear 13"][:1]) and torch.equal(out["linear 5"], out["linear 13"][:5])
         for q, layout in zip(blocks, layouts):  # the quantized linear: the dense one's bits on the dequantized weight
-            for rows in (1, 13):
-                y = torch.empty(rows, 96)
-                lib.quant_fp32_linear(x.data_ptr(), layout.packed.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, 96, 576, q.bits,
+            n = q.q.shape[0]
+            for rows in (1, 2, 13):  # the AVX2 kernel's tiles of blocks two at a time (a lone one alone), and of 4 rows
+                y = torch.empty(rows, n)
+                lib.quant_fp32_linear(x.data_ptr(), layout.packed.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, n, 576, q.bits,
                                       q.group, int(q.offset is not None), 2, 1)
-                out[f"quant {q.kind} {rows}"] = y
-            dense, dequantized = torch.empty(13, 96), native.pack(q.dequantize())
-            lib.fp32_linear(x.data_ptr(), dequantized.data_ptr(), bias.data_ptr(), dense.data_ptr(), 13, 96, 576, 2, 1)
-            assert torch.equal(out[f"quant {q.kind} 13"], dense) and torch.equal(out[f"quant {q.kind} 1"], dense[:1])
+                out[f"quant {q.kind} {n} {rows}"] = y
+            dense, dequantized = torch.empty(13, n), native.pack(q.dequantize())
+            lib.fp32_linear(x.data_ptr(), dequantized.data_ptr(), bias.data_ptr(), dense.data_ptr(), 13, n, 576, 2, 1)
+            assert all(torch.equal(out[f"quant {q.kind} {n} {rows}"], dense[:rows]) for rows in (1, 2, 13))
         if hasattr(lib, "rms_norm"):  # both weightings, and the residual sum before the norm
             for offset, name in ((0, "norm"), (1, "gemma norm")):
                 out[name] = torch.empty_like(x)
@@ -347,7 +349,7 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
             assert all(torch.equal(out[name], theirs[name]) for name in out.keys() & theirs.keys()), (t, other)
     if "avx2" in outputs:  # the AVX2 tier: the fp32 linears, norms and RoPE, and the KV moves
         assert set(outputs["avx2"]) == ({"linear 1", "linear 5", "linear 13", "moved", "norm", "gemma norm", "sum", "summed norm", "rope"}
-                                         | {f"quant {q.kind} {r}" for q in blocks for r in (1, 13)})
+                                         | {f"quant {q.kind} {q.q.shape[0]} {r}" for q in blocks for r in (1, 2, 13)})
 
 
 @pytest.mark.skipif(not native.runs("avx2") or shutil.which("gcc") is None, reason="no AVX2 or no gcc here")

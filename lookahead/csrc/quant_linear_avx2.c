@@ -61,10 +61,60 @@ TILE(1) TILE(2) TILE(3) TILE(4)
 static void (*const tiles[5])(const float *, const char *, float *, const float *, int, int, int, int, int, int,
                               const char *, int, int, int) = {0, tile1, tile2, tile3, tile4};
 
+/* ROWS (1, 2) rows x HALVES halves (2: a block; 4: two, `block` bytes apart) at once: tile's arithmetic, each output
+   the same chain, but HALVES chains a row in flight. A tile's one or two chains wait out each FMA's latency (one
+   row of SmolLM2's products: 2 weights a cycle a core). */
+#define WIDE(ROWS, HALVES)                                                                                        \
+    static void wide##ROWS##_##HALVES(const float *x, const char *w, size_t block, float *y, const float *bias, int n,  \
+                                      int k, int bits, int group, int offsets, const char *next, int l2) {        \
+        const size_t head = offsets ? 128 : 64, step_bytes = bits == 8 ? 32 : 16;                                 \
+        const size_t group_bytes = head + (size_t)group / 2 * step_bytes;                                         \
+        __m256 sum[ROWS][HALVES];                                                                                 \
+        for (int r = 0; r < ROWS; r++)                                                                            \
+            for (int q = 0; q < HALVES; q++) sum[r][q] = _mm256_setzero_ps();                                     \
+        for (int g = 0; g < k / group; g++) {                                                                     \
+            if (next)                                                                                             \
+                for (int b = 0; b < HALVES / 2; b++)                                                              \
+                    for (size_t line = 0; line < group_bytes; line += 64) prefetch(next + b * block + g * group_bytes + line, l2); \
+            for (int step = 0; step < group / 2; step++) {                                                        \
+                const float *xk = x + g * group + 2 * step;                                                       \
+                for (int q = 0; q < HALVES; q++) {                                                                \
+                    const char *at = w + (q / 2) * block + g * group_bytes;                                       \
+                    const __m256 s = _mm256_loadu_ps((const float *)at + 8 * (q % 2));                            \
+                    __m256 a, b;                                                                                  \
+                    widen(at + head + (size_t)step * step_bytes, bits, q % 2, &a, &b);                            \
+                    a = _mm256_mul_ps(a, s), b = _mm256_mul_ps(b, s);                                             \
+                    if (offsets) {                                                                                \
+                        const __m256 o = _mm256_loadu_ps((const float *)at + 16 + 8 * (q % 2));                   \
+                        a = _mm256_add_ps(a, o), b = _mm256_add_ps(b, o);                                         \
+                    }                                                                                             \
+                    for (int r = 0; r < ROWS; r++) {                                                              \
+                        sum[r][q] = _mm256_fmadd_ps(_mm256_set1_ps(xk[(size_t)r * k]), a, sum[r][q]);            \
+                        sum[r][q] = _mm256_fmadd_ps(_mm256_set1_ps(xk[(size_t)r * k + 1]), b, sum[r][q]);        \
+                    }                                                                                             \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int r = 0; r < ROWS; r++)                                                                            \
+            for (int q = 0; q < HALVES; q++)                                                                      \
+                _mm256_storeu_ps(y + (size_t)r * n + 8 * q, bias ? _mm256_add_ps(sum[r][q], _mm256_loadu_ps(bias + 8 * q)) : sum[r][q]); \
+    }
+WIDE(1, 2) WIDE(1, 4) WIDE(2, 2) WIDE(2, 4)
+static void (*const wides[3][2])(const float *, const char *, size_t, float *, const float *, int, int, int, int, int,
+                                 const char *, int) = {{0, 0}, {wide1_2, wide1_4}, {wide2_2, wide2_4}};
+
 void quant_fp32_linear(const float *x, const char *packed, const float *bias, float *y, int m, int n, int k, int bits,
                        int group, int offsets, int threads, int l2) {
     const int blocks = n / 16, row_tiles = (m + 3) / 4, per = (m + row_tiles - 1) / row_tiles;
     const size_t block = (size_t)(k / group) * ((offsets ? 128 : 64) + (size_t)group * 16 * bits / 8);
+    if (m <= 2) { /* blocks two at a time (a lone last one alone), every half's chain in flight */
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")
+        for (int p = 0; p < (blocks + 1) / 2; p++) {
+            const char *w = packed + 2 * p * block, *next = 2 * p + 2 < blocks ? w + 2 * block : 0;
+            wides[m][2 * p + 1 < blocks](x, w, block, y + 32 * p, bias ? bias + 32 * p : 0, n, k, bits, group, offsets, next, l2);
+        }
+        return;
+    }
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int nb = 0; nb < blocks; nb++) {
         const char *w = packed + nb * block, *next = nb + 1 < blocks ? w + block : 0;
