@@ -62,10 +62,11 @@ class Tier:
 # one call, the top-k and the KV moves (their bf16 code is not compiled); an AVX2 one (Haswell and later, Zen 1-3)
 # the fp32 linears, attention, RMSNorm, RoPE and layer in one call (linear_avx2.c, quant_linear_avx2.c,
 # int_linear_avx2.c, tree_attention_avx2.c, rms_norm_avx2.c, rope_avx2.c, decoder_layer_fp32.c: the same bits;
-# -ffp-contract=off keeps each product and sum apart where the AVX-512 code rounds them apart) and the KV moves; an
-# AVX-VNNI one (Alder Lake and later client chips) the same, its integer dot products on vpdpbusd
+# -ffp-contract=off keeps each product and sum apart where the AVX-512 code rounds them apart), the top-k and
+# argmax (top_k.c on 8 lanes) and the KV moves; an AVX-VNNI one (Alder Lake and later client chips) the same, its
+# integer dot products on vpdpbusd
 AVX2_SOURCES = ("linear_avx2.c", "quant_linear_avx2.c", "int_linear_avx2.c", "tree_attention_avx2.c", "rms_norm_avx2.c", "rope_avx2.c",
-                "decoder_layer_fp32.c", "move_columns.c")
+                "decoder_layer_fp32.c", "top_k.c", "move_columns.c")
 AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),

@@ -278,7 +278,7 @@ def test_each_bf16_path_is_row_invariant_and_rounds_fp32_sums_once(tiles, n, k):
 @pytest.mark.skipif(native.best_tier() is None or shutil.which("gcc") is None, reason="no AVX2 or no gcc here")
 def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(tmp_path):
     """Each tier of the kernels this CPU can run (an AVX-512 BF16 host runs the AVX-512F and AVX2 ones too) is
-    built and called by name: what two tiers both have (the fp32 linears, RMSNorm and top-k, the KV moves) gives
+    built and called by name: what two tiers both have (the fp32 linears, RMSNorm, top-k and argmax, the KV moves) gives
     the same bits in each (the AVX2 linear is other code with the same FMA chain per output), and only the
     AVX-512 BF16 tier has bf16 kernels."""
     import ctypes
@@ -290,6 +290,15 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 576), torch.randn(96), torch.randn(13, 576)
     packed, scores, norm_weight, delta = native.pack(weight), torch.randn(5, 1000), torch.randn(576), torch.randn(13, 576)
+    tie = torch.zeros(1, 5000)
+    tie[0, [4000, 7, 3000]] = 1.0  # in both threads' halves of the columns: the lower index first
+    edges = torch.randn(6, 1004) * 4  # a tail past the last vector of either width
+    edges[1, [3, 900]] = 100.0  # equal largest: the first
+    edges[2] = float("-inf")  # nothing but -inf: the first
+    edges[3, [20, 700]] = float("nan")  # a NaN is above all: the first one
+    edges[4, 1003] = 100.0  # the largest in the tail
+    edges[5] = -0.0
+    edges[5, 9] = 0.0  # -0 and +0 are equal: the first
     angles = torch.randn(13, 32) * 30
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (13, 64): each row's
     blocks = [quants.quantize_q8_0(weight),  # and a 4-bit kind, with offsets and a bias; and an odd count of blocks
@@ -335,11 +344,22 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
             heads = x[:, :512].view(13, 8, 64)
             want = heads * cos[:, None] + torch.cat([-heads[..., 32:], heads[..., :32]], -1) * sin[:, None]
             assert torch.equal(out["rope"][:, :512].view(13, 8, 64), want) and torch.equal(out["rope"][:, 512:], x[:, 512:])
-        if hasattr(lib, "top_k"):
-            top = np.empty((5, 8), np.int64)
-            assert lib.top_k(scores.data_ptr(), 0, 5, 1000, 8, top.ctypes.data, 2) == 0
-            out["top"] = torch.from_numpy(top)
-            assert torch.equal(out["top"], torch.topk(scores, 8).indices)
+        if hasattr(lib, "top_k"):  # fp32 and bf16 (as their fp32 values), a tail past the last vector, a tie across threads
+            for name, x_, k in (("top", scores, 8), ("top tail", scores[:, :997].contiguous(), 8), ("top bf16", scores.bfloat16(), 8),
+                                ("top tie", tie, 3)):
+                top = np.empty((x_.shape[0], k), np.int64)
+                assert lib.top_k(x_.data_ptr(), int(x_.dtype == torch.bfloat16), x_.shape[0], x_.shape[1], k, top.ctypes.data, 2) == 0
+                out[name] = torch.from_numpy(top)
+            assert torch.equal(out["top"], torch.topk(scores, 8).indices) and out["top tie"].tolist() == [[7, 3000, 4000]]
+            assert torch.equal(out["top tail"], torch.topk(scores[:, :997], 8).indices)
+            ranked = torch.sort(scores.bfloat16().float(), descending=True, stable=True).indices  # bf16 ties: the lower index first
+            assert torch.equal(out["top bf16"], ranked[:, :8])
+        if hasattr(lib, "argmax"):  # torch's: the first of equals, the first NaN above all; in fp32 and bf16
+            for name, x_ in (("argmax", edges), ("argmax bf16", edges.bfloat16())):
+                found = np.empty(len(x_), np.int64)
+                lib.argmax(x_.data_ptr(), int(x_.dtype == torch.bfloat16), x_.shape[0], x_.shape[1], found.ctypes.data)
+                out[name] = torch.from_numpy(found)
+                assert out[name].tolist() == torch.argmax(x_, -1).tolist() == [int(torch.argmax(x_[0])), 3, 0, 20, 1003, 0]
         out["moved"] = keys.clone()
         lib.move_columns((ctypes.c_void_p * 1)(out["moved"].data_ptr()), (ctypes.c_long * 3)(*keys.stride()[:3]), 1, 4, 2, 3, 32, 4,
                          index.ctypes.data, 3)
@@ -347,8 +367,9 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
     for t, out in outputs.items():
         for other, theirs in outputs.items():
             assert all(torch.equal(out[name], theirs[name]) for name in out.keys() & theirs.keys()), (t, other)
-    if "avx2" in outputs:  # the AVX2 tier: the fp32 linears, norms and RoPE, and the KV moves
-        assert set(outputs["avx2"]) == ({"linear 1", "linear 5", "linear 13", "moved", "norm", "gemma norm", "sum", "summed norm", "rope"}
+    if "avx2" in outputs:  # the AVX2 tier: the fp32 linears, norms and RoPE, the top-k and argmax, and the KV moves
+        assert set(outputs["avx2"]) == ({"linear 1", "linear 5", "linear 13", "moved", "norm", "gemma norm", "sum", "summed norm", "rope",
+                                          "top", "top tail", "top bf16", "top tie", "argmax", "argmax bf16"}
                                          | {f"quant {q.kind} {q.q.shape[0]} {r}" for q in blocks for r in (1, 2, 13)})
 
 
