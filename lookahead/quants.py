@@ -253,7 +253,14 @@ class QuantEmbedding(nn.Module):
     """An embedding table kept as a GGUF tensor's blocks (``raw``: its bytes, memory-mapped from the file): the rows
     looked up are decoded and dequantized as gguf-py does (``from_blocks``), then cast to ``dtype``, and scaled as the
     module it replaces scales them (``embed_scale``: Gemma's). Nothing of the table is resident but the rows read:
-    a 150k-token table is ~1 GB dense in fp32, and decoding all of it at each load took ~3 s."""
+    a 150k-token table is ~1 GB dense in fp32, and decoding all of it at each load took ~3 s.
+
+    A step's few rows are kept once decoded (the last ``KEPT`` tokens a step met, ~10-25 MB): decoding one row
+    through ``from_blocks`` took ~0.14 ms of SmolLM2's ~5.5 ms one-row forward (Zen 4), and a step's tokens are
+    mostly ones met before. Each row is the same elementwise arithmetic however it is looked up: the same bits."""
+
+    KEPT = 4096  # decoded rows kept (the oldest go first)
+    STEP = 64  # lookups of at most this many tokens go through the kept rows (a step's); more (a prompt's) decode at once
 
     def __init__(self, raw: np.ndarray, kind: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
                  embed_scale: torch.Tensor | None = None) -> None:
@@ -263,14 +270,28 @@ class QuantEmbedding(nn.Module):
         self.rows = raw.reshape(num_embeddings, -1)  # (V, bytes a row)
         self.kind, self.num_embeddings, self.embedding_dim, self.dtype = kind, num_embeddings, embedding_dim, dtype
         self.embed_scale = embed_scale
+        self.kept: dict[int, torch.Tensor] = {}  # token id -> its row (D,), scaled, in ``dtype``
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (...) -> (..., D)
         ids = input_ids.reshape(-1).cpu().numpy()
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
             raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got {int(ids.min())} .. {int(ids.max())}")
+        if ids.size > self.STEP:
+            rows = self._decoded(ids)
+        else:
+            found = {i: self.kept.get(i) for i in ids.tolist()}
+            new = [i for i, row in found.items() if row is None]
+            for i, row in zip(new, self._decoded(np.array(new)) if new else ()):
+                if len(self.kept) >= self.KEPT:
+                    del self.kept[next(iter(self.kept))]
+                found[i] = self.kept[i] = row
+            rows = torch.stack([found[i] for i in ids.tolist()])
+        return rows.view(*input_ids.shape, self.embedding_dim).to(input_ids.device)
+
+    def _decoded(self, ids: np.ndarray) -> torch.Tensor:
+        """Rows (len(ids), D) of ``ids``: decoded, dequantized, cast and scaled."""
         rows = from_blocks(self.rows[ids], self.kind, ids.size, self.embedding_dim).dequantize().to(self.dtype)
-        out = rows.view(*input_ids.shape, self.embedding_dim).to(input_ids.device)
-        return out if self.embed_scale is None else out * self.embed_scale.to(self.dtype)
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(self.dtype)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -139,6 +139,12 @@ def test_a_quantized_embedding_looks_rows_up_as_the_dense_table_does():
     dense = torch.nn.Embedding.from_pretrained(quants.from_blocks(raw, "Q8_0", 40, 128).dequantize().to(torch.bfloat16))
     ids = torch.tensor([[3, 39, 0], [7, 7, 12]])
     assert torch.equal(table(ids), dense(ids) * 2.0) and torch.equal(table.weight, dense.weight)
+    table.KEPT, table.STEP = 4, 8  # a step's rows come from those kept (the oldest evicted), a prompt's decode at once
+    table.kept.clear()
+    for ids in ([[5]], [[5, 3, 5]], [[9, 10, 11, 12, 5]], list(range(40)), [[0]], [[3, 39]]):
+        ids = torch.tensor(ids)
+        assert torch.equal(table(ids), dense(ids) * 2.0), ids
+    assert list(table.kept) == [12, 0, 3, 39]
     with pytest.raises(IndexError, match=r"token ids must be in \[0, 40\)"):
         table(torch.tensor([40]))
 
