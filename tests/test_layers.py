@@ -223,3 +223,14 @@ def test_the_default_models_layers_are_fused(smollm2_packed):
     """SmolLM2 on the default kernels: every decoder layer fused, which the real-model tests then hold to stock
     ``generate()`` (Qwen2's biases: the tiny models above)."""
     assert all(isinstance(layer, layers.FusedLayer) for layer in smollm2_packed[0].model.layers)
+
+
+def test_a_steps_shared_inputs_are_checked_again_only_when_they_change():
+    """``StepFits``: what every layer of a step gets (mask, cos, sin) is checked at the first and known at the rest."""
+    fits = layers.StepFits()
+    cos, sin, mask = torch.zeros(1, 3, 64), torch.zeros(1, 3, 64), torch.zeros(1, 1, 3, 8)
+    assert fits(mask, cos, sin, 1, 3, 64, torch.float32, True) and fits(mask, cos, sin, 1, 3, 64, torch.float32, True)
+    assert not fits(mask, cos, sin, 1, 3, 32, torch.float32, True)  # another head size
+    assert not fits(mask.bfloat16(), cos, sin, 1, 3, 64, torch.float32, True)  # another mask: not the step's dtype
+    assert not fits(mask, cos, sin.bfloat16(), 1, 3, 64, torch.float32, True)
+    assert fits(None, cos, sin, 1, 3, 64, torch.float32, True) and not fits(None, cos, sin, 1, 3, 64, torch.float32, False)
