@@ -243,6 +243,8 @@ class Batch:
 def ranked_rows(layout: StepLayout, ids: np.ndarray, topk: np.ndarray, path: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Input token (R,) and top-k next tokens (R, k) of every row with logits (``topk``: theirs, in row order),
     the accepted rows last (they win). A step has a few dozen rows at most: the order is a list."""
+    if layout.size == 1:  # a plain step: the current token's row
+        return ids[:1], topk[:1]
     first_tree = layout.logit_rows.numel() - (layout.size - layout.first_tree_row)
     trusted = [0] + [first_tree + n for n in path]
     order = [r for r in range(layout.logit_rows.numel()) if r not in trusted] + trusted

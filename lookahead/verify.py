@@ -36,7 +36,7 @@ def accept(scores_at: ScoresAt, tree: TokenTree) -> Verdict:
     """The deepest branch equal to the argmax chain of ``scores_at``, plus the bonus token (also after a leaf)."""
     node, path = -1, []
     token = argmax(scores_at(node))
-    while True:
+    while len(tree):  # a plain step's tree is empty: its one token
         match = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
         if match is None:
             break
