@@ -279,13 +279,14 @@ class QuantEmbedding(nn.Module):
         if ids.size > self.STEP:
             rows = self._decoded(ids)
         else:
-            found = {i: self.kept.get(i) for i in ids.tolist()}
+            listed = ids.tolist()
+            found = {i: self.kept.get(i) for i in listed}
             new = [i for i, row in found.items() if row is None]
             for i, row in zip(new, self._decoded(np.array(new)) if new else ()):
                 if len(self.kept) >= self.KEPT:
                     del self.kept[next(iter(self.kept))]
-                found[i] = self.kept[i] = row
-            rows = torch.stack([found[i] for i in ids.tolist()])
+                found[i] = self.kept[i] = row.clone()  # its own storage: a view would keep its whole decoded batch alive
+            rows = torch.stack([found[i] for i in listed])
         return rows.view(*input_ids.shape, self.embedding_dim).to(input_ids.device)
 
     def _decoded(self, ids: np.ndarray) -> torch.Tensor:

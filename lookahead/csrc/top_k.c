@@ -54,7 +54,9 @@ static inline vec splat(float v) { return _mm256_set1_ps(v); }
 static inline lanes_t above(vec v, vec floor, lanes_t in) { return (lanes_t)_mm256_movemask_ps(_mm256_cmp_ps(v, floor, _CMP_GT_OQ)) & in; }
 static inline lanes_t equal(vec v, vec w, lanes_t in) { return (lanes_t)_mm256_movemask_ps(_mm256_cmp_ps(v, w, _CMP_EQ_OQ)) & in; }
 static inline lanes_t unordered(vec v, lanes_t in) { return (lanes_t)_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) & in; }
-static inline vec only(vec v, lanes_t in) { return _mm256_blendv_ps(splat(-__builtin_inff()), v, _mm256_castsi256_ps(lane_mask(in))); }
+static inline vec only(vec v, lanes_t in) {
+    return in == 0xFF ? v : _mm256_blendv_ps(splat(-__builtin_inff()), v, _mm256_castsi256_ps(lane_mask(in)));
+}
 static inline vec larger(vec a, vec b) { return _mm256_max_ps(a, b); }
 static inline float largest(vec v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
