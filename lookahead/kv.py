@@ -193,18 +193,33 @@ class BatchCache:
 
     @property
     def positions(self) -> torch.Tensor:
-        return self._positions
+        """(B, S) a view of the first S columns of a buffer with spare columns, so a step appends its columns in place
+        (a new tensor a step, one ``torch.cat``, was ~0.04 ms of each step's host work, cold after the forward)."""
+        return self._buffer[:, : self._length]
 
     @positions.setter
     def positions(self, value: torch.Tensor) -> None:
-        self._positions, self._spare = value, None  # ``spare`` is computed again when next read
+        self._length = value.shape[1]
+        self._buffer = torch.full((value.shape[0], max(2 * self._length, 64)), -1, dtype=torch.long)
+        self._buffer[:, : self._length] = value
+        self._spare = None  # ``spare`` is computed again when next read
+
+    def _append(self, columns: np.ndarray) -> None:
+        """Columns (B, C) of positions after the last (the buffer doubled where full); ``spare`` as it was."""
+        end = self._length + columns.shape[1]
+        if end > self._buffer.shape[1]:
+            spare, self.positions = self._spare, torch.cat([self.positions, torch.from_numpy(columns)], dim=1)
+            self._spare = spare
+            return
+        self._buffer.numpy()[:, self._length : end] = columns
+        self._length = end
 
     def __len__(self) -> int:
-        return self.positions.shape[0]
+        return self._buffer.shape[0]
 
     @property
     def length(self) -> int:
-        return self.positions.shape[1]
+        return self._length
 
     def _layers(self):
         return [layer for layer in self.cache.layers if layer.is_initialized and layer.keys.numel()]
@@ -259,7 +274,7 @@ class BatchCache:
         than ``window`` positions behind it. Drawn by one kernel a layer type, as the dtype's bits (a dozen
         torch ops were ~0.08 ms a step)."""
         bits, hidden = _hidden_bits(dtype)
-        positions, allowed, query = self.positions.numpy(), allowed.numpy(), query_positions.numpy()
+        positions, allowed, query = np.ascontiguousarray(self._buffer.numpy()[:, : self._length]), allowed.numpy(), query_positions.numpy()
         out = {}
         for kind, window in windows.items():
             mask = np.empty((allowed.shape[0], 1, allowed.shape[1], positions.shape[1] + allowed.shape[1]), bits)
@@ -272,10 +287,8 @@ class BatchCache:
         which sit at ``positions[b]``; they move to the front of the step's block, the rest is cropped or a hole.
         The bookkeeping is numpy, not a few small torch ops per sequence (0.75 ms a step at 8 sequences), and a plain
         step's (one row, kept where it is) only its positions."""
-        spare = self._spare
         if step == 1:
-            self.positions = torch.cat([self.positions, torch.tensor([[int(p[0])] for p in positions])], dim=1)
-            self._spare = spare
+            self._append(np.array([[p[0]] for p in positions], np.int64))
             return
         keep = [np.asarray(k, dtype=np.int64) for k in keep]
         kept = max(k.size for k in keep)
@@ -292,13 +305,17 @@ class BatchCache:
                     block.narrow(-2, 0, kept).copy_(_gather_columns(block, rows))
         if kept < step:
             self.cache.crop(kept - step)
-        self.positions = torch.cat([self.positions, torch.from_numpy(new)], dim=1)
-        if all(k.size == kept for k in keep):  # every sequence gained ``kept`` keys: as many spare columns as before
-            self._spare = spare
+        self._append(new)
+        if not all(k.size == kept for k in keep):  # else every sequence gained ``kept`` keys: as many spare columns as before
+            self._spare = None
 
     def append(self, positions: torch.Tensor) -> None:
         """Record the positions (B, T) of the columns a forward just appended (a prefill's)."""
-        self.positions = torch.cat([self.positions, positions], dim=1) if len(self) else positions
+        if len(self):
+            self._append(positions.numpy())
+            self._spare = None
+        else:
+            self.positions = positions
 
 
 @memoize
