@@ -62,17 +62,25 @@ def _assumed_rates() -> np.ndarray:
 ASSUMED_RATES = _assumed_rates()
 NONE = np.empty(0, np.int64)
 NO_TEMPLATE = (NONE, NONE, np.empty(0))  # parents, ranks, scores of no recycling expansion
+NO_RANKS = np.zeros((2, 0), np.int64)  # the recycling table's counts by rank (tried, hit) of no step
 TEMPLATE_REFRESH = 16  # steps between re-derivations of the recycling template from the measured rank rates
 STATE_FORMAT = 3  # 2: no AGREE row (loads, the row unmeasured)
 
 
 @njit(cache=True)
 def count_tried(parents: np.ndarray, sources: np.ndarray, depths: np.ndarray, path: np.ndarray, tried: np.ndarray,
-                hits: np.ndarray) -> None:
-    """Into tried/hits (rows, MAX_DEPTH): every node whose parent was accepted (the current token, parent
-    -1, always is) was tried by each statistics row its source bits name (AGREE: a recycled node a chain
-    proposed too; the recycling table's own row is counted by rank, in ``learn``), at its depth; the ``path``'s
-    nodes were accepted. One kernel where a dozen numpy calls took ~0.035 ms a step."""
+                hits: np.ndarray, fade: float, ranks: np.ndarray) -> None:
+    """A step's statistics into tried/hits (rows, MAX_DEPTH): first both times ``fade`` (older steps weigh less) and
+    the recycling table's counts by rank (``ranks`` (2, k): tried, hit) into its row; then every node whose parent
+    was accepted (the current token, parent -1, always is) was tried by each statistics row its source bits name
+    (AGREE: a recycled node a chain proposed too), at its depth; the ``path``'s nodes were accepted. One kernel
+    where a dozen numpy calls took ~0.035 ms a step, each cold after the forward."""
+    if fade != 1.0:
+        tried *= fade
+        hits *= fade
+    for r in range(ranks.shape[1]):
+        tried[RECYCLE, r] += ranks[0, r]
+        hits[RECYCLE, r] += ranks[1, r]
     k = parents.size
     accepted = np.zeros(k + 1, np.bool_)  # index k: the current token
     accepted[k] = True
@@ -190,7 +198,7 @@ class DraftState:
         draft_rows(np.zeros((1, 1), np.int64), np.zeros(1, np.int64), np.ones(1, np.int64), np.ones((STAT_ROWS, MAX_DEPTH)),
                    NONE, NONE, np.empty(0), 1, np.ones(MAX_DEPTH), 1, 1)
         count_tried(np.full(1, -1, np.int64), np.ones(1, np.int64), np.ones(1, np.int64), NONE, np.zeros((STAT_ROWS, MAX_DEPTH)),
-                    np.zeros((STAT_ROWS, MAX_DEPTH)))
+                    np.zeros((STAT_ROWS, MAX_DEPTH)), 1.0, NO_RANKS)
 
     # -- per request ----------------------------------------------------------------------------
 
@@ -268,32 +276,31 @@ class DraftState:
         calls were most of a batch's host work: ~0.45 ms a step at 8 sequences), so in a batch each sequence's
         recycling ranks are counted against the table as it was before the step (not after its batch mates'
         rows), and the pool takes every trajectory, then every output n-gram: statistics and recency only."""
-        # 1. chains: every node whose parent was accepted was tried; the path's nodes were accepted (older steps
-        #    fade: ``STATS_MEMORY``)
-        self.tried *= 1 - 1 / STATS_MEMORY
-        self.hits *= 1 - 1 / STATS_MEMORY
-        for step in steps:
-            if len(step.tree):
-                self._count_tried(step.tree, step.path)
-        # 2. recycling ranks (before the table takes this step): where did each emitted token stand among its
+        # 1. recycling ranks (before the table takes this step): where did each emitted token stand among its
         #    predecessor's successors? Then the table takes every row's top-k
+        ranks = NO_RANKS
         if cfg.recycle_k and steps:
             before = np.array([t for s in steps for t in s.history_tail[-1:] + s.emitted[:-1]], np.int64)
             emitted = np.array([t for s in steps for t in s.emitted], np.int64)
-            tried, hits = self.recycle.rank_then_update(before, emitted, cfg.recycle_k, np.concatenate([s.row_tokens for s in steps]),
-                                                        np.concatenate([s.row_topk for s in steps]))
-            self.tried[RECYCLE, : cfg.recycle_k] += tried
-            self.hits[RECYCLE, : cfg.recycle_k] += hits
+            rows, topk = ((steps[0].row_tokens, steps[0].row_topk) if len(steps) == 1 else
+                          (np.concatenate([s.row_tokens for s in steps]), np.concatenate([s.row_topk for s in steps])))
+            ranks = self.recycle.rank_then_update(before, emitted, cfg.recycle_k, rows, topk)
+        # 2. statistics, older steps fading (``STATS_MEMORY``): the ranks, then the chains' nodes (every node whose
+        #    parent was accepted was tried; the path's were accepted), in one kernel call a sequence
+        fade = 1 - 1 / STATS_MEMORY
+        for step in steps:
+            count_tried(step.tree.parents, step.tree.sources, step.tree.depths, np.asarray(step.path, np.int64), self.tried,
+                        self.hits, fade, ranks)
+            fade, ranks = 1.0, NO_RANKS
+        if not steps:
+            self.tried *= fade
+            self.hits *= fade
         # 3. the chain sources (the pool: finished Jacobi columns and the n-grams ending in a new token); the
         #    suffix sources: the tokens
         for source, _ in self.chains:
             source.learn(cfg, steps)
         for step in steps:
             step.suffix.extend(np.asarray(step.emitted))
-
-    def _count_tried(self, tree: TokenTree, path: list[int]) -> None:
-        """Chain statistics of one verified tree: tried (its parent accepted) and accepted, per source and depth."""
-        count_tried(tree.parents, tree.sources, tree.depths, np.asarray(path, np.int64), self.tried, self.hits)
 
     # -- persistence ----------------------------------------------------------------------------
 

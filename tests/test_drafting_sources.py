@@ -210,7 +210,7 @@ def reference_count_tried(tree: TokenTree, path: list[int], tried: np.ndarray, h
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**31), st.integers(1, 40))
 def test_count_tried_matches_the_numpy_reference(seed, size):
-    from lookahead.drafting import MAX_DEPTH, STAT_ROWS, count_tried
+    from lookahead.drafting import MAX_DEPTH, RECYCLE, STAT_ROWS, count_tried
     rng = np.random.default_rng(seed)
     parents = np.array([int(rng.integers(-1, i)) for i in range(size)], np.int64)  # parents before children
     tree = TokenTree.merge(rng.integers(0, 5, size), parents, rng.random(size), rng.integers(1, 1 << len(SOURCES) + 1, size), size)
@@ -218,10 +218,13 @@ def test_count_tried_matches_the_numpy_reference(seed, size):
     while (children := tree.children(node)).size and rng.random() < 0.7:
         node = int(children[0])
         path.append(node)
-    got, want = ([np.zeros((STAT_ROWS, MAX_DEPTH)) for _ in range(2)] for _ in range(2))  # tried, hits each
-    count_tried(tree.parents, tree.sources, tree.depths, np.asarray(path, np.int64), *got)
+    start = rng.integers(0, 50, (2, STAT_ROWS, MAX_DEPTH)).astype(float)  # tried, hits so far
+    ranks = rng.integers(0, 9, (2, 4))  # the recycling table's tried and hit counts by rank
+    got, want = start.copy(), start * 0.5
+    count_tried(tree.parents, tree.sources, tree.depths, np.asarray(path, np.int64), *got, 0.5, ranks)
+    want[:, RECYCLE, :4] += ranks  # faded first, then this step's counts
     reference_count_tried(tree, path, *want)
-    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert np.array_equal(got, want)
 
 
 def test_recycle_table_fill_empty_keeps_what_was_learned():
