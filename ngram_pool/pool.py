@@ -44,7 +44,8 @@ def _as_ids(name: str, value: object, ndim: int) -> np.ndarray:
         raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
     if arr.dtype != np.int32 and arr.dtype != np.int64:
         arr = arr.astype(np.int64)
-    return np.require(arr, requirements="CW")
+    flags = arr.flags
+    return arr if flags.c_contiguous and flags.writeable else np.require(arr, requirements="CW")  # a copy only where needed
 
 
 def _check_origin(origin: int) -> None:
