@@ -154,7 +154,8 @@ class GrowingLayer(DynamicLayer):
         return self._view is not None and self._key_view is self._view[0]
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove < 0 and self._in_buffer and -tokens_to_remove <= self.get_seq_length():
+        view = self._view  # ``_in_buffer`` and ``get_seq_length`` inline: a step's compaction crops every layer
+        if tokens_to_remove < 0 and view is not None and self._key_view is view[0] and -tokens_to_remove <= view[0].shape[-2] + self._pending:
             self._pending += tokens_to_remove  # the views are cut when read, the columns overwritten by the next update
             return
         super().crop(tokens_to_remove)
@@ -292,11 +293,13 @@ class BatchCache:
             return
         keep = [np.asarray(k, dtype=np.int64) for k in keep]
         kept = max(k.size for k in keep)
-        index = np.empty((len(keep), kept), np.int64)  # (B, kept): a short row repeats its last column
         new = np.full((len(keep), kept), -1, np.int64)
-        for b, (k, p) in enumerate(zip(keep, positions)):
-            index[b, : k.size], index[b, k.size :], new[b, : k.size] = k, k[-1], p
-        if (index != np.arange(kept)).any():  # else rows 0..kept-1 are already in place
+        for b, p in enumerate(positions):
+            new[b, : len(p)] = p
+        if any(k.size < kept or k[-1] != kept - 1 for k in keep):  # else (sorted, from 0) rows 0..kept-1 are in place
+            index = np.empty((len(keep), kept), np.int64)  # (B, kept): a short row repeats its last column
+            for b, k in enumerate(keep):
+                index[b, : k.size], index[b, k.size :] = k, k[-1]
             tensors = [states for layer in self.cache.layers if layer.is_initialized for states in layer.buffers()]  # (batch, heads, ., head_dim)
             if not native.move_columns(tensors, self.length, index):  # one call on CPU, else torch's ops
                 rows = torch.from_numpy(index)
