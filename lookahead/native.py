@@ -248,7 +248,7 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
         "add_rms_norm": ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),
         "rope": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 5, None),
         "top_k": ([ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int], ctypes.c_int),  # 1: out of memory
-        "argmax": ([ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p], None),
+        "argmax": ([ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p], ctypes.c_int64),  # the first row's
         "move_columns": ([ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int], None),
         **{name: ([ctypes.c_void_p] * 3 + [ctypes.POINTER(Role)] * 4 + [ctypes.POINTER(Norm), ctypes.c_int]
                   + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [Longs, ctypes.c_int, ctypes.c_void_p, Longs]
@@ -765,8 +765,10 @@ def argmax(scores: torch.Tensor) -> int | np.ndarray:
     all (torch's rule). fp32 and bf16 are read as they are by ours (``csrc/top_k.c``; a bf16 row needs no fp32 copy)
     where the kernels are loaded, else by numpy (~14x faster than torch's argmax on a row of 49152, Zen 5)."""
     lib = loaded()
-    if hasattr(lib, "argmax") and scores.dtype in (torch.float32, torch.bfloat16) and scores.device.type == "cpu" and scores.shape[-1]:
+    if hasattr(lib, "argmax") and scores.dtype in (torch.float32, torch.bfloat16) and scores.is_cpu and scores.shape[-1]:
         x = scores.contiguous()
+        if x.dim() == 1:  # a greedy step's row: returned, no output array (each call runs cold after a forward)
+            return lib.argmax(x.data_ptr(), x.dtype == torch.bfloat16, 1, x.shape[-1], None)
         index = np.empty(x.shape[:-1], np.int64)
         lib.argmax(x.data_ptr(), x.dtype == torch.bfloat16, x.numel() // x.shape[-1], x.shape[-1], index.ctypes.data)
     else:
