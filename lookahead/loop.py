@@ -23,7 +23,7 @@ from lookahead.rules import Rules
 from lookahead.drafting import Observed
 from lookahead.lane import Lane, shared_state
 from lookahead.layout import BatchLayout, StepLayout, build_layout, stack
-from lookahead.model_forward import forward, prefill
+from lookahead.model_forward import forward, placement, prefill
 from lookahead.planner import Move, Planner
 from lookahead.stats import Clock
 from lookahead.capability import Reach
@@ -51,6 +51,7 @@ class Batch:
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {prefill_chunk!r}")
         self.model, self.config, self.windows, self.reach, self.planner = model, config, windows, reach, planner
+        self.where = placement(model)  # (device, dtype), read once
         self.prefill_chunk = prefill_chunk
         self.lanes: list[Lane] = []
         self.joining: list[tuple[Lane, kv.BatchCache]] = []  # lanes whose prompts are going in by chunks, oldest first
@@ -134,7 +135,8 @@ class Batch:
         draft_s = clock.lap()
         # 2. layout and one forward: logits only for each lane's current token, last window level and tree
         step, ids = self._layout(lanes, moves)
-        logits = forward(self.model, self.windows, step, self.cache, torch.from_numpy(ids), torch.tensor([lane.position for lane in lanes]))
+        positions = torch.from_numpy(np.array([lane.position for lane in lanes], np.int64))
+        logits = forward(self.model, self.windows, step, self.cache, torch.from_numpy(ids), positions, self.where)
         forward_s = clock.lap()
         # 3. verify: per lane, the deepest branch the model agrees with, plus its own next token
         for b, (lane, move) in enumerate(zip(lanes, moves)):

@@ -750,7 +750,7 @@ def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
     tie: the lower index first); ``torch.topk``'s where the kernels are not loaded, or for k over 64."""
     lib = loaded()
     ours = hasattr(lib, "top_k") and 0 < k <= min(64, scores.shape[-1]) and scores.dtype in (torch.float32, torch.bfloat16) \
-        and scores.device.type == "cpu"
+        and scores.is_cpu
     if ours:
         x = scores.contiguous()
         out = np.empty((*x.shape[:-1], k), np.int64)
@@ -781,7 +781,7 @@ def move_columns(tensors: list[torch.Tensor], start: int, index: np.ndarray) -> 
     index[b]`` (``index`` (B, C) int64, each row sorted) move to ``start + 0 .. C - 1``, in place, in one call;
     False (nothing moved) where the kernels are not loaded or a tensor is not of that shape with D contiguous."""
     lib = loaded()
-    if lib is None or not tensors or any(t.device.type != "cpu" or t.dim() != 4 or t.stride(3) != 1
+    if lib is None or not tensors or any(not t.is_cpu or t.dim() != 4 or t.stride(3) != 1
                                                   or t.shape != tensors[0].shape or t.dtype != tensors[0].dtype for t in tensors):
         return False
     b, h, _, d = tensors[0].shape
