@@ -280,7 +280,8 @@ class BatchCache:
         for kind, window in windows.items():
             mask = np.empty((allowed.shape[0], 1, allowed.shape[1], positions.shape[1] + allowed.shape[1]), bits)
             draw_mask(positions, allowed, query, -1 if window is None else window, hidden, mask)
-            out[kind] = torch.from_numpy(mask).view(dtype).to(device)
+            mask = torch.from_numpy(mask).view(dtype)
+            out[kind] = mask if device.type == "cpu" else mask.to(device)
         return out
 
     def compact(self, step: int, keep: list[np.ndarray], positions: list[np.ndarray]) -> None:
