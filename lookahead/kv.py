@@ -23,6 +23,7 @@ over them, and each takes a key slot from the context (buffers such as GPT-Neo's
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 from functools import cache as memoize
 
@@ -82,6 +83,7 @@ class GrowingLayer(DynamicLayer):
 
     _view = None  # the (keys, values) views this layer last made
     _pending = 0  # columns reserved (+) or cropped (-) since: the views are fitted at the next read
+    _strides = None  # (the buffers' first three strides as ``native.decoder_layer`` takes them, the keys' buffer they are of)
 
     keys = _fitted_on_read("_key_view")  # (batch, heads, seq, head_dim)
     values = _fitted_on_read("_value_view")
@@ -162,11 +164,11 @@ class GrowingLayer(DynamicLayer):
 
 
 def reserve(cache: Cache, layer_idx: int, rows: int, shape: tuple[int, int, int], dtype: torch.dtype, held: int | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+            ) -> tuple[torch.Tensor, torch.Tensor, int, ctypes.Array] | None:
     """Room for ``rows`` more columns of layer ``layer_idx``'s keys and values (batch, heads, ., head_dim = ``shape``)
-    of ``dtype``, for a fused layer's kernel to write: its buffers (B, G, capacity, D) and the columns held before;
-    None, with nothing done, where that layer is not a ``GrowingLayer`` of that shape and dtype, or holds other than
-    ``held``."""
+    of ``dtype``, for a fused layer's kernel to write: its buffers (B, G, capacity, D), the columns held before, and the
+    buffers' first three strides (``native.Longs``, made once a buffer); None, with nothing done, where that layer is not
+    a ``GrowingLayer`` of that shape and dtype, or holds other than ``held``."""
     layers = getattr(cache, "layers", ())
     layer = layers[layer_idx] if layer_idx < len(layers) else None
     if not isinstance(layer, GrowingLayer) or not layer.is_initialized or held is not None and layer.get_seq_length() != held:
@@ -175,7 +177,9 @@ def reserve(cache: Cache, layer_idx: int, rows: int, shape: tuple[int, int, int]
     if keys.dim() != 4 or keys.dtype != dtype or (keys.shape[0], keys.shape[1], keys.shape[3]) != shape or values.shape != keys.shape:
         return None
     start = layer.reserve(rows, keys, values)
-    return layer._keys, layer._values, start
+    if layer._strides is None or layer._strides[1] is not layer._keys:  # a new buffer (keys and values: alike)
+        layer._strides = (native.Longs(*layer._keys.stride()[:3]), layer._keys)
+    return layer._keys, layer._values, start, layer._strides[0]
 
 
 class GrowingCache(DynamicCache):

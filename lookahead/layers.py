@@ -55,6 +55,7 @@ class StepFits:
         self.inputs: tuple = ()  # (mask, cos, sin) last checked
         self.shape: tuple = ()  # (b, t, head size, dtype, causal) they were checked for
         self.fits = False
+        self.constants: tuple | None = None  # ``native.step_constants`` of the inputs, where they fit
 
     def __call__(self, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, b: int, t: int, d: int, dtype: torch.dtype,
                  causal: bool) -> bool:
@@ -64,6 +65,7 @@ class StepFits:
             self.fits = (cos.dtype == dtype and cos.shape[1:] == (t, d) and cos.shape[0] in (1, b) and cos.is_contiguous()
                          and sin.shape == cos.shape and sin.stride() == cos.stride() and sin.dtype == dtype
                          and native.mask_fits(mask, dtype, b, t, t if mask is None else mask.shape[-1], causal))
+            self.constants = native.step_constants(cos, sin, mask, b, t) if self.fits else None
         return self.fits
 
 
@@ -105,8 +107,10 @@ class FusedLayer(nn.Module):
             and native.heads_fit(self.heads[0], self.heads[1], self.head_dim) and self.heads[1] == self.heads[2]
             and all(isinstance(norm, FusedRMSNorm) and norm.weight.dtype == dtype for norm in norms.values())
             and all(norms[name].weight.numel() == self.head_dim for name in native.NORMS[4:] if name in norms)) else None
-        self.layer_norms = native.layer_norms({name: (norm.weight, norm.eps, norm.offset) for name, norm in norms.items()}) \
-            if self.whole else None
+        self.constants = native.layer_constants(dtype, self.whole, native.layer_norms({name: (norm.weight, norm.eps, norm.offset)
+                                                                                     for name, norm in norms.items()}),
+                                                self.activation if self.gated else None, (*self.heads[:2], self.head_dim),
+                                                self.scaling) if self.whole else None  # ``native.decoder_layer``'s, made once
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
@@ -155,15 +159,14 @@ class FusedLayer(nn.Module):
         activation is not one it computes, the step's keys and values written into ``cache``; None, with nothing done,
         where that call does not take this step."""
         b, t, _ = x.shape
-        (h, g, _), d = self.heads, self.head_dim
+        g, d = self.heads[1], self.head_dim
         if x.dtype != self.dtype or not x.is_contiguous() or not self.fits(mask, cos, sin, b, t, d, x.dtype, self.causal):
             return None
         room = kv.reserve(cache, self.layer_idx, t, (b, g, d), x.dtype, None if mask is None else mask.shape[-1] - t)
         if room is None:
             return None
-        keys, values, held = room
-        return native.decoder_layer(x, self.whole, self.layer_norms, self.activation if self.gated else None, cos, sin, keys, values,
-                                    held, mask, (h, g, d), self.scaling)
+        keys, values, held, strides = room
+        return native.decoder_layer(x, self.constants, self.fits.constants, keys, values, strides, held)
 
 
 def _activation(act: Callable) -> str | None:

@@ -706,23 +706,35 @@ def _mask_strides(mask: torch.Tensor | None) -> Longs:
     return Longs(0 if mask is None or mask.shape[0] == 1 else mask.stride(0), 0 if mask is None else mask.stride(2), 0)
 
 
-def decoder_layer(x: torch.Tensor, roles: tuple, norms: ctypes.Array, activation: str | None, cos: torch.Tensor,
-                  sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, held: int, mask: torch.Tensor | None,
-                  heads: tuple[int, int, int], scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def layer_constants(dtype: torch.dtype, roles: tuple, norms: ctypes.Array, activation: str | None, heads: tuple[int, int, int],
+                    scale: float) -> tuple:
+    """What ``decoder_layer`` passes for one layer at every step, made once a layer: its kernel (``LAYERS``), the q/k/v,
+    output, gate/up and down (or None) ``Role``s on the dtype's kernels, ``layer_norms``' norms, the activation
+    (one ``gates`` says, where there is a down product), and heads (H, G, D) and the attention's scale."""
+    return getattr(library(), LAYERS[dtype]), (*roles, norms, ACTIVATIONS.index(activation)), (*heads, scale), roles[2].n
+
+
+def step_constants(cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, b: int, t: int) -> tuple:
+    """What ``decoder_layer`` passes for every layer of one step, made once a step: cos, sin (B or 1, T, D) contiguous,
+    the ``mask`` as ``mask_fits``, the step's b sequences of t rows, and the threads (each argument converted again
+    for each layer's call was ~4 us a layer, a step's layers' Python ~25 us each)."""
+    return ((cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0)),
+            (_pointer(mask), _mask_strides(mask), b, t), torch.get_num_threads())
+
+
+def decoder_layer(x: torch.Tensor, layer: tuple, step: tuple, keys: torch.Tensor, values: torch.Tensor, strides: ctypes.Array,
+                  held: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decoder layer in one call (``csrc/decoder_layer.h``), bf16 or fp32 (``LAYERS``), x (B, T, E): (its output,
-    None) where ``roles`` has a down product (``activation`` one ``gates`` says), else (h, both) for the caller to
-    finish: h the residual sum after attention (B, T, E), both the gate/up product (B, T, 2 width). ``roles``: the
-    q/k/v, output, gate/up and down (or None) ``Role``s, on the dtype's kernels; ``norms``: ``layer_norms``'; cos, sin
-    (B or 1, T, D) contiguous; keys, values: the cache's buffers (B, G, capacity, D), room made for T columns after
-    ``held``; ``mask`` as ``mask_fits``; heads (H, G, D); all of x's dtype."""
-    b, t, _ = x.shape
-    qkv, o, gate_up, down = roles
-    out, both = torch.empty_like(x), None if down else torch.empty(b, t, gate_up.n, dtype=x.dtype)
-    if getattr(library(), LAYERS[x.dtype])(x.data_ptr(), out.data_ptr(), _pointer(both), qkv, o, gate_up, down, norms,
-                                           ACTIVATIONS.index(activation), cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
-                                           keys.data_ptr(), values.data_ptr(), Longs(*keys.stride()[:3]), held, _pointer(mask),
-                                           _mask_strides(mask), b, t, *heads, scale, torch.get_num_threads()):
-        raise MemoryError(f"a decoder layer's kernels could not allocate their buffers for {b * t} rows")
+    None) where the layer has a down product, else (h, both) for the caller to finish: h the residual sum after
+    attention (B, T, E), both the gate/up product (B, T, 2 width). ``layer``: ``layer_constants``' (of x's dtype);
+    ``step``: ``step_constants``'; keys, values: the cache's buffers (B, G, capacity, D), room made for T columns after
+    ``held``, ``strides`` their first three (``kv.reserve``'s)."""
+    call, head, tail, width = layer
+    rope, masking, threads = step
+    out, both = torch.empty_like(x), None if head[3] is not None else torch.empty(*x.shape[:2], width, dtype=x.dtype)
+    if call(x.data_ptr(), out.data_ptr(), _pointer(both), *head, *rope, keys.data_ptr(), values.data_ptr(), strides, held, *masking,
+            *tail, threads):
+        raise MemoryError(f"a decoder layer's kernels could not allocate their buffers for {x.shape[0] * x.shape[1]} rows")
     return out, both
 
 
