@@ -168,7 +168,7 @@ class Batch:
         drafting = lane.lookahead and self.planner.proposes(lane.stats.steps)
         tree = lane.state.propose(lane.out[-1], cfg, min(cfg.tree_budget if drafting else 0, space), room, lane.suffix)
         levels = lane.window.levels_within(room) if lane.window and drafting else 0
-        return Move(tree, levels if levels * cfg.window <= space else 0, space, lane.ledger)
+        return Move(tree, levels if levels * cfg.window <= space else 0, space, lane.ledger, lane.lookahead and not drafting)
 
     def _layout(self, lanes: list[Lane], moves: list[Move]) -> tuple[BatchLayout, np.ndarray]:
         """The step's rows: each lane's layout, padded to the widest, and its input ids (B, width)."""
@@ -193,15 +193,19 @@ class Batch:
 
     def _teach(self, lanes: list[Lane], moves: list[Move], step: BatchLayout, ids: np.ndarray, logits: torch.Tensor) -> None:
         """The drafting lanes' windows advance; the shared sources take the trajectories, the new tokens and every
-        row's top-k (one top-k over the whole step)."""
+        row's top-k (one top-k over the whole step). A resting lane (``Move.rests``) gives its tokens to its own
+        suffix source alone: the shared sources learn nothing from a step that drafted nothing."""
         cfg = self.config
-        if not any(lane.lookahead for lane in lanes):
+        for lane, move in zip(lanes, moves):
+            if move.rests:
+                lane.suffix.extend(np.asarray(move.new))
+        if not any(lane.lookahead and not move.rests for lane, move in zip(lanes, moves)):
             return
         k = min(cfg.recycle_k, logits.shape[-1])
         topk = native.top_k(logits, k) if k else np.empty((*logits.shape[:2], 0), np.int64)  # (B, U, k)
         observed = []
         for b, (lane, move) in enumerate(zip(lanes, moves)):
-            if not lane.lookahead:
+            if not lane.lookahead or move.rests:
                 continue
             _, last_level, _ = move.layout.split_logits(move.logits)
             trajectories = lane.window.advance(native.argmax(last_level)) if move.levels else np.empty((0, cfg.ngram), np.int64)

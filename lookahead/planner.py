@@ -9,9 +9,10 @@ the tree size k and whether to feed the window:
 where S(k) is the sum of the k best node scores (each the estimated probability that the node is
 accepted, so the sum is the expected number of accepted draft tokens) and J the Jacobi branch's measured
 worth (draft tokens accepted per step that only its trajectories proposed). Plain decoding is value 1: when
-nothing beats it, the step is plain (T = 1), and the tree keeps being drafted (every step, then every
-``DORMANT_STRIDE``-th once plain steps run long: ``LiveCurve.dormant``), so an input-grounded stretch (a long
-suffix match) turns drafting back on by itself. ``plan`` is the same rule for a batch.
+nothing beats it, the step is plain (T = 1), and the tree keeps being drafted (every step, then, once no draft
+has been accepted for a while, every ``DORMANT_STRIDE``-th step, rarer the longer it lasts: ``LiveCurve.dormant``),
+so an input-grounded stretch (a long suffix match) turns drafting back on by itself. ``plan`` is the same rule
+for a batch.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from lookahead.verify import Verdict, accepted_after
 JACOBI_ASSUMED = 0.05  # draft tokens per step credited to the Jacobi branch before any is measured (SmolLM2: ~0)
 JACOBI_DECAY = 0.05  # weight of each step in its running estimate
 RETRY = 64  # steps after which what the planner left off (drafting, the Jacobi branch) runs once more, to re-measure it
-DORMANT = 8  # plain forwards in a row after which the loop proposes drafts only every DORMANT_STRIDE-th step
-DORMANT_STRIDE = 4
+DORMANT = 8  # forwards in a row without an accepted draft after which the loop proposes only every DORMANT_STRIDE-th step
+DORMANT_STRIDE = 4  # ... doubled after every RETRY such forwards more, up to DORMANT_STRIDE << DORMANT_DEEPEST
+DORMANT_DEEPEST = 2
 LIVE_WEIGHT = 0.1  # weight of each of the loop's own forward timings in the curve's online correction
 LIVE_CLIP = 0.5  # most one timing moves a correction, in log units (a one-off stall must not price a width out)
 CALIBRATION_DECAY = 0.95  # a sequence's calibration remembers its last ~20 drafting steps
@@ -63,14 +65,15 @@ class LiveCurve:
     """
 
     def __init__(self, curve: CostCurve, corrects: bool = True) -> None:
-        """corrects: False keeps the probed curve as it is (``LookaheadConfig.live_cost``); the counts of plain
-        forwards (``stale``, ``dormant``) go on either way."""
+        """corrects: False keeps the probed curve as it is (``LookaheadConfig.live_cost``); the counts of forwards
+        (``stale``, ``dormant``) go on either way."""
         self.curve, self.corrects = curve, corrects
         self.log_scale: dict[tuple[int, int], float] = {}  # (batch, probed size index) -> log(measured / probed c)
         self.samples: dict[tuple[int, int], int] = {}
         self.seen: dict[tuple[int, int], int] = {}  # the cell's last observation, counted in ``observed`` forwards
         self.observed = 0
         self.plain_run = 0  # forwards in a row of one row per sequence
+        self.idle_run = 0  # forwards in a row that accepted no draft token
         # per batch size: the probed r and the nearest probed size's index at 1, 2, ... rows (``_table``); the
         # observed cells as arrays (``_near``). Per-step numpy over the curve ran right after each forward, with
         # cold caches: ~0.25 ms a step (SmolLM2, Zen 5), ~1.5% of a bf16 step
@@ -86,18 +89,25 @@ class LiveCurve:
 
     @property
     def dormant(self) -> bool:
-        """Nothing drafted has been worth its rows for ``DORMANT`` forwards in a row: this step skips proposing
-        (host time, ~0.05-0.1 ms a sequence, spent on drafts the cost model keeps declining: chat text on a
-        small model, or a batch whose rows are dear). Every ``DORMANT_STRIDE``-th step still proposes, so a
-        draft worth its rows (a long suffix match) waits at most that many steps."""
-        return self.plain_run >= DORMANT and self.plain_run % DORMANT_STRIDE != 0
+        """No draft has been accepted for ``DORMANT`` forwards in a row: this step neither proposes nor teaches
+        the shared sources (``loop``: host time, ~0.4 ms a step on SmolLM2, ~5% of its step, spent on drafts
+        that gain nothing: chat text on a small model, or a batch whose rows are dear). Every
+        ``DORMANT_STRIDE``-th step still drafts, every 8th after ``RETRY`` forwards more, every 16th after twice
+        that, so a draft worth its rows (a long suffix match) waits at most that many steps. Counted on accepted
+        drafts, not on plain forwards: drafting steps that came to nothing kept a chat answer proposing on most
+        of its steps (SmolLM2 fp32, AVX2 held, MT-Bench: one step in six drafted, for 0.2 tokens each)."""
+        if self.idle_run < DORMANT:
+            return False
+        return self.idle_run % (DORMANT_STRIDE << min((self.idle_run - DORMANT) // RETRY, DORMANT_DEEPEST)) != 0
 
-    def observe(self, tokens: int, seconds: float, batch: int = 1) -> None:
-        """One forward of ``tokens`` rows over ``batch`` sequences took ``seconds``."""
+    def observe(self, tokens: int, seconds: float, batch: int = 1, accepted: int = 0) -> None:
+        """One forward of ``tokens`` rows over ``batch`` sequences took ``seconds`` and accepted ``accepted`` draft
+        tokens."""
         if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 1:
             raise ValueError(f"a forward has a whole number of rows >= 1, got {tokens!r}")
         self.observed += 1
         self.plain_run = self.plain_run + 1 if tokens <= batch else 0
+        self.idle_run = 0 if accepted else self.idle_run + 1
         if not self.corrects:
             return
         ratios, nearest = self._table(batch, tokens)
@@ -330,6 +340,7 @@ class Move:
     levels: int  # Jacobi levels fed (0: none)
     space: int  # rows the step may add for the lane
     ledger: Ledger | None  # None: a lane the cost model does not plan (plain decoding, or no cost model)
+    rests: bool = False  # a drafting lane the planner holds dormant this step: it neither proposes nor teaches
     tree: TokenTree | None = None  # the nodes verified (``proposed`` until the planner cuts it)
     layout: StepLayout | None = None
     logits: torch.Tensor | None = None  # (its logit rows, V)
@@ -374,7 +385,7 @@ class Planner:
         the Jacobi branch's worth, and calibrations from what was verified and what declined proposals would have got."""
         if self.curve is None:
             return
-        self.curve.observe(len(moves) * rows, seconds, len(moves))
+        self.curve.observe(len(moves) * rows, seconds, len(moves), sum(len(m.verdict.path) for m in moves))
         for m, out in zip(moves, outs):
             if m.ledger is None:
                 continue

@@ -90,27 +90,45 @@ def test_auto_off_on_a_steep_curve_is_plain_and_exact():
 
 
 def test_drafts_the_cost_model_keeps_declining_are_proposed_only_every_few_steps(monkeypatch):
-    """After DORMANT plain forwards in a row the loop proposes every DORMANT_STRIDE-th step (host time saved),
-    and the output stays exact."""
+    """After DORMANT forwards in a row without an accepted draft the loop proposes every DORMANT_STRIDE-th step,
+    and teaches the shared sources only then (host time saved: a resting step's tokens go to its suffix source
+    alone); the output stays exact."""
     model = tiny_llama(seed=2)
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
-    proposed = []
-    original = DraftState.propose
+    proposed, taught = [], []
+    original, learn = DraftState.propose, DraftState.learn
     monkeypatch.setattr(DraftState, "propose", lambda self, current, cfg, budget, *rest: proposed.append(budget > 0) or original(self, current, cfg, budget, *rest))
+    monkeypatch.setattr(DraftState, "learn", lambda self, cfg, steps: taught.append(len(steps)) or learn(self, cfg, steps))
     gen = LookaheadGenerator(model, config=LookaheadConfig(), cost=STEEP)
     out = gen.generate(prompt, max_new_tokens=41)
     assert out.tokens == hf_greedy(model, prompt, 41) and out.stats.tree_nodes == 0 and len(proposed) == 40
     assert proposed[: DORMANT + 1] == [True] * (DORMANT + 1)  # the forward of step i is the i-th plain one in a row
     assert proposed[DORMANT + 1 :] == [(i % DORMANT_STRIDE == 0) for i in range(DORMANT + 1, 40)]
+    assert taught == [1] * sum(proposed)  # the resting steps taught nothing shared
     proposed.clear()
     gen.generate(prompt[::-1], max_new_tokens=12)  # the cost model is still dormant: a new request drafts its first steps
     assert gen.live_cost.dormant and proposed[:DORMANT] == [True] * DORMANT
+
+
+def test_dormancy_counts_accepted_drafts_and_deepens_the_longer_none_come():
+    """Drafting steps that accept nothing keep the loop dormant (they gained nothing, and proposing costs host
+    time); an accepted draft wakes it. The stride doubles after every RETRY idle forwards, twice at most."""
+    from lookahead.planner import DORMANT_DEEPEST, RETRY
+
     live = LiveCurve(STEEP)
     for _ in range(DORMANT + 1):
         live.observe(1, 0.01)
-    assert live.dormant
-    live.observe(5, 0.02)  # a step that drafted
-    assert not live.dormant
+    assert live.dormant and live.idle_run == DORMANT + 1
+    live.observe(5, 0.02)  # a step that drafted and accepted nothing
+    assert live.dormant and live.plain_run == 0
+    live.observe(5, 0.02, accepted=2)
+    assert not live.dormant and live.idle_run == 0
+    drafts = []
+    for _ in range(DORMANT + 4 * RETRY):
+        drafts.append(not live.dormant)
+        live.observe(1, 0.01)
+    strides = [np.diff(np.flatnonzero(drafts[DORMANT + i * RETRY : DORMANT + (i + 1) * RETRY])) for i in range(4)]
+    assert [set(s.tolist()) for s in strides] == [{DORMANT_STRIDE << min(i, DORMANT_DEEPEST)} for i in range(4)]
 
 
 def test_probe_on_a_short_context_model_stays_inside_it():
