@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from benchmarks import kernel_ab, peers, pool_bench, results_log, run, window
+from benchmarks import arithmetic_floor, kernel_ab, peers, pool_bench, results_log, run, window
+from lookahead import cpu
 
 
 def test_config_specs_parse_presets_and_fields():
@@ -145,3 +146,17 @@ def test_kernel_ab_builds_a_revisions_kernels_beside_the_working_trees(capsys):
     assert "| before (HEAD) |" in out and "| after (working tree) |" in out
     unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", kernel_ab.CSRC]).returncode == 0
     assert ("equal bit for bit" in out) if unchanged else ("are equal bit for bit" in out or "NOT equal" in out)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not any(flag in cpu.flags() for flag in arithmetic_floor.VARIANTS), reason="no VNNI on this CPU")
+def test_the_arithmetic_floor_measures_the_dot_product_peak_and_bounds_the_steps_by_it(capsys):
+    what, peak = arithmetic_floor.vnni_peak(threads=1, seconds=0.1)
+    assert "vpdpbusd" in what and 16e9 <= peak <= 6e9 * 128  # 16 to 128 multiply-adds a cycle, at up to 6 GHz
+    arithmetic_floor.main(["--model", "smollm2-135m", "--weights", "q8", "--sizes", "2,64", "--reps", "1"])
+    out = capsys.readouterr().out
+    assert "G multiply-adds a row" in out and "peak" in out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 2, 64]
+    for size, forward, ratio, at_peak, floor in ([float(c) for c in r] for r in rows):
+        assert forward >= at_peak and ratio >= floor - 0.01 >= 0.99  # no step is faster than its multiply-adds at the peak
