@@ -13,9 +13,12 @@
    take off; and up to 8 quads of nibbles (2 of 6-bit planes) are summed in int16 before one vpmaddwd widens them,
    still below 2^15. Integer sums are exact: the AVX-512 kernel's, whatever the instruction or order.
 
-   A tile is up to 4 rows x one half over an activation block: 4 integer sums, 4 fp32 partial sums, a unit of quads
-   and a row's broadcast bytes, within the 16 registers. The threads split the blocks; the first tile of each
-   activation block prefetches the next block's share of it, a few lines a unit. */
+   A tile is up to 4 rows x one half, or 1-2 rows x both halves, over all of K (`tile`): its integer sums, fp32 sums
+   and a unit of quads within the 16 registers, nothing stored between the groups. The threads split the blocks of
+   16 columns; each streams its blocks in order, the first tile of a block prefetching AHEAD bytes past what it reads
+   (against the earlier kernel, one call an activation block and a half of 4 rows, whose prefetches gcc had left
+   out: benchmarks.kernel_ab on a 2-core Zen 3, a forward's products streamed, SmolLM2 7.8 -> 5.3 ms at one row and
+   52.2 -> 32.5 at 16; Qwen2.5-Coder-0.5B's Q8_0 32.8 -> 18.8 and 191 -> 117; the same bits). */
 
 #include <immintrin.h>
 #include <omp.h>
@@ -27,7 +30,16 @@
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 #define ALWAYS __attribute__((always_inline))
 
-static inline void prefetch(const char *p, int l2) { l2 ? _mm_prefetch(p, _MM_HINT_T2) : _mm_prefetch(p, _MM_HINT_NTA); }
+#define AHEAD 4096 /* bytes a streaming tile prefetches ahead of what it reads */
+
+/* the line at p (and the next, where `two`) into L2 (prefetcht2) or non-temporally: __builtin_prefetch, as gcc 12
+   left out every _mm_prefetch of this file's inlined tiles */
+static inline ALWAYS void prefetch(const char *p, int two, int l2) {
+    if (l2) __builtin_prefetch(p, 0, 1);
+    else __builtin_prefetch(p, 0, 0);
+    if (two && l2) __builtin_prefetch(p + 64, 0, 1);
+    else if (two) __builtin_prefetch(p + 64, 0, 0);
+}
 
 enum { NIBBLES, INT8, SIX };     /* how a block holds its values, as int_linear.c's */
 enum { GROUPS, SUPERS, HALVES }; /* how it holds its scales */
@@ -39,6 +51,13 @@ static inline int quad_bytes(int kind) { return kind == INT8 ? 64 : kind == SIX 
 #else
 #define VNNI 0
 #endif
+
+/* acc + v in 16-bit lanes, in place: as an asm, so gcc keeps each row's chain (reassociated, its products were all
+   made first and spilled) */
+TARGET static inline ALWAYS __m256i add16(__m256i acc, __m256i v) {
+    __asm__("vpaddw %1, %0, %0" : "+x"(acc) : "x"(v));
+    return acc;
+}
 
 /* acc + the products of u's unsigned and s's signed bytes, four to a lane (vpdpbusd) */
 TARGET static inline ALWAYS __m256i dot(__m256i acc, __m256i u, __m256i s) {
@@ -106,6 +125,11 @@ TARGET static void quantize_row(const float *x, int k, int qblock, int group, in
     }
 }
 
+/* 8 int8 (sc or m: one a column) as fp32 times a column's fp32 (d or dmin): one product, as int_linear.c's times */
+TARGET static inline __m256 times(__m256 d, const char *bytes) {
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)bytes))));
+}
+
 typedef struct {
     const int8_t *qx;
     const float *dx, *sums;
@@ -118,78 +142,122 @@ static inline Rows from_row(Rows x, int r) {
     return (Rows){x.qx + (size_t)r * x.k, x.dx + (size_t)r * (x.k / x.qblock), x.sums + groups, x.biases + groups, x.k, x.qblock, x.group};
 }
 
+typedef struct {
+    int offsets, supers, halves, per_block; /* per_block: groups an activation block */
+    size_t head, group_bytes, span, first, stride; /* as int_linear.c's: a group's scales' bytes, a group's, an activation
+                                                      block's, where its first group's values lie, a group's values' stride */
+} Blocks; /* how one call's blocks lie, set once a call */
+
+/* one group's scales (and offsets) of half h of a block's activation block at `at`, as fp32: d sc and -(dmin m) of the
+   K types (d, dmin: the activation block's, made once), fp16 or fp32 ones as they lie */
+TARGET static inline ALWAYS void group_scales(const Blocks *w, const char *at, int h, int gl, __m256 d, __m256 dmin, __m256 *scale,
+                                              __m256 *off) {
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000));
+    if (w->supers) {
+        *scale = times(d, at + w->head + 16 * gl + 8 * h);
+        if (w->offsets) *off = _mm256_xor_ps(times(dmin, at + w->head + 16 * (w->per_block + gl) + 8 * h), sign);
+    } else if (w->halves) {
+        const char *g = at + gl * w->group_bytes;
+        *scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
+        if (w->offsets) *off = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * h)));
+    } else {
+        const float *g = (const float *)(at + gl * w->group_bytes);
+        *scale = _mm256_loadu_ps(g + 8 * h);
+        if (w->offsets) *off = _mm256_loadu_ps(g + 16 + 8 * h);
+    }
+}
+
 #define MAX_ROWS 4
 
-/* ROWS (1 .. 4) rows x half h of a block over activation block `block_index`: each unit of quads unpacked once and
-   multiplied by every row (one row in two chains: vpdpbusd's latency), each group's sums scaled (less the 6-bit
-   planes' bias; + offsets times the group's sum of qx), then the block's dx, as int_linear.c's rows_block does a
-   column. w: the block's first group's values, a group's `stride` bytes after the last's; out: the rows' 16 sums,
-   16 apart; where `next`, the next block's `lines` of this activation block are prefetched over the units. */
-TARGET static inline ALWAYS void rows_half(int kind, int qs, int ROWS, Rows x, int block_index, const char *w, int h, size_t stride,
-                                           const __m256 *scales, const __m256 *offs, int offsets, float *out, const char *next,
-                                           int lines, int l2) {
-    const int groups = x.qblock / x.group, unit = kind == SIX ? 4 : 2, bytes = quad_bytes(kind), chains = VNNI && ROWS == 1 ? 2 : 1;
+/* ROWS (1 .. 4) rows x HALVES (1 or 2) halves of one block (from half h0), over all of K: each unit of quads unpacked
+   once and multiplied by every row (a row's four bytes broadcast once for both halves); without VNNI, `span` quads'
+   vpmaddubsw pairs summed in int16, then widened by one vpmaddwd; each group's integer sums scaled (less the 6-bit
+   planes' bias; + offsets times the group's sum of qx), each activation block's by its dx, in int_linear.c's order
+   for every row and column, so any tile gives a row the same bits. Everything stays in registers but the tile's
+   sums of earlier activation blocks. y: the rows' outputs at this block's first column, `n` apart
+   (+ bias, likewise, or NULL); where `stream` (the block's first tile), AHEAD bytes on prefetched as it reads. */
+TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, const Blocks *w, Rows x, const char *block, int h0,
+                                      const float *bias, float *y, int n, int stream, int l2) {
+    const int unit = kind == SIX ? 4 : 2, bytes = quad_bytes(kind), groups = x.qblock / x.group, tiles = ROWS * HALVES;
+    const size_t row_groups = x.k / x.group, row_blocks = x.k / x.qblock; /* a row's groups and activation blocks */
     const int span = pairs_span(kind) < qs ? pairs_span(kind) : qs;
-    const int units = groups * qs / unit;
-    __m256 p[MAX_ROWS];
-    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) p[r] = _mm256_setzero_ps();
-    int line = 0;
-    for (int gl = 0; gl < groups; gl++) {
-        const int g = block_index * groups + gl;
-        const int8_t *xq = x.qx + g * x.group;
-        __m256i sum[MAX_ROWS + 1], pairs[MAX_ROWS];
-        _Pragma("GCC unroll 5") for (int c = 0; c < ROWS + chains - 1; c++) sum[c] = _mm256_setzero_si256();
-        _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
-            if (next)
-                for (const int until = lines * ((gl * qs + q) / unit + 1) / units; line < until; line++) prefetch(next + 64 * line, l2);
-            __m256i u[4];
-            unit_quads(kind, w + gl * stride + bytes * q, h, u);
-            _Pragma("GCC unroll 4") for (int j = 0; j < unit; j++) {
-                const __m256i a = kind == INT8 ? _mm256_abs_epi8(u[j]) : u[j];
-                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {
-                    __m256i xb = _mm256_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * (q + j)));
-                    if (kind == INT8) xb = _mm256_sign_epi8(xb, u[j]);
-                    if (VNNI) {
-                        const int c = r + (chains == 2 ? j % 2 : 0);
-                        sum[c] = dot(sum[c], a, xb);
-                    } else { /* int16 sums of `span` quads, widened once */
-                        const __m256i products = _mm256_maddubs_epi16(a, xb);
-                        pairs[r] = (q + j) % span ? _mm256_add_epi16(pairs[r], products) : products;
-                        if ((q + j) % span == span - 1) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 out[MAX_ROWS * 2];
+    _Pragma("GCC unroll 8") for (int t = 0; t < tiles; t++) out[t] = _mm256_setzero_ps();
+    for (int b = 0; b < (int)row_blocks; b++) {
+        const char *at = block + (size_t)b * w->span;
+        __m256 d[2], dmin[2], p[MAX_ROWS * 2];
+        _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) {
+            d[hh] = w->supers ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 16 * (h0 + hh)))) : _mm256_setzero_ps();
+            dmin[hh] = w->supers && w->offsets ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 32 + 16 * (h0 + hh)))) : d[hh];
+        }
+        _Pragma("GCC unroll 8") for (int t = 0; t < tiles; t++) p[t] = _mm256_setzero_ps();
+        for (int gl = 0; gl < groups; gl++) {
+            const int g = b * groups + gl;
+            const int8_t *xq = x.qx + (size_t)g * x.group;
+            const char *values = at + w->first + gl * w->stride;
+            __m256i sum[MAX_ROWS * 2], pairs[MAX_ROWS * 2];
+            _Pragma("GCC unroll 8") for (int t = 0; t < tiles; t++) sum[t] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
+                if (stream) prefetch(values + bytes * q + AHEAD, unit * bytes > 64, l2);
+                __m256i u[2][4];
+                _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) unit_quads(kind, values + bytes * q, h0 + hh, u[hh]);
+                _Pragma("GCC unroll 4") for (int j = 0; j < unit; j++) {
+                    __m256i a[2];
+                    _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) a[hh] = kind == INT8 ? _mm256_abs_epi8(u[hh][j]) : u[hh][j];
+                    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {
+                        const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * (q + j)));
+                        _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) {
+                            const int t = r * HALVES + hh;
+                            const __m256i xs = kind == INT8 ? _mm256_sign_epi8(xb, u[hh][j]) : xb;
+                            if (VNNI) sum[t] = dot(sum[t], a[hh], xs);
+                            else { /* int16 sums of `span` quads, widened once */
+                                const __m256i products = _mm256_maddubs_epi16(a[hh], xs);
+                                pairs[t] = (q + j) % span ? add16(pairs[t], products) : products;
+                                if ((q + j) % span == span - 1) sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(pairs[t], ones));
+                            }
+                        }
                     }
                 }
             }
+            __m256 scale[2], off[2];
+            _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) group_scales(w, at, h0 + hh, gl, d[hh], dmin[hh], &scale[hh], &off[hh]);
+            _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {
+                const size_t row_g = r * row_groups + g;
+                _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) {
+                    const int t = r * HALVES + hh;
+                    const __m256i s = kind == SIX ? _mm256_sub_epi32(sum[t], _mm256_set1_epi32(x.biases[row_g])) : sum[t];
+                    p[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale[hh], p[t]);
+                    if (w->offsets) p[t] = _mm256_fmadd_ps(off[hh], _mm256_set1_ps(x.sums[row_g]), p[t]);
+                }
+            }
         }
-        if (chains == 2) sum[0] = _mm256_add_epi32(sum[0], sum[1]);
         _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {
-            const size_t at = (size_t)r * (x.k / x.group) + g;
-            const __m256i s = kind == SIX ? _mm256_sub_epi32(sum[r], _mm256_set1_epi32(x.biases[at])) : sum[r];
-            p[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scales[gl], p[r]);
-            if (offsets) p[r] = _mm256_fmadd_ps(offs[gl], _mm256_set1_ps(x.sums[at]), p[r]);
+            const __m256 dx = _mm256_set1_ps(x.dx[r * row_blocks + b]);
+            _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) out[r * HALVES + hh] = _mm256_fmadd_ps(p[r * HALVES + hh], dx, out[r * HALVES + hh]);
         }
     }
-    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {
-        const __m256 d = _mm256_set1_ps(x.dx[(size_t)r * (x.k / x.qblock) + block_index]);
-        _mm256_storeu_ps(out + 16 * r + 8 * h, _mm256_fmadd_ps(p[r], d, _mm256_loadu_ps(out + 16 * r + 8 * h)));
-    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++)
+        _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) {
+            const int h = h0 + hh;
+            __m256 v = out[r * HALVES + hh];
+            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * h));
+            _mm256_storeu_ps(y + (size_t)r * n + 8 * h, v);
+        }
 }
-typedef void (*RowsHalf)(Rows, int, const char *, int, size_t, const __m256 *, const __m256 *, int, float *, const char *, int, int);
-#define ROWS_HALF(KIND, QS, ROWS)                                                                                        \
-    TARGET static void rows_##KIND##_##QS##_##ROWS(Rows x, int b, const char *w, int h, size_t stride, const __m256 *s,     \
-                                                   const __m256 *o, int offsets, float *out, const char *next, int lines, \
-                                                   int l2) {                                                              \
-        rows_half(KIND, QS, ROWS, x, b, w, h, stride, s, o, offsets, out, next, lines, l2);                              \
+typedef void (*Tile)(const Blocks *, Rows, const char *, int, const float *, float *, int, int, int);
+#define TILE(KIND, QS, ROWS, HALVES)                                                                                        \
+    TARGET static void tile_##KIND##_##QS##_##ROWS##_##HALVES(const Blocks *w, Rows x, const char *block, int h0,             \
+                                                              const float *bias, float *y, int n, int stream, int l2) {     \
+        tile(KIND, QS, ROWS, HALVES, w, x, block, h0, bias, y, n, stream, l2);                                               \
     }
-#define ROWS_HALVES(KIND, QS) ROWS_HALF(KIND, QS, 1) ROWS_HALF(KIND, QS, 2) ROWS_HALF(KIND, QS, 3) ROWS_HALF(KIND, QS, 4)
-ROWS_HALVES(NIBBLES, 4) ROWS_HALVES(NIBBLES, 8) ROWS_HALVES(INT8, 4) ROWS_HALVES(INT8, 8) ROWS_HALVES(SIX, 4) ROWS_HALVES(SIX, 8)
-#define ROWS_OF(KIND, QS) {rows_##KIND##_##QS##_1, rows_##KIND##_##QS##_2, rows_##KIND##_##QS##_3, rows_##KIND##_##QS##_4}
-static const RowsHalf rows_halves[3][2][MAX_ROWS] = {{ROWS_OF(NIBBLES, 4), ROWS_OF(NIBBLES, 8)}, {ROWS_OF(INT8, 4), ROWS_OF(INT8, 8)},
-                                                     {ROWS_OF(SIX, 4), ROWS_OF(SIX, 8)}};
-
-/* 8 int8 (sc or m: one a column) as fp32 times a column's fp32 (d or dmin): one product, as int_linear.c's times */
-TARGET static inline __m256 times(__m256 d, const char *bytes) {
-    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)bytes))));
-}
+#define TILES(KIND, QS) TILE(KIND, QS, 1, 1) TILE(KIND, QS, 2, 1) TILE(KIND, QS, 3, 1) TILE(KIND, QS, 4, 1) \
+    TILE(KIND, QS, 1, 2) TILE(KIND, QS, 2, 2)
+TILES(NIBBLES, 4) TILES(NIBBLES, 8) TILES(INT8, 4) TILES(INT8, 8) TILES(SIX, 4) TILES(SIX, 8)
+#define TILES_OF(KIND, QS) {{tile_##KIND##_##QS##_1_1, tile_##KIND##_##QS##_2_1, tile_##KIND##_##QS##_3_1, tile_##KIND##_##QS##_4_1}, \
+    {tile_##KIND##_##QS##_1_2, tile_##KIND##_##QS##_2_2, 0, 0}}
+static const Tile tiles[3][2][2][MAX_ROWS] = {{TILES_OF(NIBBLES, 4), TILES_OF(NIBBLES, 8)}, {TILES_OF(INT8, 4), TILES_OF(INT8, 8)},
+                                              {TILES_OF(SIX, 4), TILES_OF(SIX, 8)}}; /* [kind][qs == 8][halves - 1][rows - 1] */
 
 /* int_linear.c's int_linear, on fp32 x and y (bf16: 2); 1 where the buffers could not be allocated */
 TARGET int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits, int group,
@@ -197,67 +265,35 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
     if (bf16) return 2;
     const int qblock = qblock_of(k), supers = scaling == SUPERS, halves = scaling == HALVES;
     const size_t rows = (size_t)m, width = (size_t)k, groups = width / group;
-    /* a thread's (m, 16) sums of its current block: whole cache lines of its own, read and written at every step
-       (sharing a line with the other thread's, as malloc's alignment of the moment decided, cost a third of a step) */
-    const size_t own = (rows * 16 * 4 + 63) / 64 * 64;
-    char *buffer = malloc(rows * width + rows * (width / qblock) * 4 + rows * groups * 8 + (size_t)threads * own + 128);
+    char *buffer = malloc(rows * width + rows * (width / qblock) * 4 + rows * groups * 8 + 16);
     if (!buffer) return 1;
     int8_t *qx = (int8_t *)buffer;
     float *dx = (float *)(buffer + (rows * width + 3) / 4 * 4), *sums = dx + rows * (width / qblock);
     int32_t *biases = (int32_t *)(sums + rows * groups);
-    char *outs = (char *)(((uintptr_t)(biases + rows * groups) + 63) & ~(uintptr_t)63);
     const Rows part = {qx, dx, sums, biases, k, qblock, group};
     const int kind = bits == 8 ? INT8 : bits == 6 ? SIX : NIBBLES, per_block = qblock / group, qs = group / 4, blocks = n / 16;
     /* where each activation block's scales and values lie in a block: as int_linear.c reads them */
     const size_t head = (offsets ? 2 : 1) * (halves || supers ? 32 : 64), values = (size_t)qs * quad_bytes(kind), group_bytes = head + values;
     const size_t super_head = head + (size_t)per_block * 16 * (offsets ? 2 : 1);
     const size_t span = supers ? super_head + per_block * values : per_block * group_bytes;
-    const size_t first = supers ? super_head : head, stride = supers ? values : group_bytes;
+    const Blocks w = {offsets, supers, halves, per_block, head, group_bytes, span, supers ? super_head : head, supers ? values : group_bytes};
     const size_t block = (size_t)(k / qblock) * span;
-    const int lines = (int)((span + 63) / 64);
-    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000));
     _Pragma("omp parallel num_threads(threads)") {
         _Pragma("omp for schedule(static)")
         for (int r = 0; r < m; r++)
             quantize_row((const float *)x + (size_t)r * k, k, qblock, group, kind == SIX ? 32 : 0, qx + (size_t)r * k,
                          dx + (size_t)r * (k / qblock), sums + (size_t)r * groups, biases + (size_t)r * groups);
-        float *out = (float *)(outs + (size_t)omp_get_thread_num() * own);
-        __m256 scales[256 / 16], offs[256 / 16];
         _Pragma("omp for schedule(static)")
         for (int c = 0; c < blocks; c++) {
-            const char *w = packed + c * block, *next = c + 1 < blocks ? w + block : 0;
-            memset(out, 0, rows * 16 * 4);
-            for (int b = 0; b < k / qblock; b++) {
-                const char *at = w + (size_t)b * span;
-                for (int h = 0; h < 2; h++) {
-                    for (int gl = 0; gl < per_block; gl++) {
-                        if (supers) { /* d sc and -(dmin m), as quants.py's decoders make them */
-                            scales[gl] = times(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 16 * h))), at + head + 16 * gl + 8 * h);
-                            if (offsets)
-                                offs[gl] = _mm256_xor_ps(times(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 32 + 16 * h))),
-                                                               at + head + 16 * (per_block + gl) + 8 * h), sign);
-                        } else if (halves) {
-                            const char *g = at + gl * group_bytes;
-                            scales[gl] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16 * h)));
-                            if (offsets) offs[gl] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32 + 16 * h)));
-                        } else {
-                            const float *g = (const float *)(at + gl * group_bytes);
-                            scales[gl] = _mm256_loadu_ps(g + 8 * h);
-                            if (offsets) offs[gl] = _mm256_loadu_ps(g + 16 + 8 * h);
-                        }
-                    }
-                    for (int r = 0; r < m; r += MAX_ROWS) /* the first tile prefetches; the others read the block from cache */
-                        rows_halves[kind][qs == 8][(m - r < MAX_ROWS ? m - r : MAX_ROWS) - 1](
-                            from_row(part, r), b, at + first, h, stride, scales, offs, offsets, out + 16 * r,
-                            r == 0 && h == 0 && next ? next + (size_t)b * span : 0, lines, l2);
-                }
+            const char *at = packed + c * block;
+            const float *b = bias ? bias + 16 * c : 0;
+            float *out = (float *)y + 16 * c;
+            for (int r = 0; r < m;) { /* 4 rows at a time through one half, then the other; 1 or 2 rows through both at once */
+                const int rows = m - r < MAX_ROWS ? m - r : MAX_ROWS, halves = rows <= 2 ? 2 : 1;
+                for (int h = 0; h < 2; h += halves) /* the first tile streams the block; the others read it from cache */
+                    tiles[kind][qs == 8][halves - 1][rows - 1](&w, from_row(part, r), at, h, b, out + (size_t)r * n, n, r == 0 && h == 0, l2);
+                r += rows;
             }
-            for (int r = 0; r < m; r++)
-                for (int half = 0; half < 16; half += 8) {
-                    __m256 v = _mm256_loadu_ps(out + (size_t)r * 16 + half);
-                    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 16 * c + half));
-                    _mm256_storeu_ps((float *)y + (size_t)r * n + 16 * c + half, v);
-                }
         }
     }
     free(buffer);
