@@ -148,10 +148,11 @@ class Batch:
         self.cache.compact(step.size, keep, [lane.position + move.layout.offsets.numpy()[k] for lane, move, k in zip(lanes, moves, keep)])
         # 5. learn: the drafting sources (not in plain decoding), then the lanes' outputs and the planner
         self._teach(lanes, moves, step, ids, logits)
+        step_s = clock.total()  # what each lane's new tokens cost
         for lane, move in zip(lanes, moves):
             lane.out += move.new
-            lane.stats.record(move.tree, move.levels, move.verdict.path, len(move.new), lane.state.names)
-        self.planner.learn(moves, [lane.out for lane in lanes], step.size, forward_s)
+            lane.stats.record(move.tree, move.levels, move.verdict.path, len(move.new), lane.state.names, move.promise, step_s, move.rests)
+        self.planner.learn(moves, [lane.out for lane in lanes], step.size, forward_s, step_s)
         learn_s = clock.lap()
         # 6. stream what was accepted; finished lanes leave the batch
         for lane, move in zip(lanes, moves):
@@ -165,7 +166,7 @@ class Batch:
         planner holds it dormant, or in plain decoding)."""
         cfg = self.config
         room, space = self._limits(lane)
-        drafting = lane.lookahead and self.planner.proposes(lane.stats.steps)
+        drafting = lane.lookahead and self.planner.proposes(lane.ledger, lane.stats.steps, len(self.lanes))
         tree = lane.state.propose(lane.out[-1], cfg, min(cfg.tree_budget if drafting else 0, space), room, lane.suffix)
         levels = lane.window.levels_within(room) if lane.window and drafting else 0
         return Move(tree, levels if levels * cfg.window <= space else 0, space, lane.ledger, lane.lookahead and not drafting)

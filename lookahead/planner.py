@@ -12,7 +12,10 @@ worth (draft tokens accepted per step that only its trajectories proposed). Plai
 nothing beats it, the step is plain (T = 1), and the tree keeps being drafted (every step, then, once no draft
 has been accepted for a while, every ``DORMANT_STRIDE``-th step, rarer the longer it lasts: ``LiveCurve.dormant``),
 so an input-grounded stretch (a long suffix match) turns drafting back on by itself. ``plan`` is the same rule
-for a batch.
+for a batch. Each drafting width is priced with the host work a drafting step adds (its sources' proposals and
+learning: measured, ~0.2-0.4 ms of a 7 ms SmolLM2 int8 step on a Zen 3). What the rule promises is then held
+against what came: a lane whose drafting steps, whole, give fewer tokens a second than a plain step would rests
+(``Pace``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ LIVE_WEIGHT = 0.1  # weight of each of the loop's own forward timings in the cur
 LIVE_CLIP = 0.5  # most one timing moves a correction, in log units (a one-off stall must not price a width out)
 CALIBRATION_DECAY = 0.95  # a sequence's calibration remembers its last ~20 drafting steps
 CALIBRATION_ASSUMED = 1.0  # ... and starts as if one promised draft token had come (factor 1)
+PACE_DECAY = 0.9  # a lane's pace remembers its last ~10 drafting steps
+PACE_SAMPLES = 8  # drafting steps a lane takes before its pace is judged
+PACE_MARGIN = 0.05  # ... and the share by which they must have lost (less is noise: a prompt's steps vary by more)
+PACE_RETRY = 32  # a lane whose drafting loses drafts once in this many steps, to measure it again
+HOST_DECAY = 0.9  # weight of the past in the host work of a step (that drafted, or not)
 
 
 class LiveCurve:
@@ -74,6 +82,7 @@ class LiveCurve:
         self.observed = 0
         self.plain_run = 0  # forwards in a row of one row per sequence
         self.idle_run = 0  # forwards in a row that accepted no draft token
+        self.host = {False: None, True: None}  # seconds of host work of a step that drafted nothing, of one that drafted
         # per batch size: the probed r and the nearest probed size's index at 1, 2, ... rows (``_table``); the
         # observed cells as arrays (``_near``). Per-step numpy over the curve ran right after each forward, with
         # cold caches: ~0.25 ms a step (SmolLM2, Zen 5), ~1.5% of a bf16 step
@@ -100,11 +109,15 @@ class LiveCurve:
             return False
         return self.idle_run % (DORMANT_STRIDE << min((self.idle_run - DORMANT) // RETRY, DORMANT_DEEPEST)) != 0
 
-    def observe(self, tokens: int, seconds: float, batch: int = 1, accepted: int = 0) -> None:
+    def observe(self, tokens: int, seconds: float, batch: int = 1, accepted: int = 0, host: float | None = None,
+                drafted: bool = False) -> None:
         """One forward of ``tokens`` rows over ``batch`` sequences took ``seconds`` and accepted ``accepted`` draft
-        tokens."""
+        tokens; its step's host work took ``host`` seconds more, in a step that ``drafted`` or one that drafted nothing."""
         if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 1:
             raise ValueError(f"a forward has a whole number of rows >= 1, got {tokens!r}")
+        if host is not None:
+            was = self.host[drafted]
+            self.host[drafted] = host if was is None else HOST_DECAY * was + (1 - HOST_DECAY) * host
         self.observed += 1
         self.plain_run = self.plain_run + 1 if tokens <= batch else 0
         self.idle_run = 0 if accepted else self.idle_run + 1
@@ -122,6 +135,18 @@ class LiveCurve:
             self._nearest.clear()  # a new cell: nearer than the old ones to some sizes
         self.log_scale[cell] = old + max(LIVE_WEIGHT, 1 / (n + 1)) * min(max(error - old, -LIVE_CLIP), LIVE_CLIP)
         self._scales = None
+
+    def seconds(self, tokens: int, batch: int = 1) -> float:
+        """What a forward of ``tokens`` rows over ``batch`` sequences costs, as corrected."""
+        return self.curve.ms_at_1 / 1000 * math.exp(self._near(1, 1)) * float(self.ratio(tokens, batch))
+
+    def drafting_host(self) -> float:
+        """The host work a step that drafts adds to one that does not, in plain steps (0 until both are measured,
+        or where the curve does not correct)."""
+        plain, drafting = self.host[False], self.host[True]
+        if not self.corrects or plain is None or drafting is None:
+            return 0.0
+        return max(drafting - plain, 0.0) / self.seconds(1)
 
     def ratio(self, tokens: int | np.ndarray, batch: int = 1) -> float | np.ndarray:
         """c(T rows over ``batch`` sequences) / c(1 row, one sequence), both corrected, never below 1."""
@@ -173,6 +198,8 @@ class Choice:
     nodes: int  # tree nodes verified (the best ``nodes`` by score)
     window: bool  # whether the Jacobi branch runs
     value: float  # expected tokens per unit of plain-step cost (plain decoding: 1.0)
+    tokens: float = 1.0  # tokens the step is expected to emit for the sequence
+    ratio: float = 1.0  # the step's cost in plain steps (r(B x T))
 
 
 PLAIN = Choice(0, False, 1.0)  # a step of the current token alone
@@ -184,7 +211,7 @@ def choose(curve: CostCurve | LiveCurve, tree: TokenTree, window_rows: int, wind
 
 
 def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list[int], window_values: list[float],
-         factors: list[float] | None = None, explore: bool = False) -> list[Choice]:
+         factors: list[float] | None = None, explore: bool = False, host: float = 0.0) -> list[Choice]:
     """The step of a batch: one width T for every sequence (the step is padded to its widest), each filling
     it with its best nodes (and its Jacobi branch where that gains more), maximising
 
@@ -194,7 +221,8 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
     single-sequence rule of the module docstring; of equal values (within 1e-9), the narrowest width.
     ``factors``: each sequence's ``Calibration.factor`` (its node scores times it, at most 1 a node).
     ``explore``: the best step that drafts, even where plain is expected to be better (to re-measure a width
-    the live curve has kept off; plain when nothing is drafted). Every width at once, in one kernel
+    the live curve has kept off; plain when nothing is drafted). ``host``: what a step that drafts costs beyond
+    its forward, in plain steps (added to every width beyond one). Every width at once, in one kernel
     (``best_widths``): numpy over the widths was ~0.13 ms of a SmolLM2 step's host work, right after a forward
     that left every cache line it touches cold."""
     b = len(trees)
@@ -202,19 +230,21 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
     rows = np.asarray(window_rows, np.int64)
     widest = int((sizes + 1 + rows).max())
     ratios = np.asarray(curve.ratio(b * np.arange(1, widest + 1), b), np.float64)  # (widest,): r(B x T) at T = 1 .. widest
+    ratios[1:] += host
     scores = trees[0].scores if b == 1 else np.concatenate([tree.scores for tree in trees])
-    nodes, window, value = best_widths(np.asarray(scores, np.float64), np.concatenate([[0], np.cumsum(sizes)]),
-                                       np.asarray(factors or [1.0] * b, np.float64), rows, np.asarray(window_values, np.float64),
-                                       ratios, explore)
-    return [Choice(int(n), bool(w), value) for n, w in zip(nodes, window)]
+    nodes, window, gains, width = best_widths(np.asarray(scores, np.float64), np.concatenate([[0], np.cumsum(sizes)]),
+                                              np.asarray(factors or [1.0] * b, np.float64), rows,
+                                              np.asarray(window_values, np.float64), ratios, explore)
+    value = float((1 + gains).sum() / ratios[width] / b)
+    return [Choice(int(n), bool(w), value, 1 + float(g), float(ratios[width])) for n, w, g in zip(nodes, window, gains)]
 
 
 @njit(cache=True)
 def best_widths(scores: np.ndarray, bounds: np.ndarray, factors: np.ndarray, rows: np.ndarray, worths: np.ndarray,
-                ratios: np.ndarray, explore: bool) -> tuple[np.ndarray, np.ndarray, float]:
+                ratios: np.ndarray, explore: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """``plan``'s rule: sequence b's node scores are ``scores[bounds[b]:bounds[b + 1]]``, its Jacobi branch ``rows[b]``
-    rows worth ``worths[b]`` tokens; ``ratios`` (widest,) r(B x T) for T = 1 .. widest. Returns each sequence's nodes
-    and whether its branch runs, at the best width, and that width's value per sequence."""
+    rows worth ``worths[b]`` tokens; ``ratios`` (widest,) r(B x T) for T = 1 .. widest. Returns each sequence's nodes,
+    whether its branch runs and the tokens they gain, at the best width, and that width's index."""
     b_count, widest = bounds.size - 1, ratios.size
     gains = np.zeros(scores.size + b_count)  # S_b(k) for k = 0 .. n_b, sequence b's from bounds[b] + b
     for b in range(b_count):
@@ -232,10 +262,10 @@ def best_widths(scores: np.ndarray, bounds: np.ndarray, factors: np.ndarray, row
     best, top = 0, values.max()
     while values[best] < top - 1e-9:  # the narrowest of equal values
         best += 1
-    nodes, window = np.zeros(b_count, np.int64), np.zeros(b_count, np.bool_)
+    nodes, window, gained = np.zeros(b_count, np.int64), np.zeros(b_count, np.bool_), np.zeros(b_count)
     for b in range(b_count):
-        nodes[b], window[b], _ = _fill(gains, bounds, rows, worths, b, best)
-    return nodes, window, values[best] / b_count
+        nodes[b], window[b], gained[b] = _fill(gains, bounds, rows, worths, b, best)
+    return nodes, window, gained, best
 
 
 def warm_up() -> None:
@@ -304,13 +334,43 @@ class JacobiWorth:
             self.since_run = 0
 
 
+class Pace:
+    """Tokens a second a lane's drafting steps gave, measured whole (its sources' work, the forward, the
+    verification, the learning), held against a plain step (its forward as the live curve has it, plus the host
+    work of a step that drafts nothing). The planner prices a step by its forward's probed cost and its drafts by
+    their scores; where either is wrong, drafting loses: measured on the 1.5B, int8, Zen 4, one prompt's drafting
+    steps took ~59 ms for ~1.2 tokens against ~30 ms plain, 0.72x its plain loop. A lane whose drafting steps come
+    out slower rests (no proposals: plain steps), drafting once in ``PACE_RETRY`` steps to measure again."""
+
+    def __init__(self) -> None:
+        self.tokens = self.seconds = 0.0  # decayed sums over the drafting steps
+        self.samples = 0
+        self.rested = 0  # steps rested in a row
+
+    def update(self, tokens: int, seconds: float) -> None:
+        """A drafting step emitted ``tokens`` in ``seconds``."""
+        self.tokens = PACE_DECAY * self.tokens + tokens
+        self.seconds = PACE_DECAY * self.seconds + seconds
+        self.samples += 1
+
+    def loses(self, plain_seconds: float) -> bool:
+        """Whether the lane's drafting steps have given fewer tokens a second than plain steps of ``plain_seconds``."""
+        return self.samples >= PACE_SAMPLES and self.tokens * plain_seconds < (1 - PACE_MARGIN) * self.seconds
+
+    def rests(self, plain_seconds: float) -> bool:
+        """Whether the lane rests this step: while its drafting loses, all but every ``PACE_RETRY``-th step."""
+        self.rested = self.rested + 1 if self.loses(plain_seconds) else 0
+        return self.rested % PACE_RETRY != 0
+
+
 @dataclass(eq=False)
 class Ledger:
-    """What the planner keeps of one drafting lane: its calibration, its Jacobi branch's worth, and the proposals
-    it declined, each with where in the lane's output the tokens after it start, until they judge it."""
+    """What the planner keeps of one drafting lane: its calibration, its Jacobi branch's worth, its pace, and the
+    proposals it declined, each with where in the lane's output the tokens after it start, until they judge it."""
 
     calibration: Calibration
     worth: JacobiWorth = field(default_factory=JacobiWorth)
+    pace: Pace = field(default_factory=Pace)
     declined: list[tuple[TokenTree, int]] = field(default_factory=list)
 
     def hindsight(self, out: list[int]) -> list[tuple[float, int]]:
@@ -342,6 +402,7 @@ class Move:
     ledger: Ledger | None  # None: a lane the cost model does not plan (plain decoding, or no cost model)
     rests: bool = False  # a drafting lane the planner holds dormant this step: it neither proposes nor teaches
     tree: TokenTree | None = None  # the nodes verified (``proposed`` until the planner cuts it)
+    promise: tuple[float, float] | None = None  # (tokens, seconds) the planner expected of the step, where it drafts
     layout: StepLayout | None = None
     logits: torch.Tensor | None = None  # (its logit rows, V)
     verdict: Verdict | None = None
@@ -363,9 +424,14 @@ class Planner:
         """A new drafting lane's ledger (None without a cost model): its calibration starts from the pooled one."""
         return None if self.curve is None else Ledger(Calibration(self.calibration.factor))
 
-    def proposes(self, steps: int) -> bool:
-        """Whether a lane ``steps`` into its decode drafts this step (``LiveCurve.dormant``: a new lane drafts its first steps)."""
-        return not (self.curve is not None and self.curve.dormant and steps >= DORMANT)
+    def proposes(self, ledger: Ledger | None, steps: int, batch: int = 1) -> bool:
+        """Whether a lane ``steps`` into its decode, in a batch of ``batch``, drafts this step: not while the loop is
+        dormant (``LiveCurve.dormant``; a new lane drafts its first steps), nor while its drafting loses (``Pace``)."""
+        if self.curve is None:
+            return True
+        if self.curve.dormant and steps >= DORMANT:
+            return False
+        return ledger is None or not ledger.pace.rests(self.curve.seconds(batch, batch) + (self.curve.host[False] or 0.0))
 
     def choose(self, moves: list[Move], window: int) -> None:
         """Each move's tree and Jacobi levels: the step expected to pay most per cost (``plan``), possibly plain."""
@@ -375,20 +441,29 @@ class Planner:
         if any(len(m.proposed) or m.levels for m in moves):
             choices = plan(self.curve, [m.proposed for m in moves], [m.levels * window for m in moves],
                            [m.ledger.worth.value if m.ledger else 0.0 for m in moves],
-                           [m.ledger.calibration.factor if m.ledger else 1.0 for m in moves], explore=self.curve.stale)
+                           [m.ledger.calibration.factor if m.ledger else 1.0 for m in moves], explore=self.curve.stale,
+                           host=self.curve.drafting_host())
+        plain = self.curve.seconds(1) + (self.curve.host[False] or 0.0)  # a plain step, whole
         for m, choice in zip(moves, choices):
             m.tree = m.proposed.best(choice.nodes)
             m.levels = m.levels if m.ledger is not None and m.ledger.worth.runs(choice.window) else 0
+            m.promise = (choice.tokens, choice.ratio * plain) if len(m.tree) or m.levels else None
 
-    def learn(self, moves: list[Move], outs: list[list[int]], rows: int, seconds: float) -> None:
-        """The step (``rows`` a lane) took ``seconds``; each lane's output ``outs`` now ends with its ``new`` tokens:
-        the Jacobi branch's worth, and calibrations from what was verified and what declined proposals would have got."""
+    def learn(self, moves: list[Move], outs: list[list[int]], rows: int, seconds: float, whole: float | None = None) -> None:
+        """The step (``rows`` a lane) took ``seconds`` of forward, ``whole`` in all (default: ``seconds``); each
+        lane's output ``outs`` now ends with its ``new`` tokens: the Jacobi branch's worth, each drafting lane's pace,
+        and calibrations from what was verified and what declined proposals would have got."""
         if self.curve is None:
             return
-        self.curve.observe(len(moves) * rows, seconds, len(moves), sum(len(m.verdict.path) for m in moves))
+        drafted, resting = any(m.promise is not None for m in moves), all(m.rests or m.ledger is None for m in moves)
+        host = max(whole - seconds, 0.0) if whole is not None and (drafted or resting) else None  # a step of either kind
+        self.curve.observe(len(moves) * rows, seconds, len(moves), sum(len(m.verdict.path) for m in moves), host, drafted)
+        whole = seconds if whole is None else whole
         for m, out in zip(moves, outs):
             if m.ledger is None:
                 continue
+            if m.promise is not None:  # it drafted
+                m.ledger.pace.update(len(m.new), whole)
             m.ledger.worth.update(int((m.tree.sources[m.verdict.path] == 1 << TRAJECTORY).sum()), m.levels > 0)
             if not len(m.tree) and len(m.proposed):  # judged once its tokens have come
                 m.ledger.declined.append((m.proposed, len(out) - len(m.new)))

@@ -106,7 +106,7 @@ def curve_file(model: PreTrainedModel, cache_dir: Path) -> Path:
 def curve_path(name: str, dtype: torch.dtype, device: str, cache_dir: Path, kernels: str = "stock", weights: str = "dense") -> Path:
     """``curve_file`` before loading: ``name`` is the directory the model is loaded from, ``weights`` its
     ``weight_kinds``."""
-    build = [native.isa(), native.build_id(native.tier()), native.prefetch_into_l2()] if kernels == "packed-own" else None  # ours, as run
+    build = [native.isa(), native.build_id(native.tier()), native.prefetch_into_l2()] if kernels.startswith("packed-own") else None  # ours, as run
     key = json.dumps([name, str(dtype), torch.device(device).type, torch.get_num_threads(), cpu_name(), torch.__version__, kernels, build]
                      + ([weights] if weights != "dense" else []))  # a dense model's key as before: its curves stay found
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

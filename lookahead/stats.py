@@ -40,12 +40,21 @@ class GenerationStats:
     accepted_by_source: Counter = field(default_factory=Counter)  # emitted draft tokens, by each source that proposed them
     drafted_by_source: Counter = field(default_factory=Counter)  # tree nodes verified, by each source that proposed them
     phase_s: Counter = field(default_factory=Counter)  # decode time by phase: draft, forward, verify, learn
+    rested_steps: int = 0  # steps the planner held the lane from drafting (dormant, or its drafting lost: ``planner.Pace``)
+    drafted: Counter = field(default_factory=Counter)  # the drafting steps': tokens and seconds promised, and as they came
 
     def record(self, tree: TokenTree, levels: int, path: list[int], emitted: int,
-               names: tuple[str | None, ...] = SOURCES) -> None:
+               names: tuple[str | None, ...] = SOURCES, promise: tuple[float, float] | None = None, seconds: float = 0.0,
+               rested: bool = False) -> None:
         """One step that fed ``levels`` window levels, verified ``tree``, accepted ``path`` and emitted ``emitted`` tokens
-        (cut by stops or length); ``names``: of the node source bits (``DraftState.names``; None: not counted)."""
+        (cut by stops or length) in ``seconds`` (the whole step); ``names``: of the node source bits
+        (``DraftState.names``; None: not counted); ``promise``: the (tokens, seconds) the planner expected of a drafting
+        step; ``rested``: the lane was held from drafting."""
         self.steps += 1
+        self.rested_steps += rested
+        if promise is not None:
+            for key, value in zip(("steps", "promised_tokens", "promised_s", "tokens", "seconds"), (1, *promise, emitted, seconds)):
+                self.drafted[key] += value
         self.tree_nodes += len(tree)
         self.window_steps += levels > 0
         self.plain_steps += levels == 0 and len(tree) == 0
@@ -76,5 +85,14 @@ class GenerationStats:
             "plain_steps": self.plain_steps,
             "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
             "accepted_by_source": dict(self.accepted_by_source), "drafted_by_source": dict(self.drafted_by_source),
-            "phase_s": {k: round(v, 4) for k, v in self.phase_s.items()},
+            "phase_s": {k: round(v, 4) for k, v in self.phase_s.items()}, "rested_steps": self.rested_steps,
+            "drafting_step": self.drafting_step(),
         }
+
+    def drafting_step(self) -> dict:
+        """A drafting step on average, as the planner promised it and as it came: tokens and milliseconds (the whole
+        step as measured against its forward as priced)."""
+        n = max(self.drafted["steps"], 1)
+        return {"steps": self.drafted["steps"], "promised_tokens": round(self.drafted["promised_tokens"] / n, 3),
+                "tokens": round(self.drafted["tokens"] / n, 3), "promised_ms": round(self.drafted["promised_s"] / n * 1000, 3),
+                "ms": round(self.drafted["seconds"] / n * 1000, 3)}

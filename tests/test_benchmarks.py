@@ -126,17 +126,17 @@ def test_the_results_log_indexes_every_folder_and_keeps_its_history(tmp_path):
     assert "| `batch-c` | | | | see batch.md |" in text
 
 
-def test_the_window_report_says_what_the_window_ran_and_earned(tmp_path):
-    def rows(tokens_per_s: float, window_steps: int, tokens: list[int]) -> list[dict]:
-        return [{"set": "a", "prompt": "0", "tokens": tokens, "seconds": len(tokens) / tokens_per_s, "steps": 40,
-                 "window_steps": window_steps, "trajectory_tokens": 3 * window_steps}]
-    runs = {"lookahead": rows(30, 5, [1, 2, 3] * 20), "lookahead without the window": rows(25, 0, [1, 2, 3] * 20),
-            "our plain loop": rows(20, 0, [1, 2, 3] * 20)}
+def test_the_window_report_says_what_the_window_ran_and_earned_and_the_slowest_prompt(tmp_path):
+    def rows(speeds: list[float], window_steps: int, tokens: list[int]) -> list[dict]:
+        return [{"set": "a", "prompt": str(i), "tokens": tokens, "seconds": len(tokens) / speed, "steps": 40, "rested_steps": 2,
+                 "window_steps": window_steps, "trajectory_tokens": 3 * window_steps} for i, speed in enumerate(speeds)]
+    runs = {"lookahead": rows([30, 18], 5, [1, 2, 3] * 20), "lookahead without the window": rows([25, 25], 0, [1, 2, 3] * 20),
+            "our plain loop": rows([20, 20], 0, [1, 2, 3] * 20)}
     results = {"hardware": run.hardware(), "model": "m", "dtype": "int8", "weights": "gguf", "max_new_tokens": 60, "runs": runs}
     window.write_report(results, tmp_path)
     text = (tmp_path / "results.md").read_text()
-    assert "| lookahead | 30.0 | 1.50x | 40 | 5 | 15 | 100% |" in text
-    assert "| lookahead without the window | 25.0 | 1.25x | 40 | 0 | 0 | 100% |" in text
+    assert "| lookahead | 22.5 | 1.12x | 0.90x | 80 | 4 | 10 | 30 | 100% |" in text  # 120 tokens in 2 + 10/3 s
+    assert "| lookahead without the window | 25.0 | 1.25x | 1.25x | 80 | 4 | 0 | 0 | 100% |" in text
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ from conftest import hf_greedy, tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator, cpu
 from lookahead.tree import TokenTree
 from lookahead.drafting import DraftState
-from lookahead.planner import DORMANT, DORMANT_STRIDE, Calibration, JacobiWorth, Ledger, LiveCurve, choose, plan
+from lookahead.planner import (DORMANT, DORMANT_STRIDE, PACE_RETRY, PACE_SAMPLES, Calibration, JacobiWorth, Ledger, LiveCurve, Pace,
+                               choose, plan)
 from lookahead.verify import accept, accepted_after
 from lookahead.curve import BATCH_WIDTHS, CostCurve
 from lookahead.probing import cached_curve, curve_file, lookahead_speed, probe
@@ -129,6 +130,49 @@ def test_dormancy_counts_accepted_drafts_and_deepens_the_longer_none_come():
         live.observe(1, 0.01)
     strides = [np.diff(np.flatnonzero(drafts[DORMANT + i * RETRY : DORMANT + (i + 1) * RETRY])) for i in range(4)]
     assert [set(s.tolist()) for s in strides] == [{DORMANT_STRIDE << min(i, DORMANT_DEEPEST)} for i in range(4)]
+
+
+def test_a_lane_whose_drafting_steps_lose_rests_and_measures_again_now_and_then():
+    """Drafting steps judged whole against a plain step: ~1.1 tokens in 60 ms against 30 ms plain lose, so the lane
+    rests but every PACE_RETRY-th step; steps that give 3 tokens in 60 ms win it back."""
+    pace = Pace()
+    for _ in range(PACE_SAMPLES - 1):
+        pace.update(1, 0.06)
+    assert not pace.loses(0.03) and not pace.rests(0.03)  # too few drafting steps to judge
+    pace.update(2, 0.06)  # ~19 tokens a second, against 33.3 plain
+    assert pace.loses(0.03) and not pace.loses(0.1)  # a plain step of 100 ms would be slower
+    rests = [pace.rests(0.03) for _ in range(3 * PACE_RETRY)]
+    assert [i for i, r in enumerate(rests) if not r] == [PACE_RETRY - 1, 2 * PACE_RETRY - 1, 3 * PACE_RETRY - 1]
+    for _ in range(4):
+        pace.update(3, 0.06)  # the text turned copyable: 50 a second
+    assert not pace.loses(0.03) and not pace.rests(0.03)
+
+
+def test_drafting_steps_slower_than_priced_stop_though_the_curve_promises_them(monkeypatch):
+    """A curve that never corrects (``live_cost=False``) says a wide step costs 1.05 plain ones; here each takes
+    30 ms more. The lane's pace stops its drafting after a few steps, measuring again once in PACE_RETRY steps; the
+    output stays exact, and the stats show what was promised against what came."""
+    import time
+
+    from lookahead import loop
+
+    model = tiny_llama(seed=2)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6] * 4
+    plain = loop.forward
+
+    def slow_when_wide(model, windows, step, cache, ids, *rest):
+        if ids.shape[1] > 1:
+            time.sleep(0.03)
+        return plain(model, windows, step, cache, ids, *rest)
+
+    monkeypatch.setattr(loop, "forward", slow_when_wide)
+    gen = LookaheadGenerator(model, config=LookaheadConfig(live_cost=False), cost=FLAT)
+    out = gen.generate(prompt, max_new_tokens=120)
+    assert out.tokens == hf_greedy(model, prompt, 120)
+    drafting = out.stats.as_dict()["drafting_step"]
+    assert PACE_SAMPLES <= drafting["steps"] <= PACE_SAMPLES + out.stats.steps // PACE_RETRY + 2
+    assert out.stats.rested_steps >= out.stats.steps - drafting["steps"] - 2
+    assert drafting["ms"] > 30 > drafting["promised_ms"] and drafting["tokens"] >= 1 and drafting["promised_tokens"] > 1
 
 
 def test_probe_on_a_short_context_model_stays_inside_it():

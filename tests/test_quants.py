@@ -417,3 +417,17 @@ def test_smollm2_quantized_to_q8_at_load_lookahead_equals_the_plain_loop():
     gen = on_fixed_cost(model, tok, LookaheadConfig())
     prompt = tok("The capital of France is")["input_ids"]
     assert gen.generate(prompt, 32).tokens == gen.generate(prompt, 32, lookahead=False).tokens
+
+
+@needs_integer
+def test_an_int8_model_s_cost_curve_is_probed_anew_for_changed_kernels(tmp_path, monkeypatch):
+    """The integer kernel's curve is keyed by the build as the bf16 kernel's is: a kernel changed (another build of
+    our sources) must not be priced by the curve the old one measured."""
+    from lookahead.probing import curve_file
+
+    model = tiny_llama(seed=3).to(torch.bfloat16 if OWN_BF16 else torch.float32)
+    kernels.pack(model, "packed", quantized=quants.q8_linears(model), integer=True)
+    today = curve_file(model, tmp_path)
+    assert "-packed-own-int8-" in today.name
+    monkeypatch.setattr(native, "build_id", lambda tier: "a-changed-kernel")
+    assert curve_file(model, tmp_path) != today
