@@ -2,8 +2,11 @@
 
     python -m benchmarks.arithmetic_floor [--model qwen2.5-coder-1.5b --weights gguf --sizes 2,4,8,16]
 
-Measures (1) the peak of `vpdpbusd` here: a C loop of 12 independent accumulators on every thread at once,
-64 multiply-adds an instruction (zmm, AVX512-VNNI) or 32 (ymm, AVX-VNNI); (2) the model's int8 forwards of T
+Measures (1) the peak of the CPU's 8-bit dot product here: a C loop of independent accumulators on every thread at
+once, `vpdpbusd` where the CPU has VNNI (64 multiply-adds an instruction on zmm, AVX512-VNNI; 32 on ymm, AVX-VNNI),
+else the pair every AVX2 integer product needs, `vpmaddubsw` (32 byte products summed in pairs into int16) and the
+`vpaddw` that accumulates it (``int_linear_avx2.c``'s inner loop; its `vpmaddwd` widening once in 8 pairs is left
+out, so the floor is low, never high); (2) the model's int8 forwards of T
 rows over a 256-token cache (``profile_step``'s); and prints for each T the measured r(T) beside its floor:
 T rows' multiply-adds of every linear (``lm_head`` included) at that peak, over the measured one-row forward.
 Every product of the integer path is such dot products, so no kernel on this CPU goes below the floor: a
@@ -27,39 +30,40 @@ from lookahead import cpu, models, native
 
 LOOP = r"""
 #include <omp.h>
-/* multiply-adds a second of `threads` threads each running `iterations` x 12 vpdpbusd into 12 registers of their own
-   (independent: one instruction's latency never waits on another's); registers 12 and 13 are the operands */
+/* multiply-adds a second of `threads` threads each running `iterations` x DOTS (12 dot products into registers of
+   their own: independent, so one instruction's latency never waits on another's); registers 12 and 13 are the operands */
 double peak(long iterations, int threads) {
     double start = omp_get_wtime();
     _Pragma("omp parallel num_threads(threads)")
     for (long n = 0; n < iterations; n++)
         __asm__ volatile(DOTS ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11");
-    return (double)iterations * 12 * LANES * 4 * threads / (omp_get_wtime() - start);
+    return (double)iterations * 12 * MACS * threads / (omp_get_wtime() - start);
 }
 """
-VARIANTS = {  # CPU flag -> (what it is, its register, its encoding prefix, int32 lanes)
-    "avx512_vnni": ("zmm vpdpbusd (AVX512-VNNI)", "zmm", "", 16),
-    "avx_vnni": ("ymm vpdpbusd (AVX-VNNI)", "ymm", "{vex} ", 8),
+VARIANTS = {  # CPU flag -> (what it is, the loop's 12 dot products, multiply-adds each), the first the CPU has
+    "avx512_vnni": ("zmm vpdpbusd (AVX512-VNNI)", "".join(f"vpdpbusd %%zmm13, %%zmm12, %%zmm{i}\\n" for i in range(12)), 64),
+    "avx_vnni": ("ymm vpdpbusd (AVX-VNNI)", "".join(f"{{vex}} vpdpbusd %%ymm13, %%ymm12, %%ymm{i}\\n" for i in range(12)), 32),
+    "avx2": ("ymm vpmaddubsw + vpaddw (AVX2)",  # 6 accumulators, each fed by its own product register
+             "".join(f"vpmaddubsw %%ymm13, %%ymm12, %%ymm{i}\\nvpaddw %%ymm{i}, %%ymm{i + 6}, %%ymm{i + 6}\\n" for i in range(6)) * 2, 32),
 }
 
 
-def vnni_peak(threads: int, seconds: float = 0.5) -> tuple[str, float]:
+def dot_peak(threads: int, seconds: float = 0.5) -> tuple[str, float]:
     """(the instruction, multiply-adds a second on ``threads`` threads at once: the fastest of 5 runs)."""
     flag = next((f for f in VARIANTS if f in cpu.flags()), None)
     if flag is None:
-        raise SystemExit("this CPU has no VNNI (AVX512-VNNI or AVX-VNNI): the integer path has no dot-product peak to bound it")
-    what, register, prefix, lanes = VARIANTS[flag]
-    dots = "".join(f"{prefix}vpdpbusd %%{register}13, %%{register}12, %%{register}{i}\\n" for i in range(12))
+        raise SystemExit("this CPU has no AVX2: the integer path does not run here")
+    what, dots, macs = VARIANTS[flag]
     with tempfile.TemporaryDirectory() as tmp:
         source, library = Path(tmp) / "peak.c", Path(tmp) / "peak.so"
         source.write_text(LOOP)
-        built = subprocess.run(["gcc", "-O2", "-fopenmp", "-fPIC", "-shared", f'-DDOTS="{dots}"', f"-DLANES={lanes}", str(source), "-o", str(library)],
+        built = subprocess.run(["gcc", "-O2", "-fopenmp", "-fPIC", "-shared", f'-DDOTS="{dots}"', f"-DMACS={macs}", str(source), "-o", str(library)],
                                capture_output=True, text=True)
         if built.returncode:
             raise SystemExit(f"gcc could not build the peak loop: {(built.stderr.strip().splitlines() or ['?'])[-1]}")
         run = ctypes.CDLL(str(library)).peak
         run.argtypes, run.restype = [ctypes.c_long, ctypes.c_int], ctypes.c_double
-        iterations = max(int(run(1_000_000, threads) * seconds / (12 * lanes * 4 * threads)), 1)  # about ``seconds`` a run
+        iterations = max(int(run(1_000_000, threads) * seconds / (12 * macs * threads)), 1)  # about ``seconds`` a run
         return what, max(run(iterations, threads) for _ in range(5))
 
 
@@ -72,7 +76,7 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
     threads, hw = torch.get_num_threads(), hardware()
-    what, peak = vnni_peak(threads)
+    what, peak = dot_peak(threads)
     model = models.load(args.model, dtype=native.INTEGER, kernels="packed", weights=args.weights)[0]
     macs = linear_flops(model, 1) / 2  # a row's multiply-adds
     sizes = sorted({1} | {int(s) for s in args.sizes.split(",")})

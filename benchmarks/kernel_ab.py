@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.profile_step import stream_rate
 from benchmarks.run import hardware
-from lookahead import models, native
+from lookahead import linear_kernels, models, native
 from lookahead.kernels import PackedLinear
 
 CSRC = "lookahead/csrc"
@@ -39,9 +39,9 @@ def sources_at(revision: str, directory: Path) -> Path:
     return directory
 
 
-def linears(model: torch.nn.Module) -> list[native.Linear]:
+def products(model: torch.nn.Module) -> list[linear_kernels.Linear]:
     """The model's products on our kernels, each once, in the order a forward calls them."""
-    seen: dict[int, native.Linear] = {}
+    seen: dict[int, linear_kernels.Linear] = {}
     for module in model.modules():
         if isinstance(module, PackedLinear) and module.product.native is not None:
             seen.setdefault(id(module.product), module.product.native)
@@ -83,7 +83,7 @@ def main(argv=None) -> None:
         if isinstance(before, str):
             raise SystemExit(f"{args.before}'s kernels: {before}")
         builds = {f"before ({args.before})": before, "after (working tree)": native.library()}
-        found = linears(model)
+        found = products(model)
         calls = [(linear, torch.randn(args.rows, linear.k).to(linear.dtype), torch.empty(args.rows, linear.n, dtype=linear.dtype)) for linear in found]
         outputs = []
         for lib in builds.values():
@@ -94,7 +94,7 @@ def main(argv=None) -> None:
             for name, lib in builds.items():
                 streamed[name].append(passes(calls, lib))
         hot = {name: min(passes(calls, lib, hot=5) for _ in range(2)) for name, lib in builds.items()}
-    megabytes = sum(linear.packed.nbytes() if isinstance(linear.packed, native.QuantLayout) else linear.packed.nbytes for linear in found) / 1e6
+    megabytes = sum(linear.packed.nbytes() if isinstance(linear.packed, linear_kernels.QuantLayout) else linear.packed.nbytes for linear in found) / 1e6
     hw = hardware()
     print(f"# {args.model} {args.dtype} ({args.weights}), {len(found)} products ({megabytes:.0f} MB), {args.rows} row(s), {tier} kernels; {hw['cpu']}, "
           f"{hw['cores']} cores, commit {hw['commit']}; ms, {args.rounds} interleaved passes\n")

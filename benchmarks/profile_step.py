@@ -6,7 +6,7 @@ class (linears, attention, norms, the rest), plus what the engine adds around th
 Op times are torch.profiler's self CPU times (the profiler's own cost included, so they overstate slightly);
 "outside ops" is the wall time of an unprofiled forward minus the ops' sum: Python, module dispatch and what
 no op accounts for. Each number is the fastest of ``--reps`` forwards. Where a step's decoder layers are one C call
-each (on our kernels: ``native.decoder_layer``), their products, attention and norms are that call's
+each (on our kernels: ``layer_kernels.decoder_layer``), their products, attention and norms are that call's
 time ("layers in one call"), and the columns that need them apart say "–".
 
 Then how close each forward is to what the machine allows: the linears' roofline, the larger of streaming
@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.run import hardware
-from lookahead import kv, models, native
+from lookahead import kv, layer_kernels, linear_kernels, models
 from lookahead.kernels import PackedLinear, kernels_of, pack
 from lookahead.layout import build_layout, stack
 from lookahead.tree import TokenTree
@@ -59,10 +59,10 @@ def forward_once(model, cache: kv.BatchCache, size: int, context: int, mask: tor
 @contextmanager
 def annotated():
     """Our own kernels are ctypes calls, no torch ops: while profiling, each call is a ``record_function`` span
-    named for its C function (~4 us each, so only here). The linears call a ``native.Linear`` each, the norms
-    ``native.rms_norm`` and the attention ``native.attention``."""
-    spans = [(native.Linear, "__call__", "bf16_linear"), (native, "attention", "tree_attention"), (native, "rms_norm", "rms_norm"),
-             (native, "decoder_layer", "decoder_layer")]
+    named for its C function (~4 us each, so only here). The linears call a ``linear_kernels.Linear`` each, the norms
+    ``layer_kernels.rms_norm`` and the attention ``layer_kernels.attention``."""
+    spans = [(linear_kernels.Linear, "__call__", "bf16_linear"), (layer_kernels, "attention", "tree_attention"),
+             (layer_kernels, "rms_norm", "rms_norm"), (layer_kernels, "decoder_layer", "decoder_layer")]
     plain = [getattr(owner, name) for owner, name, _ in spans]
 
     def spanned(span: str, function):

@@ -4,7 +4,7 @@ The first load of a file reads it once (``prepare``): its header checked against
 (``check_header``: gguf-py's and transformers' readers trust it), its config, tokenizer and chat template from its
 metadata (transformers' GGUF readers), which of its tensors becomes what (transformers' name mapping and tensor
 processor for the architecture, on a skeleton of the model), and every linear's blocks decoded and laid out for the
-kernels (``native.pack_quantized``), one tensor at a time, into ``<cache>/blocks/<file>-<key>/``: ``blocks.bin``,
+kernels (``linear_kernels.pack_quantized``), one tensor at a time, into ``<cache>/blocks/<file>-<key>/``: ``blocks.bin``,
 ``integer.bin`` (the integer kernel's layouts: values in its lanes' order, the K types' scales per 256 k's, the legacy types' fp16 ones),
 the small files, and ``index.json``. Each load (``load``) then builds the model on the meta device (parameters only:
 buffers such as RoPE's frequencies are computed as usual), memory-maps the laid-out blocks into the linears
@@ -39,12 +39,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from lookahead import native, quants
+from lookahead import linear_kernels, quants
 from lookahead.kernels import SIBLINGS
 
 LAYOUT = 8  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
 ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
-CHUNK = 4096  # rows decoded and laid out at a time (a multiple of native.BLOCK: blocks of rows are independent)
+CHUNK = 4096  # rows decoded and laid out at a time (a multiple of linear_kernels.BLOCK: blocks of rows are independent)
 GGUF_VERSIONS = (2, 3)  # the versions gguf-py reads
 MAX_DIMS = 4  # GGML_MAX_DIMS
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUF value types' formats
@@ -333,7 +333,7 @@ def _entries(reader, model: nn.Module, processor, blocks: str | None) -> tuple[l
         elif type(modules.get(module_name)) is nn.Linear and leaf == "weight":
             linear = modules[module_name]
             why = (f"type {kind} not run quantized" if not quantized else "its architecture's processor changes it" if blocks is None
-                   else None if native.quant_fits(linear.out_features, linear.in_features, quants.QK) else "a shape the kernel does not take")
+                   else None if linear_kernels.quant_fits(linear.out_features, linear.in_features, quants.QK) else "a shape the kernel does not take")
             entry["role"] = "dense" if why else "blocks"
             if why:
                 left.append(f"{tensor.name}: {why}")
@@ -343,7 +343,7 @@ def _entries(reader, model: nn.Module, processor, blocks: str | None) -> tuple[l
 
 def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, directory: Path) -> None:
     """Write each "blocks" entry's weight in the kernels' layout to ``blocks.bin`` and, where the integer kernel runs
-    it, in its own (``native.lay_out``: values in its lanes' order, the K types' scales per 256 k's, the legacy types'
+    it, in its own (``linear_kernels.lay_out``: values in its lanes' order, the K types' scales per 256 k's, the legacy types'
     fp16 scales) to ``integer.bin`` (siblings adjacent, each aligned), and record where in its entry. ``heads``: Llama's q and
     k rows reordered as transformers' processor does."""
     config = model.config
@@ -361,8 +361,8 @@ def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, dir
             entry.update(at=out.tell(), n=n, k=k, integer_at=integer.tell())
             for q in _decoded(entry, raw):
                 _check_finite(gguf, entry, q.scale, q.offset)
-                out.write(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32).packed.numpy().data)
-                own = native.lay_out(q, torch.float32, integer=True) if native.quant_fits(n, k, q.group, integer=True) else None
+                out.write(linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32).packed.numpy().data)
+                own = linear_kernels.lay_out(q, torch.float32, integer=True) if linear_kernels.quant_fits(n, k, q.group, integer=True) else None
                 if own is not None:  # every chunk alike: the rows' scales are all the file's
                     integer.write(own.packed.numpy().data)
                     entry.update(integer_bits=own.bits, supers=own.supers, halves=own.halves)
@@ -418,8 +418,8 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
         if not dense and entry["role"] == "blocks":
             on_own = own is not None and entry["integer_size"] > 0
             source, at, size = (own, entry["integer_at"], entry["integer_size"]) if on_own else (blocks, entry["at"], entry["size"])
-            packed = source[at: at + size].view(entry["n"] // native.BLOCK, -1)
-            layouts[module_name] = native.QuantLayout(packed, entry["n"], entry["k"], entry["integer_bits"] if on_own else entry["bits"],
+            packed = source[at: at + size].view(entry["n"] // linear_kernels.BLOCK, -1)
+            layouts[module_name] = linear_kernels.QuantLayout(packed, entry["n"], entry["k"], entry["integer_bits"] if on_own else entry["bits"],
                                                       entry["group"], entry["offsets"], dtype, integer=on_own,
                                                       supers=on_own and entry["supers"], halves=on_own and entry["halves"])
         elif not dense and entry["role"] == "embedding":

@@ -56,7 +56,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lookahead import layers, native, norms, quants
+from lookahead import layer_kernels, layers, linear_kernels, native, norms, quants
 from lookahead.quants import Quantized
 
 KERNELS = ("packed", "stock")
@@ -75,31 +75,31 @@ class Product:
     oneDNN's call overhead is ~14 us, a one-token product of a 576-wide q, k or v a few us (Zen 5, bf16:
     q, k, v 48 -> 24 us, gate and up 52 -> 41 us a layer, ~1 ms of SmolLM2's ~15 ms forward)."""
 
-    def __init__(self, linears: list[nn.Module], quantized: list[Quantized | native.QuantLayout] | None = None,
+    def __init__(self, linears: list[nn.Module], quantized: list[Quantized | linear_kernels.QuantLayout] | None = None,
                  dtype: torch.dtype | None = None, integer: bool = False) -> None:
         """``quantized``: the linears' weights as ``Quantized`` or already laid out (one kind), run on our quantized
         kernel with ``dtype`` activations (rounded to 8 bits, on the integer kernel, where ``integer``; their own
         weights are then not read: a ``GgufLinear``'s are blocks, a GGUF model's loaded directly are on the meta
         device)."""
-        if quantized and isinstance(quantized[0], native.QuantLayout):
-            self.own, self.packed = True, native.cat_layouts(quantized, dtype, integer)
+        if quantized and isinstance(quantized[0], linear_kernels.QuantLayout):
+            self.own, self.packed = True, linear_kernels.cat_layouts(quantized, dtype, integer)
         elif quantized:
             q = Quantized.cat(quantized) if len(quantized) > 1 else quantized[0]
-            self.own, self.packed = True, native.lay_out(q, dtype, integer)
+            self.own, self.packed = True, linear_kernels.lay_out(q, dtype, integer)
         else:
             weights = [linear.weight.detach() for linear in linears]
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-            self.own = own_kernel(weight.dtype) is None and native.fits(*weight.shape, weight.dtype)  # ours, else oneDNN's
-            self.packed = native.pack(weight) if self.own else _pack(weight)  # native's layout, or opaque oneDNN
+            self.own = own_kernel(weight.dtype) is None and linear_kernels.fits(*weight.shape, weight.dtype)  # ours, else oneDNN's
+            self.packed = linear_kernels.pack(weight) if self.own else _pack(weight)  # native's layout, or opaque oneDNN
         bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
         self.bias = bias.float() if self.own and bias is not None else bias  # ours adds it to the fp32 sums
-        self.native = native.Linear(self.packed, self.bias) if self.own else None
+        self.native = linear_kernels.Linear(self.packed, self.bias) if self.own else None
         self.splits = [linear.out_features for linear in linears]
         self.held = threading.local()  # per thread (two threads may run one model): input, outputs, taken
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self.packed, native.QuantLayout)
+        return isinstance(self.packed, linear_kernels.QuantLayout)
 
     def __call__(self, x: torch.Tensor, part: int) -> torch.Tensor:  # (..., in) -> (..., splits[part])
         if len(self.splits) == 1:
@@ -139,11 +139,11 @@ class PackedLinear(nn.Module):
         for a modelling code that rescales its weights in place)."""
         start = sum(self.product.splits[: self.part])
         if self.product.quantized:
-            q, scale, offset = native.unpack_quantized(self.product.packed)
+            q, scale, offset = linear_kernels.unpack_quantized(self.product.packed)
             layout = self.product.packed
             dense = Quantized(q, scale, offset, layout.group, 4 if layout.bits == 4 else 8).dequantize().to(layout.dtype)  # 6-bit planes unpack to int8
         else:
-            dense = native.unpack(self.packed_weight) if self.product.own else self.packed_weight.to_dense()
+            dense = linear_kernels.unpack(self.packed_weight) if self.product.own else self.packed_weight.to_dense()
         return dense[start : start + self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
@@ -158,13 +158,13 @@ class PackedLinear(nn.Module):
 
 def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                  dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
-    """transformers' SDPA attention, except: in bf16 where our own kernels run, our attention (``native.attention``:
+    """transformers' SDPA attention, except: in bf16 where our own kernels run, our attention (``layer_kernels.attention``:
     a step's rows, a prompt's); else, for several rows under a 4D mask, SDPA sharing the grouped K/V heads (query
     (B, H, T, D), key and value (B, H / groups, S, D)) instead of copying them. Anything else is stock."""
     extras = dropout or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux", "sinks"))
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    if not extras and native.attention_fits(query, key, value, attention_mask, causal):
-        out = native.attention(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if not extras and layer_kernels.attention_fits(query, key, value, attention_mask, causal):
+        out = layer_kernels.attention(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling)
         if out is not None:
             return out, None
     if extras or query.shape[1] == key.shape[1] or query.shape[2] == 1 or attention_mask is None:
@@ -272,7 +272,7 @@ def weight_kinds(model: nn.Module) -> str:
 
 
 def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = None,
-         quantized: dict[str, Quantized | native.QuantLayout] | None = None, integer: bool = False) -> KernelReport:
+         quantized: dict[str, Quantized | linear_kernels.QuantLayout] | None = None, integer: bool = False) -> KernelReport:
     """Replace every plain CPU ``nn.Linear`` of ``model`` (in place) with a ``PackedLinear``, and every transformers
     ``GgufLinear`` (a GGUF's blocks, loaded with ``GgufConfig``) of a type ``quants`` reads with one on our quantized
     kernel; see the module doc.
@@ -341,7 +341,7 @@ def _runnable(quantized: dict[str, Quantized], dtype: torch.dtype, integer: bool
         return {}, None
     if reason := quantized_unavailable(dtype, integer):
         return {}, f"quantized kernels unavailable ({reason}); running the dequantized weights"
-    runnable = {name: q for name, q in quantized.items() if native.quant_fits(*q.shape, q.group, integer)}
+    runnable = {name: q for name, q in quantized.items() if linear_kernels.quant_fits(*q.shape, q.group, integer)}
     left = len(quantized) - len(runnable)
     return runnable, f"{left} quantized weight(s) of a shape the kernel does not take run dequantized" if left else None
 

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from lookahead import native
+from lookahead import host_kernels, native
 
 
 def cache_kwarg(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
@@ -83,7 +83,7 @@ class GrowingLayer(DynamicLayer):
 
     _view = None  # the (keys, values) views this layer last made
     _pending = 0  # columns reserved (+) or cropped (-) since: the views are fitted at the next read
-    _strides = None  # (the buffers' first three strides as ``native.decoder_layer`` takes them, the keys' buffer they are of)
+    _strides = None  # (the buffers' first three strides as ``layer_kernels.decoder_layer`` takes them, the keys' buffer they are of)
 
     keys = _fitted_on_read("_key_view")  # (batch, heads, seq, head_dim)
     values = _fitted_on_read("_value_view")
@@ -306,7 +306,7 @@ class BatchCache:
             for b, k in enumerate(keep):
                 index[b, : k.size], index[b, k.size :] = k, k[-1]
             tensors = [states for layer in self.cache.layers if layer.is_initialized for states in layer.buffers()]  # (batch, heads, ., head_dim)
-            if not native.move_columns(tensors, self.length, index):  # one call on CPU, else torch's ops
+            if not host_kernels.move_columns(tensors, self.length, index):  # one call on CPU, else torch's ops
                 rows = torch.from_numpy(index)
                 for states in tensors:
                     block = states.narrow(-2, self.length, step)

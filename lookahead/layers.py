@@ -5,13 +5,13 @@ A stock decoder layer makes ~13 module calls and ~40 small torch ops: q, k and v
 their shared product, views and transposes, RoPE's rotate_half (slices, a negation, a concatenation, four
 products and two sums), the attention interface, the residual sums, the activation and its product. On
 SmolLM2's one-row bf16 step that was ~6 ms of a ~14 ms forward outside our kernels (Zen 4). ``FusedLayer`` does
-the same arithmetic in ~11 calls: the norm, one product for q, k and v, RoPE on both in place (``native.rope``),
+the same arithmetic in ~11 calls: the norm, one product for q, k and v, RoPE on both in place (``layer_kernels.rope``),
 the cache's update, the attention, the output product, its residual sum with the next norm in one call
-(``native.add_rms_norm``), one product for gate and up, the activation times up, the down product and its
+(``layer_kernels.add_rms_norm``), one product for gate and up, the activation times up, the down product and its
 residual sum. Two shapes of layer (``LAYERS``): Llama's (Llama, Mistral, Qwen2, and Qwen3 with its q/k head
 norms), and Gemma 3's, whose attention and MLP outputs are normed before their residual sums ("sandwich").
 
-On our kernels a layer of either shape runs a step in one C call (``native.decoder_layer``: the same kernels in the
+On our kernels a layer of either shape runs a step in one C call (``layer_kernels.decoder_layer``: the same kernels in the
 same order, the head norms and the sandwich's where the layer has them, the step's keys and values written straight
 into the engine's cache buffer), in bf16 (and int8 with bf16 between its products) and in fp32 (and int8 with fp32
 between them, on the tiers without bf16 kernels); the activation too where the call computes it as torch does (SiLU
@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.activations import GELUTanh, SiLUActivation
 
-from lookahead import kv, native
+from lookahead import kv, layer_kernels, native
 from lookahead.norms import FusedRMSNorm, swap
 
 LAYERS = {"LlamaDecoderLayer": False, "MistralDecoderLayer": False, "Qwen2DecoderLayer": False, "Qwen3DecoderLayer": False,
@@ -46,7 +46,7 @@ SILU = (nn.SiLU, SiLUActivation)  # activations that are ``F.silu`` itself: call
 
 
 class StepFits:
-    """Whether a step's inputs shared by every layer (its mask, cos and sin) suit ``native.decoder_layer``: checked at a
+    """Whether a step's inputs shared by every layer (its mask, cos and sin) suit ``layer_kernels.decoder_layer``: checked at a
     model's first fused layer of each step, then known for the rest, which get the same tensors (held here, so
     identity cannot be a new tensor's at a reused address). Checked at every layer, the ~15 attribute reads took ~7
     us a layer cold, ~0.2 ms of SmolLM2's ~5.5 ms one-row forward (Zen 4). One per model, shared by its layers."""
@@ -55,7 +55,7 @@ class StepFits:
         self.inputs: tuple = ()  # (mask, cos, sin) last checked
         self.shape: tuple = ()  # (b, t, head size, dtype, causal) they were checked for
         self.fits = False
-        self.constants: tuple | None = None  # ``native.step_constants`` of the inputs, where they fit
+        self.constants: tuple | None = None  # ``layer_kernels.step_constants`` of the inputs, where they fit
 
     def __call__(self, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, b: int, t: int, d: int, dtype: torch.dtype,
                  causal: bool) -> bool:
@@ -64,8 +64,8 @@ class StepFits:
             self.inputs, self.shape = (mask, cos, sin), (b, t, d, dtype, causal)
             self.fits = (cos.dtype == dtype and cos.shape[1:] == (t, d) and cos.shape[0] in (1, b) and cos.is_contiguous()
                          and sin.shape == cos.shape and sin.stride() == cos.stride() and sin.dtype == dtype
-                         and native.mask_fits(mask, dtype, b, t, t if mask is None else mask.shape[-1], causal))
-            self.constants = native.step_constants(cos, sin, mask, b, t) if self.fits else None
+                         and layer_kernels.mask_fits(mask, dtype, b, t, t if mask is None else mask.shape[-1], causal))
+            self.constants = layer_kernels.step_constants(cos, sin, mask, b, t) if self.fits else None
         return self.fits
 
 
@@ -99,18 +99,18 @@ class FusedLayer(nn.Module):
         self.width = mlp.gate_proj.out_features
         self.causal = getattr(attention, "is_causal", True)
         self.dtype = dtype = self.input_layernorm.weight.dtype
-        self.gated = native.gates(dtype, self.activation, self.width)  # the activation in one call
-        roles = [native.role([product.native for product in p]) for p in products[:3 + self.gated]] + [None] * (not self.gated)
+        self.gated = layer_kernels.gates(dtype, self.activation, self.width)  # the activation in one call
+        roles = [layer_kernels.role([product.native for product in p]) for p in products[:3 + self.gated]] + [None] * (not self.gated)
         norms = {name: norm for name, norm in self.norms.items() if norm is not None}
-        self.whole = tuple(roles) if (  # a step's layer in one call (``native.decoder_layer``) on our kernels of its dtype
+        self.whole = tuple(roles) if (  # a step's layer in one call (``layer_kernels.decoder_layer``) on our kernels of its dtype
             dtype in native.LAYERS and native.has(native.LAYERS[dtype]) and all(roles[:3 + self.gated])
-            and native.heads_fit(self.heads[0], self.heads[1], self.head_dim) and self.heads[1] == self.heads[2]
+            and layer_kernels.heads_fit(self.heads[0], self.heads[1], self.head_dim) and self.heads[1] == self.heads[2]
             and all(isinstance(norm, FusedRMSNorm) and norm.weight.dtype == dtype for norm in norms.values())
             and all(norms[name].weight.numel() == self.head_dim for name in native.NORMS[4:] if name in norms)) else None
-        self.constants = native.layer_constants(dtype, self.whole, native.layer_norms({name: (norm.weight, norm.eps, norm.offset)
+        self.constants = layer_kernels.layer_constants(dtype, self.whole, layer_kernels.layer_norms({name: (norm.weight, norm.eps, norm.offset)
                                                                                      for name, norm in norms.items()}),
                                                 self.activation if self.gated else None, (*self.heads[:2], self.head_dim),
-                                                self.scaling) if self.whole else None  # ``native.decoder_layer``'s, made once
+                                                self.scaling) if self.whole else None  # ``layer_kernels.decoder_layer``'s, made once
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
@@ -129,10 +129,10 @@ class FusedLayer(nn.Module):
         q, k, v = qkv.view(b, t, -1, d).split_with_sizes(self.heads, 2)  # (B, T, H or G, D) views
         if self.norms["q_heads"] is not None:  # Gemma 3, Qwen3: each head normed (contiguous), then rotated
             q, k = self.norms["q_heads"](q), self.norms["k_heads"](k)
-            native.rope(q.view(b, t, -1), cos, sin, h, d)
-            native.rope(k.view(b, t, -1), cos, sin, g, d)
+            layer_kernels.rope(q.view(b, t, -1), cos, sin, h, d)
+            layer_kernels.rope(k.view(b, t, -1), cos, sin, g, d)
         else:
-            native.rope(qkv, cos, sin, h + g, d)  # q and k, in place
+            layer_kernels.rope(qkv, cos, sin, h + g, d)  # q and k, in place
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or G, T, D)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
@@ -149,13 +149,13 @@ class FusedLayer(nn.Module):
         layer is sandwiched)."""
         width = self.width
         if self.gated:
-            out = self.down(native.gated(both, self.activation))
+            out = self.down(layer_kernels.gated(both, self.activation))
         else:
             out = self.down(self.act(both.narrow(-1, 0, width)) * both.narrow(-1, width, width))
         return h + (out if self.norms["mlp_out"] is None else self.norms["mlp_out"].forward(out))
 
     def _in_one_call(self, x: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache) -> tuple | None:
-        """``native.decoder_layer``'s (the layer's output, None), or (x + attention, the gate/up product) where the
+        """``layer_kernels.decoder_layer``'s (the layer's output, None), or (x + attention, the gate/up product) where the
         activation is not one it computes, the step's keys and values written into ``cache``; None, with nothing done,
         where that call does not take this step."""
         b, t, _ = x.shape
@@ -166,11 +166,11 @@ class FusedLayer(nn.Module):
         if room is None:
             return None
         keys, values, held, strides = room
-        return native.decoder_layer(x, self.constants, self.fits.constants, keys, values, strides, held)
+        return layer_kernels.decoder_layer(x, self.constants, self.fits.constants, keys, values, strides, held)
 
 
 def _activation(act: Callable) -> str | None:
-    """Which of ``native.ACTIVATIONS`` the MLP's ``act`` is (torch's own function, so ``native.gated`` computes it bit
+    """Which of ``native.ACTIVATIONS`` the MLP's ``act`` is (torch's own function, so ``layer_kernels.gated`` computes it bit
     for bit), or None."""
     if type(act) in SILU:
         return "silu"
@@ -183,7 +183,7 @@ def _activation(act: Callable) -> str | None:
 
 def _add_norm(x: torch.Tensor, delta: torch.Tensor, norm: FusedRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, its norm), in one call."""
-    return native.add_rms_norm(x, delta, norm.weight, norm.eps, norm.offset)
+    return layer_kernels.add_rms_norm(x, delta, norm.weight, norm.eps, norm.offset)
 
 
 def _joined(products: list) -> Callable[[torch.Tensor], torch.Tensor]:

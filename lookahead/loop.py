@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from lookahead import kv, native
+from lookahead import host_kernels, kv
 from lookahead.config import LookaheadConfig
 from lookahead.rules import Rules
 from lookahead.drafting import Observed
@@ -203,13 +203,13 @@ class Batch:
         if not any(lane.lookahead and not move.rests for lane, move in zip(lanes, moves)):
             return
         k = min(cfg.recycle_k, logits.shape[-1])
-        topk = native.top_k(logits, k) if k else np.empty((*logits.shape[:2], 0), np.int64)  # (B, U, k)
+        topk = host_kernels.top_k(logits, k) if k else np.empty((*logits.shape[:2], 0), np.int64)  # (B, U, k)
         observed = []
         for b, (lane, move) in enumerate(zip(lanes, moves)):
             if not lane.lookahead or move.rests:
                 continue
             _, last_level, _ = move.layout.split_logits(move.logits)
-            trajectories = lane.window.advance(native.argmax(last_level)) if move.levels else np.empty((0, cfg.ngram), np.int64)
+            trajectories = lane.window.advance(host_kernels.argmax(last_level)) if move.levels else np.empty((0, cfg.ngram), np.int64)
             row_tokens, row_topk = ranked_rows(move.layout, ids[b, : move.layout.size], step.logits_of(topk, b), move.verdict.path)
             history_tail = (lane.prompt[-(cfg.ngram - 1):] + lane.out)[-(cfg.ngram - 1):]
             observed.append(Observed(move.tree, move.verdict.path, move.new, trajectories, row_tokens, row_topk, history_tail, lane.suffix))

@@ -45,7 +45,7 @@ def forward(model: PreTrainedModel, windows: dict[str, int | None], step: BatchL
             ids: torch.Tensor, positions: torch.Tensor, where: tuple[torch.device, torch.dtype] | None = None) -> torch.Tensor:
     """Logits (B, U, V) on the host, in the model's dtype, for ``step.logit_rows`` of the step's tokens ``ids`` (B, T), row
     b's first at ``positions[b]``. Not converted to fp32 here: what reads them converts the rows it reads (a verified
-    path's), and the recycled top-k reads bf16 as it is, in the cache of the core that wrote it (``native.top_k``).
+    path's), and the recycled top-k reads bf16 as it is, in the cache of the core that wrote it (``host_kernels.top_k``).
     ``where``: the model's ``placement``, if known."""
     device, dtype = where or placement(model)
     query = positions[:, None] + step.offsets  # (B, T)

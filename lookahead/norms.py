@@ -1,4 +1,4 @@
-"""RMSNorm modules swapped for one call of our kernel (``native.rms_norm``), as ``kernels.pack`` swaps linears.
+"""RMSNorm modules swapped for one call of our kernel (``layer_kernels.rms_norm``), as ``kernels.pack`` swaps linears.
 transformers itself marks these modules as replaceable kernels (``@use_kernel_forward_from_hub("RMSNorm")``,
 for its hub's kernels); here the replacement is a module swapped in on the loaded model, the modelling code
 untouched.
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lookahead import native
+from lookahead import layer_kernels
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative, against the module's own output
 
@@ -33,7 +33,7 @@ class FusedRMSNorm(nn.Module):
         self.weight, self.eps, self.offset = norm.weight, eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., N) -> (..., N)
-        return native.rms_norm(x, self.weight, self.eps, self.offset)
+        return layer_kernels.rms_norm(x, self.weight, self.eps, self.offset)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, weighting={'gemma' if self.offset else 'llama'}"
@@ -69,5 +69,5 @@ def _fused(norm: nn.Module, dtype: torch.dtype) -> FusedRMSNorm | None:
     with torch.inference_mode():
         want = norm(x)
         agree = [FusedRMSNorm(norm, eps, offset) for offset in (0, 1)
-                 if torch.allclose(native.rms_norm(x, weight, eps, offset).float(), want.float(), rtol=TOLERANCE[dtype], atol=0)]
+                 if torch.allclose(layer_kernels.rms_norm(x, weight, eps, offset).float(), want.float(), rtol=TOLERANCE[dtype], atol=0)]
     return agree[0] if len(agree) == 1 and want.dtype == dtype else None

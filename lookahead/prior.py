@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from lookahead import kv, models, native
+from lookahead import host_kernels, kv, models
 from lookahead.probing import model_name
 from ngram_pool.files import written_whole
 
@@ -42,7 +42,7 @@ def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int) -
             cache = copy.deepcopy(held)
             cache.batch_repeat_interleave(ids.shape[0])
             logits = model(input_ids=ids, **kv.cache_kwarg(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1].cpu()
-            out[start : start + ids.shape[0]] = native.top_k(logits, k)
+            out[start : start + ids.shape[0]] = host_kernels.top_k(logits, k)
     return out
 
 

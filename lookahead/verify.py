@@ -5,7 +5,7 @@ node ``node`` (-1: after the current token), i.e. after the branch ending there;
 per emitted token, in order. The children of a node carry distinct tokens (the tree is a trie), so at most
 one child can match.
 
-Greedy decoding walks the argmax of the model's processed scores (``native.argmax``). Sampling walks the argmax of the same
+Greedy decoding walks the argmax of the model's processed scores (``host_kernels.argmax``). Sampling walks the argmax of the same
 scores plus fresh Gumbel noise per position (``gumbel``): by the Gumbel-max trick that argmax is an exact
 sample from softmax(scores), so the accepted tokens are distributed exactly as plain sampling, and as the
 noise is drawn once per emitted position, in order, a seed gives the same sample whatever was drafted (with
@@ -17,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
-from lookahead.native import argmax
+from lookahead.host_kernels import argmax
 from lookahead.tree import TokenTree
 
 ScoresAt = Callable[[int], torch.Tensor]

@@ -18,12 +18,13 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 
 from conftest import assert_greedy_equal, hf_greedy, tiny_llama
 from test_quants import random_blocks
-from lookahead import LookaheadConfig, LookaheadGenerator, cpu, kernels, native, quants
+from lookahead import LookaheadConfig, LookaheadGenerator, cpu, host_kernels, kernels, layer_kernels, linear_kernels, native, quants
 from lookahead.cli import main
 from lookahead.probing import curve_file
 
 needs_onednn = pytest.mark.skipif(kernels.available(torch.float32) is not None, reason="no oneDNN packed linear here")
 OWN = kernels.own_kernel(torch.bfloat16) is None  # this machine runs our own kernels (AVX-512 BF16, gcc): bf16 and fp32
+OWN_FP32 = kernels.own_kernel(torch.float32) is None  # ... our fp32 ones (any tier: AVX2 and up)
 needs_own = pytest.mark.skipif(not OWN, reason="our own kernels cannot run here")
 
 
@@ -49,7 +50,7 @@ def test_pack_replaces_every_linear_and_keeps_tied_embeddings():
     stock = copy.deepcopy(model)
     report = kernels.pack(model)
     linears = sum(isinstance(m, nn.Linear) for m in stock.modules())
-    assert report.kernels == kernels.kernels_of(model) == ("packed-own" if OWN else "packed")  # fp32: ours where it runs
+    assert report.kernels == kernels.kernels_of(model) == ("packed-own" if OWN_FP32 else "packed")  # fp32: ours where it runs
     assert report.packed == linears and report.kept == 0
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert report.extra_bytes == model.model.embed_tokens.weight.numel() * 4  # the tied head's packed copy, nothing else
@@ -161,10 +162,13 @@ def test_cli_kernels_option_reaches_the_model(tmp_path):
         assert result.exit_code == 0, result.output
         seen[choice] = json.loads(result.stdout)
     assert seen["stock"]["kernels"] == "stock"
-    assert seen["packed"]["kernels"] == ("stock" if kernels.available(torch.float32) else "packed-own" if OWN else "packed")
+    assert seen["packed"]["kernels"] == ("stock" if kernels.available(torch.float32) else "packed-own" if OWN_FP32 else "packed")
     assert seen["stock"]["tokens"] == seen["packed"]["tokens"]
     assert seen["stock"]["isa"] is None and seen["packed"]["isa"] == native.isa()  # the ISA our kernels run on, said
-    assert native.isa() == ("avx512-bf16+amx" if native.amx() else "avx512-bf16") if OWN else native.isa().startswith("none (")
+    if OWN_FP32:
+        assert native.isa() == native.tier() + ("+amx" if native.amx() else "")
+    else:
+        assert native.isa().startswith("none (")
     bad = CliRunner().invoke(main, ["generate", "--model", str(path), "--ids", "1", "--kernels", "fast"])
     assert bad.exit_code != 0 and "fast" in bad.output
 
@@ -266,7 +270,7 @@ def test_each_bf16_path_is_row_invariant_and_rounds_fp32_sums_once(tiles, n, k):
     torch.manual_seed(n + k)
     weight, bias = torch.randn(n, k).to(torch.bfloat16), torch.randn(n)
     for b in (None, bias):
-        product = native.Linear(native.pack(weight), b, tiles=tiles)
+        product = linear_kernels.Linear(linear_kernels.pack(weight), b, tiles=tiles)
         x = torch.randn(40, k).to(torch.bfloat16)
         alone = torch.cat([product(x[i : i + 1]) for i in range(40)])
         want = x.float() @ weight.float().T + (0 if b is None else b)
@@ -289,7 +293,7 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
     assert {t: hasattr(lib, "bf16_linear") for t, lib in libs.items()} == {t: t == "avx512-bf16" for t in tiers}
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 576), torch.randn(96), torch.randn(13, 576)
-    packed, scores, norm_weight, delta = native.pack(weight), torch.randn(5, 1000), torch.randn(576), torch.randn(13, 576)
+    packed, scores, norm_weight, delta = linear_kernels.pack(weight), torch.randn(5, 1000), torch.randn(576), torch.randn(13, 576)
     tie = torch.zeros(1, 5000)
     tie[0, [4000, 7, 3000]] = 1.0  # in both threads' halves of the columns: the lower index first
     edges = torch.randn(6, 1004) * 4  # a tail past the last vector of either width
@@ -304,7 +308,7 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
     blocks = [quants.quantize_q8_0(weight),  # and a 4-bit kind, with offsets and a bias; and an odd count of blocks
               quants.Quantized(torch.randint(0, 16, (96, 576), dtype=torch.int8), torch.rand(96, 18), torch.randn(96, 18), 32, 4),
               quants.quantize_q8_0(weight[:80])]
-    layouts = [native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32) for q in blocks]
+    layouts = [linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32) for q in blocks]
     keys = torch.randn(2, 3, 12, 32)  # (B, H, S, D): sequence b's columns 4 + index[b] move to 4, 5, 6
     index = np.array([[0, 2, 5], [1, 3, 4]], np.int64)
     gathered = torch.stack([keys[b, :, 4 + torch.from_numpy(index[b])] for b in range(2)])  # (B, H, C, D)
@@ -324,7 +328,7 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
                 lib.quant_fp32_linear(x.data_ptr(), layout.packed.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, n, 576, q.bits,
                                       q.group, int(q.offset is not None), 2, 1)
                 out[f"quant {q.kind} {n} {rows}"] = y
-            dense, dequantized = torch.empty(13, n), native.pack(q.dequantize())
+            dense, dequantized = torch.empty(13, n), linear_kernels.pack(q.dequantize())
             lib.fp32_linear(x.data_ptr(), dequantized.data_ptr(), bias.data_ptr(), dense.data_ptr(), 13, n, 576, 2, 1)
             assert all(torch.equal(out[f"quant {q.kind} {n} {rows}"], dense[:rows]) for rows in (1, 2, 13))
         if hasattr(lib, "rms_norm"):  # both weightings, and the residual sum before the norm
@@ -397,12 +401,12 @@ def test_the_integer_linear_and_the_fp32_attention_give_the_same_bits_on_every_t
     for kind in ("Q8_0", "Q4_1", "Q4_K", "Q6_K"):
         k = 576 if kind in ("Q8_0", "Q4_1") else 512
         q = quants.from_blocks(random_blocks(kind, 48, k, seed=k), kind, 48, k)
-        layouts.append(native.lay_out(q, torch.float32, integer=True))  # fp16 scales, the K types' own
+        layouts.append(linear_kernels.lay_out(q, torch.float32, integer=True))  # fp16 scales, the K types' own
     g = torch.Generator().manual_seed(5)  # fp32 scales a group, groups of 16 and 32
     for bits, group in ((8, 16), (4, 32)):
         values = torch.randint(0, 16, (48, 384), generator=g) if bits == 4 else torch.randint(-128, 128, (48, 384), generator=g)
         offset = torch.randn(48, 384 // group, generator=g) if bits == 4 else None
-        layouts.append(native.pack_quantized(values.to(torch.int8), torch.rand(48, 384 // group, generator=g), offset, group, bits, torch.float32,
+        layouts.append(linear_kernels.pack_quantized(values.to(torch.int8), torch.rand(48, 384 // group, generator=g), offset, group, bits, torch.float32,
                                              integer=True))
     assert {layout.scaling for layout in layouts} == {0, 1, 2} and {layout.bits for layout in layouts} == {4, 6, 8}
     bias = torch.randn(48, generator=g)
@@ -437,7 +441,7 @@ def test_the_integer_linear_and_the_fp32_attention_give_the_same_bits_on_every_t
 def test_tiles_are_refused_where_amx_cannot_run(monkeypatch):
     monkeypatch.setattr(native, "amx", lambda: False)
     with pytest.raises(ValueError, match="cannot use AMX tiles"):
-        native.Linear(native.pack(torch.randn(16, 64).to(torch.bfloat16)), None, tiles=True)
+        linear_kernels.Linear(linear_kernels.pack(torch.randn(16, 64).to(torch.bfloat16)), None, tiles=True)
 
 
 @needs_own
@@ -446,7 +450,7 @@ def test_where_the_weights_are_prefetched_changes_no_bit(dtype):
     """The linear prefetches the next weights non-temporally or into L2 by CPU (``native.prefetch_into_l2``); both
     give the same output, at one row tile and at two."""
     weight = torch.randn(96, 1536).to(dtype)
-    products = [native.Linear(native.pack(weight), None) for _ in range(2)]
+    products = [linear_kernels.Linear(linear_kernels.pack(weight), None) for _ in range(2)]
     products[0].l2, products[1].l2 = 0, 1
     for rows in (1, 16):
         x = torch.randn(rows, 1536).to(dtype)
@@ -469,7 +473,7 @@ def test_own_kernel_packs_what_fits_and_onednn_the_rest():
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             assert torch.allclose(getattr(block, name)(x).float(), getattr(stock, name)(x).float(), rtol=2 ** -7, atol=1e-2)
     with pytest.raises(ValueError, match="input has 32 features, the weight 64"):
-        native.linear(torch.randn(2, 32).to(torch.bfloat16), block.q_proj.product.packed, None)
+        linear_kernels.linear(torch.randn(2, 32).to(torch.bfloat16), block.q_proj.product.packed, None)
 
 
 @needs_own
@@ -533,7 +537,7 @@ def test_own_attention_agrees_with_fp32_sdpa_to_its_rounding(shape, dtype):
     causal = torch.ones(t, s, dtype=torch.bool).tril(s - t)  # row t sees keys up to s - t + t
     bound = (2 ** -7, 2e-3) if dtype == torch.bfloat16 else (1e-5, 1e-5)
     for given, reference in ((mask, mask.float()), (None, causal)):
-        got = native.attention(q, k, v, given, 0.125)
+        got = layer_kernels.attention(q, k, v, given, 0.125)
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=reference, scale=0.125, enable_gqa=True)
         assert got.dtype == dtype and torch.allclose(got.float(), want.transpose(1, 2), rtol=bound[0], atol=bound[1])
 
@@ -547,10 +551,10 @@ def test_own_attention_row_depends_only_on_its_query_and_the_keys_it_sees(dtype)
     keep = torch.tensor(sorted(torch.randperm(40)[:25].tolist()))
     mask = torch.full((1, 1, 4, 40), torch.finfo(dtype).min, dtype=dtype)
     mask[..., keep] = 0
-    scattered = native.attention(q, k, v, mask, 0.125)
+    scattered = layer_kernels.attention(q, k, v, mask, 0.125)
     seen = k[:, :, keep].contiguous(), v[:, :, keep].contiguous()
-    assert torch.equal(scattered, native.attention(q, *seen, torch.zeros(1, 1, 4, 25, dtype=dtype), 0.125))
-    assert torch.equal(scattered[:, 2:3], native.attention(q[:, :, 2:3], *seen, None, 0.125))
+    assert torch.equal(scattered, layer_kernels.attention(q, *seen, torch.zeros(1, 1, 4, 25, dtype=dtype), 0.125))
+    assert torch.equal(scattered[:, 2:3], layer_kernels.attention(q[:, :, 2:3], *seen, None, 0.125))
 
 
 @needs_own
@@ -562,7 +566,7 @@ def test_own_causal_attention_is_the_causal_mask_bit_for_bit(t, s, dtype):
     q, k, v, _ = attention_case(1, 9, 3, t, s, 64, seed=t + s, dtype=dtype)
     causal = torch.ones(t, s, dtype=torch.bool).tril(s - t)
     mask = torch.zeros(1, 1, t, s, dtype=dtype).masked_fill(~causal, torch.finfo(dtype).min)
-    assert torch.equal(native.attention(q, k, v, None, 0.125), native.attention(q, k, v, mask, 0.125))
+    assert torch.equal(layer_kernels.attention(q, k, v, None, 0.125), layer_kernels.attention(q, k, v, mask, 0.125))
 
 
 @needs_own
@@ -579,13 +583,13 @@ def test_attention_that_could_not_allocate_runs_sdpa(monkeypatch, dtype):
 @needs_own
 def test_own_attention_declines_what_it_does_not_do():
     q, k, v, mask = attention_case(1, 9, 3, 4, 40, 64, seed=2)
-    assert native.attention_fits(q, k, v, mask, causal=True) and native.attention_fits(q, k, v, None, causal=True)
-    assert native.attention_fits(q.float(), k.float(), v.float(), mask.float(), causal=True)  # fp32: tree_attention_avx2.c
-    assert not native.attention_fits(q, k, v, None, causal=False)  # no mask and not causal: an encoder's
-    assert not native.attention_fits(q.half(), k.half(), v.half(), mask.half(), causal=True)  # fp16 stays SDPA's
-    assert not native.attention_fits(q.float(), k.float(), v.float(), mask, causal=True)  # a mask of another dtype
-    assert not native.attention_fits(q, k, v, mask.bool(), causal=True)
-    assert not native.attention_fits(q[..., :48], k[..., :48], v[..., :48], mask, causal=True)  # head size not a multiple of 32
+    assert layer_kernels.attention_fits(q, k, v, mask, causal=True) and layer_kernels.attention_fits(q, k, v, None, causal=True)
+    assert layer_kernels.attention_fits(q.float(), k.float(), v.float(), mask.float(), causal=True)  # fp32: tree_attention_avx2.c
+    assert not layer_kernels.attention_fits(q, k, v, None, causal=False)  # no mask and not causal: an encoder's
+    assert not layer_kernels.attention_fits(q.half(), k.half(), v.half(), mask.half(), causal=True)  # fp16 stays SDPA's
+    assert not layer_kernels.attention_fits(q.float(), k.float(), v.float(), mask, causal=True)  # a mask of another dtype
+    assert not layer_kernels.attention_fits(q, k, v, mask.bool(), causal=True)
+    assert not layer_kernels.attention_fits(q[..., :48], k[..., :48], v[..., :48], mask, causal=True)  # head size not a multiple of 32
 
 
 @needs_own
@@ -593,13 +597,13 @@ def test_own_top_k_is_torch_topk_without_ties_and_takes_the_lower_index_on_one()
     torch.manual_seed(4)
     for rows, n, k in [(1, 49152, 8), (5, 49152, 8), (3, 100, 16), (2, 17, 17), (4, 1000, 64), (1, 15, 1)]:
         x = torch.randn(1, rows, n)
-        assert np.array_equal(native.top_k(x, k), torch.topk(x, k).indices.numpy()), (rows, n, k)
-    assert native.top_k(torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]]), 2).tolist() == [[1, 2]]
+        assert np.array_equal(host_kernels.top_k(x, k), torch.topk(x, k).indices.numpy()), (rows, n, k)
+    assert host_kernels.top_k(torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]]), 2).tolist() == [[1, 2]]
     x = torch.randn(2, 100)
-    assert np.array_equal(native.top_k(x, 65), torch.topk(x, 65).indices.numpy())  # past 64: torch's
+    assert np.array_equal(host_kernels.top_k(x, 65), torch.topk(x, 65).indices.numpy())  # past 64: torch's
     tie = torch.zeros(1, 49152)
     tie[0, [40000, 7, 30000]] = 1.0  # in both threads' halves of the columns: the lower index first
-    assert native.top_k(tie, 3).tolist() == [[7, 30000, 40000]] and native.top_k(tie.to(torch.bfloat16), 2).tolist() == [[7, 30000]]
+    assert host_kernels.top_k(tie, 3).tolist() == [[7, 30000, 40000]] and host_kernels.top_k(tie.to(torch.bfloat16), 2).tolist() == [[7, 30000]]
 
 
 @needs_own
@@ -607,7 +611,7 @@ def test_own_top_k_reads_bf16_as_their_fp32_values():
     torch.manual_seed(6)
     for rows, n, k in [(1, 49152, 8), (9, 49152, 8), (3, 1000, 16), (2, 40, 33)]:
         x = torch.randn(2, rows, n).to(torch.bfloat16)
-        assert np.array_equal(native.top_k(x, k), native.top_k(x.float(), k)), (rows, n, k)
+        assert np.array_equal(host_kernels.top_k(x, k), host_kernels.top_k(x.float(), k)), (rows, n, k)
 
 
 @needs_own
@@ -621,10 +625,10 @@ def test_own_argmax_is_torchs_first_of_equals_and_first_nan_in_fp32_and_bf16():
     rows[5, :] = -0.0
     rows[5, 9] = 0.0  # -0 and +0 are equal: the first
     for x in (rows, rows.to(torch.bfloat16)):
-        assert native.argmax(x).tolist() == torch.argmax(x, -1).tolist() == [int(torch.argmax(x[0])), 3, 0, 20, 49156, 0]
-        assert native.argmax(x[4]) == 49156 and isinstance(native.argmax(x[4]), int)
-        assert native.argmax(x[:, :7]).tolist() == torch.argmax(x[:, :7], -1).tolist()  # shorter than a vector
-    assert native.argmax(rows.double()).tolist() == torch.argmax(rows, -1).tolist()  # float64 (sampling's): numpy's
+        assert host_kernels.argmax(x).tolist() == torch.argmax(x, -1).tolist() == [int(torch.argmax(x[0])), 3, 0, 20, 49156, 0]
+        assert host_kernels.argmax(x[4]) == 49156 and isinstance(host_kernels.argmax(x[4]), int)
+        assert host_kernels.argmax(x[:, :7]).tolist() == torch.argmax(x[:, :7], -1).tolist()  # shorter than a vector
+    assert host_kernels.argmax(rows.double()).tolist() == torch.argmax(rows, -1).tolist()  # float64 (sampling's): numpy's
 
 
 @needs_own
@@ -637,9 +641,9 @@ def test_own_move_columns_is_the_gather_it_replaces():
     for t in want:
         block = t.narrow(-2, 8, 7)
         block.narrow(-2, 0, 4).copy_(torch.stack([block[b, :, index[b]] for b in range(2)]))
-    assert native.move_columns(tensors, 8, index)
+    assert host_kernels.move_columns(tensors, 8, index)
     assert all(torch.equal(got, w) for got, w in zip(tensors, want))
-    assert not native.move_columns([tensors[0].transpose(2, 3)], 8, index)  # head_dim not contiguous: torch's ops
+    assert not host_kernels.move_columns([tensors[0].transpose(2, 3)], 8, index)  # head_dim not contiguous: torch's ops
 
 
 @needs_own
@@ -697,5 +701,5 @@ def test_the_kernels_enums_are_in_the_order_python_passes_them():
     tuples; the C reads them as enums: one order each (a product's enum name is its kernel's name less "_linear")."""
     source = "".join((native.CSRC / name).read_text() for name in ("decoder_layer.h", "int_linear.c"))
     enums = [re.findall(r"\w+", body) for body in re.findall(r"enum \{([^}]*)\}", source)]
-    for names in (native.PRODUCTS, native.ACTIVATIONS, native.NORMS, native.SCALINGS):
+    for names in (native.PRODUCTS, native.ACTIVATIONS, native.NORMS, linear_kernels.SCALINGS):
         assert [str(name).removesuffix("_linear").upper() for name in names] in enums, names

@@ -12,7 +12,7 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llam
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from lookahead import kernels, kv, layers, native, quants
+from lookahead import kernels, kv, layer_kernels, layers, native, quants
 from lookahead.layout import build_layout, stack
 from lookahead.planner import chain_tree
 
@@ -113,7 +113,7 @@ def mixed(model) -> dict:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", ["llama", "llama-gelu", "qwen2", "qwen3", "gemma3", "llama-mixed-blocks"])
 def test_a_step_in_one_call_is_the_module_by_module_path(name, dtype, monkeypatch):
-    """bf16 and fp32 layers run a step in one call (``native.decoder_layer``; with an activation it does not compute,
+    """bf16 and fp32 layers run a step in one call (``layer_kernels.decoder_layer``; with an activation it does not compute,
     erf's GELU, up to it), Qwen3's and Gemma 3's head norms, Gemma 3's sandwiched norms, GELU-tanh
     and sliding layers included, and quantized siblings of two kinds (two products, on the integer kernel where it
     runs), writing the step's keys and values into the cache there: every step's logits and the cache are the
@@ -126,7 +126,7 @@ def test_a_step_in_one_call_is_the_module_by_module_path(name, dtype, monkeypatc
     wholes = [layer.whole for layer in model.model.layers]
     assert all(wholes) and all((whole[3] is None) == (name == "llama-gelu") for whole in wholes)
     assert all(whole[0].parts == (2 if name.endswith("-mixed-blocks") else 1) for whole in wholes)
-    calls, whole = [], native.decoder_layer
+    calls, whole = [], layer_kernels.decoder_layer
     monkeypatch.setattr(native, "decoder_layer", lambda *args: calls.append(args[0].shape) or whole(*args))
     runs = []
     for on in (True, False):
@@ -149,13 +149,13 @@ def test_gated_is_torchs_activation_times_up_for_every_bf16(activation):
     gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     up = (torch.randn(65536, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
     for ups in (up, torch.ones_like(up)):
-        want, got = act(gate) * ups, native.gated(torch.cat([gate, ups])[None], activation)[0]
+        want, got = act(gate) * ups, layer_kernels.gated(torch.cat([gate, ups])[None], activation)[0]
         numbers = ~torch.isnan(want)
         assert torch.equal(torch.isnan(got), ~numbers) and torch.equal(got[numbers].view(torch.int16), want[numbers].view(torch.int16))
     with pytest.raises(ValueError, match="2 width"):
-        native.gated(torch.cat([gate[:32], up[:1]])[None], activation)  # an odd last dimension is no gate and up
+        layer_kernels.gated(torch.cat([gate[:32], up[:1]])[None], activation)  # an odd last dimension is no gate and up
     with pytest.raises(ValueError, match="gelu_tanh"):
-        native.gated(torch.cat([gate[:32], up[:32]])[None], "gelu")
+        layer_kernels.gated(torch.cat([gate[:32], up[:32]])[None], "gelu")
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
@@ -170,7 +170,7 @@ def test_gated_is_torchs_activation_times_up_for_fp32(activation):
     gate = torch.cat([edges, torch.randint(-2**31, 2**31 - 1, (1 << 20,), generator=rng, dtype=torch.int64).to(torch.int32).view(torch.float32),
                       torch.randn(1 << 18, generator=rng) * 30, torch.randn(1 << 18, generator=rng)])[: (1 << 20) + (1 << 19)]  # 16 | width
     for ups in (torch.randn(gate.numel(), generator=rng) * 4, torch.ones_like(gate)):
-        want, got = act(gate) * ups, native.gated(torch.cat([gate, ups])[None], activation)[0]
+        want, got = act(gate) * ups, layer_kernels.gated(torch.cat([gate, ups])[None], activation)[0]
         numbers = ~torch.isnan(want)
         assert torch.equal(torch.isnan(got), ~numbers) and torch.equal(got[numbers].view(torch.int32), want[numbers].view(torch.int32))
 
@@ -199,11 +199,11 @@ def test_rope_is_apply_rotary_pos_emb_bit_for_bit_each_row_alone(dtype):
     q, k, v = qkv.view(b, t, -1, d).transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
     got = qkv.clone()
-    native.rope(got, cos, sin, heads + kv_heads, d)
+    layer_kernels.rope(got, cos, sin, heads + kv_heads, d)
     got_q, got_k, got_v = got.view(b, t, -1, d).transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, v)  # v untouched
     row = qkv[1:, 3:4].clone()
-    native.rope(row, cos[1:, 3:4], sin[1:, 3:4], heads + kv_heads, d)
+    layer_kernels.rope(row, cos[1:, 3:4], sin[1:, 3:4], heads + kv_heads, d)
     assert torch.equal(row, got[1:, 3:4])
 
 
@@ -212,10 +212,10 @@ def test_add_rms_norm_is_the_sum_then_the_norm(dtype):
     rng = torch.Generator().manual_seed(1)
     x, delta = (torch.randn(3, 5, 200, generator=rng).to(dtype) for _ in range(2))
     weight = torch.randn(200, generator=rng).to(dtype)
-    s, y = native.add_rms_norm(x, delta, weight, 1e-6, 0)
-    assert torch.equal(s, x + delta) and torch.equal(y, native.rms_norm(x + delta, weight, 1e-6, 0))
+    s, y = layer_kernels.add_rms_norm(x, delta, weight, 1e-6, 0)
+    assert torch.equal(s, x + delta) and torch.equal(y, layer_kernels.rms_norm(x + delta, weight, 1e-6, 0))
     with pytest.raises(ValueError, match="one shape and dtype"):
-        native.add_rms_norm(x, delta[:, :2], weight, 1e-6, 0)
+        layer_kernels.add_rms_norm(x, delta[:, :2], weight, 1e-6, 0)
 
 
 @pytest.mark.slow

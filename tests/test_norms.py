@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from conftest import tiny_gemma3, tiny_llama
-from lookahead import kernels, layers, native, norms
+from lookahead import kernels, layer_kernels, layers, norms
 
 pytestmark = pytest.mark.skipif(kernels.own_kernel(torch.bfloat16) is not None, reason="our own kernels cannot run here")
 CLASSES = [(LlamaRMSNorm, 0), (Qwen2RMSNorm, 0), (Gemma3RMSNorm, 1)]
@@ -49,8 +49,8 @@ def test_a_rows_output_does_not_depend_on_the_other_rows():
     norm = random_norm(LlamaRMSNorm, 576, torch.bfloat16, seed=1)
     x = torch.randn(1, 100, 576).to(torch.bfloat16)  # 100 rows: the kernel's threads split them
     with torch.inference_mode():
-        wide = native.rms_norm(x, norm.weight, 1e-6, 0)
-        assert all(torch.equal(native.rms_norm(x[:, i:i + 1], norm.weight, 1e-6, 0)[0, 0], wide[0, i]) for i in range(100))
+        wide = layer_kernels.rms_norm(x, norm.weight, 1e-6, 0)
+        assert all(torch.equal(layer_kernels.rms_norm(x[:, i:i + 1], norm.weight, 1e-6, 0)[0, 0], wide[0, i]) for i in range(100))
 
 
 class OddRMSNorm(nn.Module):

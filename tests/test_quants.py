@@ -14,9 +14,8 @@ import torch
 from click.testing import CliRunner
 
 from conftest import assert_greedy_equal, hf_greedy, on_fixed_cost, tiny_llama
-from lookahead import LookaheadConfig, gguf_model, kernels, models, native, quants
+from lookahead import LookaheadConfig, gguf_model, kernels, linear_kernels, models, native, quants
 from lookahead.cli import main
-from lookahead.kernels import PackedLinear
 
 OWN = kernels.own_kernel(torch.float32) is None and native.has("quant_fp32_linear")  # our quantized kernel runs here
 OWN_BF16 = kernels.own_kernel(torch.bfloat16) is None and native.has("quant_bf16_linear")
@@ -67,8 +66,8 @@ def weights(kind: str, n: int = 80, k: int = 512) -> quants.Quantized:
 @pytest.mark.parametrize("integer", [False, True], ids=["steps", "integer"])  # the integer kernel's nibbles: octets
 def test_the_layout_unpacks_to_what_was_packed(kind, integer):
     q = weights(kind)
-    layout = native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32, integer)
-    got = native.unpack_quantized(layout)
+    layout = linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32, integer)
+    got = linear_kernels.unpack_quantized(layout)
     assert torch.equal(got[0], q.q) and torch.equal(got[1], q.scale)
     assert (got[2] is None) == (q.offset is None) and (q.offset is None or torch.equal(got[2], q.offset))
     assert layout.packed.numel() == q.nbytes()
@@ -80,8 +79,8 @@ def test_the_k_types_own_scales_unpack_to_their_scales_bit_for_bit(kind):
     -(dmin m) are the decoders' fp32 scales and offsets exactly. Q4_K and Q6_K stream 4.625 and 6.5625 bits a
     weight (the file: 4.5 and 6.5625)."""
     q = weights(kind)
-    layout = native.pack_supers(q, torch.float32)
-    got = native.unpack_quantized(layout)
+    layout = linear_kernels.pack_supers(q, torch.float32)
+    got = linear_kernels.unpack_quantized(layout)
     assert torch.equal(got[0], q.q) and torch.equal(got[1], q.scale)
     assert (got[2] is None) == (q.offset is None) and (q.offset is None or torch.equal(got[2], q.offset))
     bits = {"Q4_K": 4.625, "Q5_K": 6.625, "Q6_K": 6.5625, "Q3_K": 6.5625}[kind]  # int8 values in 6 bits
@@ -96,18 +95,18 @@ def test_quantized_products_equal_the_dense_kernels_and_are_row_invariant(kind, 
         pytest.skip("no AVX-512 BF16 here")
     q = weights(kind, n=80 if kind != "Q4_1" else 48)  # 5 blocks of 16 columns (an odd one at the end), or 3
     bias = torch.randn(q.shape[0], generator=torch.Generator().manual_seed(1))
-    linear = native.Linear(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype), bias)
+    linear = linear_kernels.Linear(linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype), bias)
     x = torch.randn(21, q.shape[1], generator=torch.Generator().manual_seed(2)).to(dtype)
     wide = linear(x)
     assert all(torch.equal(linear(x[i:i + 1])[0], wide[i]) for i in range(21))  # row-invariant
     w = q.dequantize()
     if dtype == torch.float32:  # the dense fp32 kernel on the dequantized weights, bit for bit
-        assert torch.equal(wide, native.Linear(native.pack(w), bias)(x))
+        assert torch.equal(wide, linear_kernels.Linear(linear_kernels.pack(w), bias)(x))
     elif native.amx():  # on AMX tiles, each group's integer sums scaled in fp32: the fp32 product, to bf16's rounding
-        want = native.Linear(native.pack(w), bias)(x.float())
+        want = linear_kernels.Linear(linear_kernels.pack(w), bias)(x.float())
         assert ((wide.float() - want).abs() <= want.abs() / 128 + 1e-3).all()
     else:  # fp32 arithmetic on the exact weights, rounded once
-        assert torch.equal(wide, native.Linear(native.pack(w), bias)(x.float()).bfloat16())
+        assert torch.equal(wide, linear_kernels.Linear(linear_kernels.pack(w), bias)(x.float()).bfloat16())
 
 
 INTEGER = native.integer_runs()  # an integer linear runs here
@@ -127,7 +126,7 @@ def rounded_to_8_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def integer_reference(q: quants.Quantized, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The product of x's 8-bit rounding and q's integers, each group's scales (and offsets) applied, in float64."""
-    (n, k), m = q.shape, x.shape[0]
+    n, m = q.shape[0], x.shape[0]
     qx, dx = rounded_to_8_bits(x.float())
     products = (q.q.double().view(n, -1, q.group) * qx.double().view(m, 1, -1, q.group)).sum(-1)  # (M, N, groups)
     want = (products * q.scale.double() * dx[:, None, ::q.group].double()).sum(-1)
@@ -148,7 +147,7 @@ def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_i
     k = 576 if kind in ("Q8_0", "Q4_1") else 512  # activation scales per 64 k's, or per 256
     q = quants.from_blocks(random_blocks(kind, 80, k, seed=k), kind, 80, k)
     bias = torch.randn(80, generator=torch.Generator().manual_seed(1))
-    linear = native.Linear(native.lay_out(q, dtype, integer=True), bias)  # the K types in their own scales (pack_supers)
+    linear = linear_kernels.Linear(linear_kernels.lay_out(q, dtype, integer=True), bias)  # the K types in their own scales (pack_supers)
     assert linear.packed.supers == kind.endswith("_K") and linear.packed.halves == (not kind.endswith("_K"))  # the others': fp16
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(2)).to(dtype)
     x[3, :7] = 0  # a row whose first block is all zeros: scale 0
@@ -158,7 +157,7 @@ def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_i
     want = integer_reference(q, x, bias)
     error = (wide.double() - want).abs().max() / want.abs().max()
     assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5)
-    dense = native.Linear(native.pack(q.dequantize()), bias)(x.float())  # the activations' rounding, and no more
+    dense = linear_kernels.Linear(linear_kernels.pack(q.dequantize()), bias)(x.float())  # the activations' rounding, and no more
     assert (wide.float() - dense).abs().max() < 0.05 * dense.abs().max()
 
 
@@ -173,7 +172,7 @@ def test_one_row_gives_the_bits_of_eight_at_a_time_for_every_kind_the_integer_ke
     values = torch.randint(0, 16, (n, k), generator=g) if bits == 4 else torch.randint(-128, 128, (n, k), generator=g)
     offset = torch.randn(n, groups, generator=g) / 8 if bits == 4 else None
     q = quants.Quantized(values.to(torch.int8), torch.rand(n, groups, generator=g) / 8 + 1e-3, offset, group, bits)
-    linear = native.Linear(native.lay_out(q, torch.float32, integer=True), None)
+    linear = linear_kernels.Linear(linear_kernels.lay_out(q, torch.float32, integer=True), None)
     assert not (linear.packed.halves or linear.packed.supers)
     x = torch.randn(9, k, generator=g)
     wide = linear(x)
@@ -192,8 +191,8 @@ def test_the_k_types_own_scales_give_the_integer_products_bit_for_bit(kind, dtyp
     q = quants.from_blocks(random_blocks(kind, 48, 768, seed=7), kind, 48, 768)
     x = torch.randn(19, 768, generator=torch.Generator().manual_seed(3)).to(dtype)
     bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
-    groups = native.Linear(native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer=True), bias)
-    supers = native.Linear(native.pack_supers(q, dtype), bias)
+    groups = linear_kernels.Linear(linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer=True), bias)
+    supers = linear_kernels.Linear(linear_kernels.pack_supers(q, dtype), bias)
     for m in (1, 4, 19):
         assert torch.equal(supers(x[:m]), groups(x[:m])), m
 
@@ -210,14 +209,14 @@ def test_the_legacy_types_fp16_scales_give_the_integer_products_bit_for_bit(kind
     q = quants.from_blocks(random_blocks(kind, 48, 768, seed=7), kind, 48, 768)
     x = torch.randn(19, 768, generator=torch.Generator().manual_seed(3)).to(dtype)
     bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
-    wide = native.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer=True)
-    halves = native.lay_out(q, dtype, integer=True)
+    wide = linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer=True)
+    halves = linear_kernels.lay_out(q, dtype, integer=True)
     assert halves.halves and halves.kind == wide.kind + " in fp16" and halves.packed.numel() * 8 == {"Q8_0": 8.5, "Q4_1": 5}[kind] * q.q.numel()
-    assert all(torch.equal(a, b) for a, b in zip(native.unpack_quantized(halves), native.unpack_quantized(wide)) if a is not None)
+    assert all(torch.equal(a, b) for a, b in zip(linear_kernels.unpack_quantized(halves), linear_kernels.unpack_quantized(wide)) if a is not None)
     for m in (1, 4, 19):
-        assert torch.equal(native.Linear(halves, bias)(x[:m]), native.Linear(wide, bias)(x[:m])), m
+        assert torch.equal(linear_kernels.Linear(halves, bias)(x[:m]), linear_kernels.Linear(wide, bias)(x[:m])), m
     with pytest.raises(ValueError, match="exact in fp16"):
-        native.pack_quantized(q.q, q.scale * (1 + 2 ** -20), q.offset, q.group, q.bits, dtype, integer=True, halves=True)
+        linear_kernels.pack_quantized(q.q, q.scale * (1 + 2 ** -20), q.offset, q.group, q.bits, dtype, integer=True, halves=True)
 
 
 @needs_integer
