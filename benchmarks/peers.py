@@ -37,6 +37,7 @@ import torch
 from benchmarks import datasets
 from benchmarks.profile_step import linear_bytes, stream_rate
 from benchmarks.prompts import prompt_ids
+from benchmarks.results_log import count, same, write_json
 from benchmarks.run import hardware, hf_generate
 from lookahead import LookaheadConfig, LookaheadGenerator, models, native
 
@@ -216,9 +217,9 @@ def run_all(args) -> dict:
 
 def write_report(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_json(out / "results.json", results)  # the token ids as digests
     runs, hw = results["runs"], results["hardware"]
-    tps = {m: sum(len(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
+    tps = {m: sum(count(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
     peers = {m: v for m, v in tps.items() if m.startswith("llama.cpp")}
     best_peer = max(peers, key=peers.get)
     plain = runs["our plain loop bfloat16"]
@@ -248,10 +249,10 @@ def write_report(results: dict, out: Path) -> None:
     for method, rs in runs.items():
         steps = [r["step_ms"] for r in rs if r["step_ms"] is not None]
         step = f"{sorted(steps)[len(steps) // 2]:.1f}" if steps and ("plain" in method) else "–"
-        same = sum(r["tokens"] == q["tokens"] for r, q in zip(rs, reference(method))) / len(rs)
-        lines.append(f"| {method} | {tps[method]:.1f} | {tps[method] / peers[best_peer]:.2f}x | {step} | {same:.0%} |")
+        alike = sum(same(r["tokens"], q["tokens"]) for r, q in zip(rs, reference(method))) / len(rs)
+        lines.append(f"| {method} | {tps[method]:.1f} | {tps[method] / peers[best_peer]:.2f}x | {step} | {alike:.0%} |")
     ours = max((m for m in tps if m.startswith("lookahead")), key=tps.get)  # our fastest lookahead, on whichever weights
-    worst = min((sum(len(r["tokens"]) for r in ps) / sum(r["seconds"] for r in ps) / (sum(len(q["tokens"]) for q in qs) / sum(q["seconds"] for q in qs)), s)
+    worst = min((sum(count(r["tokens"]) for r in ps) / sum(r["seconds"] for r in ps) / (sum(count(q["tokens"]) for q in qs) / sum(q["seconds"] for q in qs)), s)
                 for s in sorted({r["set"] for r in plain})
                 for ps, qs in [([r for r in runs[ours] if r["set"] == s], [r for r in runs[best_peer] if r["set"] == s])])
     lines += ["", f"Plain decode step: the median over prompts of decode time per forward. The worst prompt set of {ours} against "
@@ -275,7 +276,7 @@ def write_report(results: dict, out: Path) -> None:
 
 
 def _same_start(a: list[int], b: list[int]) -> int:
-    """How many tokens ``a`` and ``b`` begin with alike."""
+    """How many tokens ``a`` and ``b`` (a run's ids, as ``run_all`` returns them: not their digests) begin with alike."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 

@@ -1,20 +1,75 @@
-"""The index of ``benchmarks/results/``: one row per folder (commit, CPU, model, tokens, headline ratios), read
-from each folder's ``results.json`` (``benchmarks.run``, ``benchmarks.peers``, ``benchmarks.vllm_bench``, ``benchmarks.load``
-or ``benchmarks.big_gguf``); written between the index
-markers of ``RESULTS.md``, whose hand-written history follows it.
+"""The index of ``benchmarks/results/``: one row per folder (when it was recorded, commit, CPU, model, tokens,
+headline ratios), read from each folder's ``results.json`` (``benchmarks.run``, ``benchmarks.peers``,
+``benchmarks.vllm_bench``, ``benchmarks.window``, ``benchmarks.load`` or ``benchmarks.big_gguf``), then one row per
+dropped folder (``results/dropped.json``: its files live in git history at the commit named); written between the
+index markers of ``RESULTS.md``, whose hand-written log follows it.
 
-    python -m benchmarks.results_log            # rewrite the index in benchmarks/RESULTS.md
+Token ids are recorded as digests (``compact``): a run's ``tokens`` (vLLM's ``outputs``: one per prompt) become
+``{"n": count, "sha256": digest of the ids}``, which is what the reports and this index read of them (counts,
+and whether two runs gave the same tokens). The writers compute their reports from the ids in memory and write
+the digests.
+
+    python -m benchmarks.results_log                    # rewrite the index in benchmarks/RESULTS.md
+    python -m benchmarks.results_log --compact          # every results/*/*.json's token ids -> digests (idempotent)
+    python -m benchmarks.results_log --drop FOLDER ...  # record folders' rows in results/dropped.json, then git rm -r them
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import subprocess
 from pathlib import Path
 
 HERE = Path(__file__).parent
 BEGIN, END = "<!-- index: python -m benchmarks.results_log -->", "<!-- end of index -->"
 OURS, PLAIN, GREEDY = "lookahead default", "plain loop (--no-lookahead)", "hf_greedy"
+DROPPED = "dropped.json"  # under the results folder: {folder: its index row and the commit that last held its files}
+TOKEN_KEYS = ("tokens", "outputs")  # the keys under which runs record token ids
+COLUMNS = ("recorded", "commit", "machine", "model", "headline")  # a row's cells after the folder's name, as ``row`` gives them
+
+
+def digest(ids: list[int]) -> dict:
+    """A run's token ids as recorded: their count and a sha256 of them written as "1,2,3"."""
+    return {"n": len(ids), "sha256": hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()}
+
+
+def count(tokens: list[int] | dict) -> int:
+    """How many tokens a run gave, from its ids or their digest."""
+    return tokens["n"] if isinstance(tokens, dict) else len(tokens)
+
+
+def same(a: list[int] | dict, b: list[int] | dict) -> bool:
+    """Whether two runs gave the same tokens, from their ids or their digests."""
+    return (a if isinstance(a, dict) else digest(a)) == (b if isinstance(b, dict) else digest(b))
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+
+
+def compact(results):
+    """``results`` with every list of token ids under a key of ``TOKEN_KEYS`` (or a list of such lists) replaced by
+    its ``digest``; a new object, the input unchanged. Counts (an int under those keys) and digests stay as they are."""
+    if isinstance(results, list):
+        return [compact(v) for v in results]
+    if not isinstance(results, dict):
+        return results
+    out = {}
+    for key, value in results.items():
+        if key in TOKEN_KEYS and _is_ids(value):
+            out[key] = digest(value)
+        elif key in TOKEN_KEYS and isinstance(value, list) and value and all(_is_ids(v) for v in value):
+            out[key] = [digest(v) for v in value]
+        else:
+            out[key] = compact(value)
+    return out
+
+
+def write_json(path: Path, results: dict) -> None:
+    """A run's ``results.json``, its token ids as digests."""
+    path.write_text(json.dumps(compact(results), indent=1))
 
 
 def headline(results: dict) -> str:
@@ -41,7 +96,7 @@ def headline(results: dict) -> str:
                 f"warm; peak {max(results['cold']['peak_rss_gb'], results['warm']['peak_rss_gb']):.2f} GB"
                 + (f"; llama.cpp {llama['load_s']:.1f} s, {llama['peak_rss_gb']:.2f} GB" if llama else ""))
     runs = results.get("runs", {})  # benchmarks.peers, benchmarks.window
-    tps = {m: sum(len(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
+    tps = {m: sum(count(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
     if "lookahead without the window" in runs:
         ran, steps = (sum(r[key] for r in runs["lookahead"]) for key in ("window_steps", "steps"))
         return (f"{results['dtype']}: the window ran on {ran} of {steps} steps; lookahead {tps['lookahead']:.1f} tok/s, "
@@ -60,21 +115,80 @@ def headline(results: dict) -> str:
     return line
 
 
+def _git(folder: Path, *args: str) -> str:
+    """git's answer about ``folder`` (run in it), or "" outside a repository or where git is missing."""
+    try:
+        out = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def recorded(folder: Path) -> str:
+    """The day the folder was first committed ("–": not yet)."""
+    days = _git(folder, "log", "--diff-filter=A", "--format=%cs", "--", ".").splitlines()
+    return days[-1] if days else "–"
+
+
+def row(folder: Path) -> dict:
+    """A folder's cells of the index."""
+    file = folder / "results.json"
+    if not file.is_file():
+        others = ", ".join(sorted(p.name for p in folder.iterdir() if p.suffix == ".md")) or "no results file"
+        return {"recorded": recorded(folder), "commit": "", "machine": "", "model": "", "headline": f"see {others}"}
+    results = json.loads(file.read_text())
+    hw = results.get("hardware", {})
+    cpu = hw.get("gpu") or str(hw.get("cpu", "?")).split(";")[0].replace("|", "/")  # the device measured
+    if cpu.count("(") > cpu.count(")"):  # "AMD EPYC (Zen 4, family 25 model 17; avx2 ...)": the name and model
+        cpu += ")"
+    return {"recorded": recorded(folder), "commit": hw.get("commit", "?"), "machine": cpu,
+            "model": f"{results.get('model', '?')}, {results.get('max_new_tokens', '?')}", "headline": headline(results)}
+
+
+def _cells(*cells: str) -> str:
+    """A table row; an empty cell as "| |"."""
+    return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+
 def index(results_dir: Path) -> list[str]:
-    """The table, one row per folder, in name order."""
-    rows = ["| folder | commit | machine | model, new tokens | headline |", "|---|---|---|---|---|"]
+    """The tables: one row per folder, in name order; then the dropped folders', from ``DROPPED``."""
+    rows = ["| folder | recorded | commit | machine | model, new tokens | headline |", "|---|---|---|---|---|---|"]
     for folder in sorted(p for p in results_dir.iterdir() if p.is_dir()):
-        file = folder / "results.json"
-        if not file.is_file():
-            others = ", ".join(sorted(p.name for p in folder.iterdir() if p.suffix == ".md")) or "no results file"
-            rows.append(f"| `{folder.name}` | | | | see {others} |")
-            continue
-        results = json.loads(file.read_text())
-        hw = results.get("hardware", {})
-        cpu = hw.get("gpu") or str(hw.get("cpu", "?")).split(";")[0].replace("|", "/")  # the device measured
-        rows.append(f"| `{folder.name}` | {hw.get('commit', '?')} | {cpu} | {results.get('model', '?')}, "
-                    f"{results.get('max_new_tokens', '?')} | {headline(results)} |")
+        r = row(folder)
+        rows.append(_cells(f"`{folder.name}`", *(r[k] for k in COLUMNS)))
+    dropped = results_dir / DROPPED
+    if dropped.is_file():
+        rows += ["", "Dropped folders: the record is the row here and the log below; their files are in git history at the "
+                     "commit named (`git show COMMIT:benchmarks/results/FOLDER/results.md`).", "",
+                 "| folder | recorded | commit | machine | model, new tokens | headline | files at |", "|---|---|---|---|---|---|---|"]
+        for name, r in sorted(json.loads(dropped.read_text()).items()):
+            rows.append(_cells(name, *(r[k] for k in (*COLUMNS, "files_at"))))
     return rows
+
+
+def drop(results_dir: Path, names: list[str]) -> None:
+    """Record each folder's row in ``DROPPED``, with the last commit that changed it (its files as they were there)."""
+    file = results_dir / DROPPED
+    dropped = json.loads(file.read_text()) if file.is_file() else {}
+    for name in names:
+        folder = results_dir / name
+        files_at = _git(folder, "log", "-1", "--format=%h", "--", ".")
+        if not files_at or _git(folder, "status", "--porcelain", "--", "."):
+            raise SystemExit(f"{folder}: commit it as it is first (its files must be in git history to be dropped)")
+        dropped[name] = {**row(folder), "files_at": files_at}
+    file.write_text(json.dumps(dict(sorted(dropped.items())), indent=1) + "\n")
+
+
+def compact_folder(folder: Path) -> int:
+    """Rewrite the folder's JSON files with their token ids as digests; the bytes saved."""
+    saved = 0
+    for file in sorted(folder.glob("*.json")):
+        before = file.read_text()
+        after = json.dumps(compact(json.loads(before)), indent=1)
+        if after != json.dumps(json.loads(before), indent=1):
+            file.write_text(after)
+            saved += len(before) - len(after)
+    return saved
 
 
 def rewrite(log: Path, results_dir: Path) -> None:
@@ -93,9 +207,18 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--results", type=Path, default=HERE / "results")
+    parser.add_argument("--compact", action="store_true", help="token ids in every folder's JSON files -> digests")
+    parser.add_argument("--drop", nargs="+", metavar="FOLDER", help="record these folders' rows in results/dropped.json")
     args = parser.parse_args(argv)
+    if args.compact:
+        saved = sum(compact_folder(folder) for folder in sorted(p for p in args.results.iterdir() if p.is_dir()))
+        print(f"{args.results}: token ids as digests, {saved / 1e6:.1f} MB less")
+    if args.drop:
+        drop(args.results, args.drop)
+        print(f"recorded in {args.results / DROPPED}; now: git rm -r -q " + " ".join(str(args.results / n) for n in args.drop))
     rewrite(args.log, args.results)
-    print(f"{args.log}: {len(index(args.results)) - 2} folders indexed")
+    kept = sum(1 for p in args.results.iterdir() if p.is_dir())
+    print(f"{args.log}: {kept} folders indexed")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import subprocess
@@ -28,6 +27,7 @@ import torch
 
 import lookahead
 from benchmarks import datasets
+from benchmarks.results_log import write_json
 from benchmarks.prompts import prompt_ids
 from lookahead import LookaheadConfig, LookaheadGenerator, models, native, probing
 from lookahead.cpu import cpu_name
@@ -234,7 +234,7 @@ def fmt(v, spec=".2f") -> str:
 
 def write_report(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_json(out / "results.json", results)  # the token ids as digests
     hw = results["hardware"]
     lines = [f"# Lookahead benchmark: {results['model']}", "",
              (f"{hw['gpu']} (device {results.get('device', 'cpu')}); " if hw.get("gpu") else "")

@@ -13,11 +13,11 @@ from its plain decode at near-ties, so the report counts how often each method e
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
+from benchmarks.results_log import same, write_json
 from benchmarks.run import hardware
 from lookahead import models
 from tests import vllm_cpu
@@ -71,7 +71,7 @@ def run_all(args) -> dict:
 
 def write_report(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_json(out / "results.json", results)  # the outputs' token ids as digests
     hw, methods = results["hardware"], results["methods"]
     plain, ngram = methods["vLLM plain"], methods.get("vLLM ngram")
     lines = [f"# {results['model']} in vLLM {results['vllm']} (CPU build): our proposer beside vLLM's own", "",
@@ -87,9 +87,9 @@ def write_report(results: dict, out: Path) -> None:
         steps = tokens - r["accepted"]  # each step: one token plus the accepted drafts
         vs_ngram = f"{tps / (ngram['runs']['one at a time']['tokens'] / ngram['runs']['one at a time']['seconds']):.2f}x" if ngram else "–"
         vs_plain = all_tps / (plain["runs"]["all at once"]["tokens"] / plain["runs"]["all at once"]["seconds"])
-        same = [sum(a == b for a, b in zip(r["runs"][k]["outputs"], plain["runs"][k]["outputs"])) for k in ("one at a time", "all at once")]
+        alike = [sum(same(a, b) for a, b in zip(r["runs"][k]["outputs"], plain["runs"][k]["outputs"])) for k in ("one at a time", "all at once")]
         lines.append(f"| {method} | {tps:.1f} | {vs_ngram} | {tokens / steps:.2f} | {all_tps:.1f} | "
-                     f"{vs_plain:.2f}x | {same[0]}/{len(one['outputs'])} / {same[1]}/{len(together['outputs'])} |")
+                     f"{vs_plain:.2f}x | {alike[0]}/{len(one['outputs'])} / {alike[1]}/{len(together['outputs'])} |")
     lines += ["", "Each run on an engine of its own (the state kept across requests starts empty), after one 4-token warm-up "
                   "request. tokens/step: over every request of both runs."]
     (out / "results.md").write_text("\n".join(lines) + "\n")

@@ -12,12 +12,12 @@ requests, as a server's is: warm from the earlier prompts only."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from benchmarks import datasets
 from benchmarks.prompts import prompt_ids
+from benchmarks.results_log import count, same, write_json
 from benchmarks.run import hardware
 from lookahead import LookaheadConfig, LookaheadGenerator, models
 
@@ -47,9 +47,9 @@ def run_all(args) -> dict:
 
 def write_report(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_json(out / "results.json", results)  # the token ids as digests
     runs, hw = results["runs"], results["hardware"]
-    tps = {m: sum(len(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
+    tps = {m: sum(count(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
     plain = runs["our plain loop"]
     lines = [f"# {results['model']}: what the Jacobi window earns, prompt by prompt against our plain loop", "",
              f"{hw['cpu']}, {hw['cores']} cores; torch {hw['torch']}; commit {hw['commit']}; {results['dtype']}, "
@@ -59,10 +59,10 @@ def write_report(results: dict, out: Path) -> None:
              "| accepted draft tokens its trajectories proposed | same tokens as our plain loop |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, rs in runs.items():
-        same = sum(r["tokens"] == q["tokens"] for r, q in zip(rs, plain)) / len(rs)
+        alike = sum(same(r["tokens"], q["tokens"]) for r, q in zip(rs, plain)) / len(rs)
         slowest = min(q["seconds"] / r["seconds"] for r, q in zip(rs, plain))
         lines.append(f"| {name} | {tps[name]:.1f} | {tps[name] / tps['our plain loop']:.2f}x | {slowest:.2f}x | {sum(r['steps'] for r in rs)} | "
-                     f"{sum(r.get('rested_steps', 0) for r in rs)} | {sum(r['window_steps'] for r in rs)} | {sum(r['trajectory_tokens'] for r in rs)} | {same:.0%} |")
+                     f"{sum(r.get('rested_steps', 0) for r in rs)} | {sum(r['window_steps'] for r in rs)} | {sum(r['trajectory_tokens'] for r in rs)} | {alike:.0%} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 

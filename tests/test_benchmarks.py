@@ -88,7 +88,10 @@ def test_peers_server_retries_without_repacking_and_the_report_ranks_engines(tmp
     assert "| engine | tokens/s | vs llama.cpp bf16 ngram-mod |" in text and "| lookahead bfloat16 | 80.0 | 1.25x |" in text
     assert "takes 10.0 ms" in text and "| llama.cpp bf16 plain | 50.0 | 0.78x | 10.0 |" in text
     assert "The worst prompt set of lookahead bfloat16 against llama.cpp bf16 ngram-mod: a at 1.25x." in text
-    assert json.loads((tmp_path / "out" / "results.json").read_text())["runs"].keys() == results["runs"].keys()
+    written = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert written["runs"].keys() == results["runs"].keys()
+    assert written["runs"]["lookahead bfloat16"][0]["tokens"] == results_log.digest([1] * 100)  # ids as a count and a digest
+    assert results_log.headline(written) == results_log.headline(results) == "bf16: 80.0 tok/s, 1.25x llama.cpp bf16 ngram-mod"
     on_file = {"our plain loop gguf bfloat16": rows(45), "our plain loop gguf float32": rows(44), "our plain loop gguf int8": rows(60),
                "lookahead gguf int8": rows(120), "llama.cpp m.gguf plain": rows(55)}
     on_file["our plain loop gguf int8"][1]["tokens"] = [1] * 30 + [2] * 70  # int8 rounding changed one prompt's text at token 30
@@ -98,6 +101,18 @@ def test_peers_server_retries_without_repacking_and_the_report_ranks_engines(tmp
     assert "The worst prompt set of lookahead gguf int8 against llama.cpp bf16 ngram-mod: a at 1.88x." in text  # our fastest lookahead
     assert "10.0 ms (int8 activations) against llama.cpp's 10.0 ms" in text
     assert "int8 plain loop equal to our plain loop gguf float32's: 1 of 2 prompts (the same first 100 tokens, median)" in text
+
+
+def test_token_ids_are_recorded_as_a_count_and_a_digest_and_nothing_else_changes():
+    ids = [5, 17, 3]
+    results = {"runs": {"a": [{"tokens": ids, "seconds": 1.0}]}, "summary": [{"tokens": 64}], "sizes": [1, 2],
+               "methods": {"m": {"runs": {"one": {"outputs": [ids, [9]], "tokens": 4}}}}}
+    out = results_log.compact(results)
+    assert out["runs"]["a"][0] == {"tokens": results_log.digest(ids), "seconds": 1.0} and results["runs"]["a"][0]["tokens"] == ids
+    assert out["methods"]["m"]["runs"]["one"] == {"outputs": [results_log.digest(ids), results_log.digest([9])], "tokens": 4}
+    assert out["summary"] == [{"tokens": 64}] and out["sizes"] == [1, 2]  # counts, and lists under other keys, as they were
+    assert results_log.compact(out) == out and results_log.digest(ids)["n"] == results_log.count(ids) == 3
+    assert results_log.same(ids, out["runs"]["a"][0]["tokens"]) and not results_log.same([5, 17], ids)
 
 
 def test_the_results_log_indexes_every_folder_and_keeps_its_history(tmp_path):
@@ -121,9 +136,18 @@ def test_the_results_log_indexes_every_folder_and_keeps_its_history(tmp_path):
         results_log.rewrite(log, results)
     text = log.read_text()
     assert text.count(results_log.BEGIN) == 1 and text.endswith("**An old run** (commit 0000000): text.\n")
-    assert "| `run-a` | abc1234 | Some CPU (family 1 | m, 64 | bfloat16: 90.0 tok/s, 3.00x fastest HF greedy, 1.50x our plain loop |" in text
-    assert "| `peers-b` | def5678 | Other CPU | m, 128 | bf16: 80.0 tok/s, 1.60x llama.cpp bf16 plain |" in text
-    assert "| `batch-c` | | | | see batch.md |" in text
+    assert "| `run-a` | – | abc1234 | Some CPU (family 1) | m, 64 | bfloat16: 90.0 tok/s, 3.00x fastest HF greedy, 1.50x our plain loop |" in text
+    assert "| `peers-b` | – | def5678 | Other CPU | m, 128 | bf16: 80.0 tok/s, 1.60x llama.cpp bf16 plain |" in text
+    assert "| `batch-c` | – | | | | see batch.md |" in text
+    assert "Dropped folders" not in text
+    results_log.compact_folder(results / "peers-b")  # the same row from the digests
+    assert json.loads((results / "peers-b" / "results.json").read_text())["runs"]["lookahead bfloat16"][0]["tokens"]["n"] == 80
+    (results / results_log.DROPPED).write_text(json.dumps({"old-run": {"recorded": "2026-11-22", "commit": "0000000", "machine": "A CPU",
+                                                                      "model": "m, 64", "headline": "no default lookahead row", "files_at": "1111111"}}))
+    results_log.rewrite(log, results)
+    text = log.read_text()
+    assert "| `peers-b` | – | def5678 | Other CPU | m, 128 | bf16: 80.0 tok/s, 1.60x llama.cpp bf16 plain |" in text
+    assert "| old-run | 2026-11-22 | 0000000 | A CPU | m, 64 | no default lookahead row | 1111111 |" in text
 
 
 def test_the_window_report_says_what_the_window_ran_and_earned_and_the_slowest_prompt(tmp_path):
@@ -137,6 +161,9 @@ def test_the_window_report_says_what_the_window_ran_and_earned_and_the_slowest_p
     text = (tmp_path / "results.md").read_text()
     assert "| lookahead | 22.5 | 1.12x | 0.90x | 80 | 4 | 10 | 30 | 100% |" in text  # 120 tokens in 2 + 10/3 s
     assert "| lookahead without the window | 25.0 | 1.25x | 1.25x | 80 | 4 | 0 | 0 | 100% |" in text
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["runs"]["lookahead"][0]["tokens"] == results_log.digest([1, 2, 3] * 20)
+    assert results_log.headline(written) == "int8: the window ran on 10 of 80 steps; lookahead 22.5 tok/s, 0.90x without it"
 
 
 @pytest.mark.slow
