@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.results_log import write_json
 from benchmarks.run import hardware
 from lookahead import models
 
@@ -80,7 +81,7 @@ def peak_rss_gb(pid: int) -> float:
 def save(results: dict, out: Path) -> None:
     """``out/results.json`` (indexed by ``benchmarks.results_log``), and the same on stdout."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    write_json(out / "results.json", results)  # a decode's token ids as a digest
     print(json.dumps(results, indent=2))
 
 
