@@ -5,14 +5,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from lookahead import models
 from lookahead.config import MAX_BODY_BYTES, PREFILL_CHUNK, LookaheadConfig
+
+if TYPE_CHECKING:
+    from lookahead.chat import ChatSession
+    from lookahead.drafting import DraftState
+    from lookahead.generator import LookaheadGenerator
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -78,97 +85,235 @@ def main() -> None:
     """Lossless Lookahead decoding: faster greedy generation with no draft model and the same output."""
 
 
-@main.command(context_settings=CONTEXT)
-@click.argument("prompt", required=False)
-@click.option("--file", "prompt_file", type=click.Path(dir_okay=False, path_type=Path), help="Read the prompt from a file.")
-@click.option("--chat/--no-chat", default=None, help="Apply the model's chat template (default: when it has one).")
-@click.option("--system", help="System message for chat mode.")
-@click.option("--model", "model_spec", default=models.DEFAULT_MODEL, show_default=True,
-              help="Embedded model name, Hugging Face directory, hub id or .gguf file.")
-@click.option("--dtype", type=click.Choice(["auto", *models.DTYPES]), default="auto", show_default=True,
-              help="auto: float32 or bfloat16, whichever decodes fastest on this machine (measured once, cached).")
-@click.option("--device", default="cpu", show_default=True)
-@KERNELS_OPTION
-@WEIGHTS_OPTION
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
-@click.option("-W", "--window", type=int, help=f"Jacobi window width W [default: {LookaheadConfig.window}].")
-@click.option("-N", "--ngram", type=int, help=f"N-gram size N [default: {LookaheadConfig.ngram}].")
-@click.option("-G", "--guess", type=int, help=f"Pool n-grams offered to the tree G [default: {LookaheadConfig.guess}].")
-@click.option("-T", "--tree-budget", type=int, help=f"Most draft-tree nodes per step, 0: none [default: {LookaheadConfig.tree_budget}].")
-@click.option("--suffix-drafts", type=int, help=f"Suffix-match drafts per step, 0: off [default: {LookaheadConfig.suffix_drafts}].")
-@click.option("--suffix-length", type=int, help=f"Longest suffix draft [default: {LookaheadConfig.suffix_length}].")
-@click.option("--recycle-k", type=int, help=f"Successors per token in the recycling table, 0: off [default: {LookaheadConfig.recycle_k}].")
-@click.option("--recycle-prior", type=click.IntRange(min=0),
-              help=f"Common tokens whose successors the model predicts once, to seed the recycling table, 0: none "
-                   f"[default: {LookaheadConfig.recycle_prior}].")
-@click.option("--auto/--no-auto", default=None,
-              help="Let the measured cost model size each step within the shape (default: on unless a shape option is given).")
-@click.option("--state", "state_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Drafting state directory: loaded if it exists, saved after the run (warm pools and tables).")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--seed", type=click.IntRange(min=0), help="Seed for --sample (default: fresh randomness on every run).")
-@click.option("--no-lookahead", is_flag=True, help="Plain decoding, one token per forward (for comparison).")
-@click.option("--ids", "ids_mode", is_flag=True,
-              help="Token ids in and out (no tokenizer needed): PROMPT is '1,2,3' or a JSON list; without PROMPT, one request per stdin line.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) per request instead of streaming.")
-@click.option("--sample", is_flag=True,
-              help="Sample instead of greedy (implied by --temperature/--top-k/--top-p); lossless. Without it decoding is "
-                   "greedy, whatever the model's generation config says.")
-@click.option("--temperature", type=float, help="Sampling temperature (> 0).")
-@click.option("--top-k", type=int, help="Sample among the k most likely tokens.")
-@click.option("--top-p", type=float, help="Nucleus sampling: the smallest set with this probability mass.")
-@click.option("--repetition-penalty", type=float, help="Penalise tokens already present (as in generate()).")
-@click.option("--stop", multiple=True, help="Stop after this string (repeatable; needs a tokenizer).")
-def generate(prompt, prompt_file, chat, system, model_spec, dtype, device, kernels, weights, cache_dir, window, ngram, guess, tree_budget,
-             suffix_drafts, suffix_length, recycle_k, recycle_prior, auto, state_dir, max_new_tokens, seed, no_lookahead, ids_mode, as_json,
-             sample, temperature, top_k, top_p, repetition_penalty, stop) -> None:
-    """Generate a continuation of PROMPT (an argument, --file, or standard input)."""
+def _options(*options):
+    """``options`` as one decorator, in the order given: the options that several commands share, written once."""
+
+    def apply(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
+
+
+# what loads the model and shapes its decoding: the options ``generate`` and ``chat`` share (``_load`` takes them)
+MODEL_OPTIONS = _options(
+    click.option("--model", "model_spec", default=models.DEFAULT_MODEL, show_default=True,
+                 help="Embedded model name, Hugging Face directory, hub id or .gguf file."),
+    click.option("--dtype", type=click.Choice(["auto", *models.DTYPES]), default="auto", show_default=True,
+                 help="auto: float32 or bfloat16, whichever decodes fastest on this machine (measured once, cached)."),
+    click.option("--device", default="cpu", show_default=True),
+    KERNELS_OPTION,
+    WEIGHTS_OPTION,
+    click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live."),
+    click.option("-W", "--window", type=int, help=f"Jacobi window width W [default: {LookaheadConfig.window}]."),
+    click.option("-N", "--ngram", type=int, help=f"N-gram size N [default: {LookaheadConfig.ngram}]."),
+    click.option("-G", "--guess", type=int, help=f"Pool n-grams offered to the tree G [default: {LookaheadConfig.guess}]."),
+    click.option("-T", "--tree-budget", type=int, help=f"Most draft-tree nodes per step, 0: none [default: {LookaheadConfig.tree_budget}]."),
+    click.option("--suffix-drafts", type=int, help=f"Suffix-match drafts per step, 0: off [default: {LookaheadConfig.suffix_drafts}]."),
+    click.option("--suffix-length", type=int, help=f"Longest suffix draft [default: {LookaheadConfig.suffix_length}]."),
+    click.option("--recycle-k", type=int, help=f"Successors per token in the recycling table, 0: off [default: {LookaheadConfig.recycle_k}]."),
+    click.option("--recycle-prior", type=click.IntRange(min=0),
+                 help=f"Common tokens whose successors the model predicts once, to seed the recycling table, 0: none "
+                      f"[default: {LookaheadConfig.recycle_prior}]."),
+    click.option("--auto/--no-auto", default=None,
+                 help="Let the measured cost model size each step within the shape (default: on unless a shape option is given)."),
+    click.option("--state", "state_dir", type=click.Path(file_okay=False, path_type=Path),
+                 help="Drafting state directory: loaded if it exists, saved at the end (of the run, or of the chat) (warm pools and tables)."),
+)
+# how each answer is decoded: the options ``generate`` and ``chat`` share (``_decoding`` takes them)
+DECODING_OPTIONS = _options(
+    click.option("--system", help="System message for chat mode."),
+    click.option("--seed", type=click.IntRange(min=0), help="Seed for --sample (default: fresh randomness on every run)."),
+    click.option("--no-lookahead", is_flag=True, help="Plain decoding, one token per forward (for comparison)."),
+    click.option("--sample", is_flag=True,
+                 help="Sample instead of greedy (implied by --temperature/--top-k/--top-p); lossless. Without it decoding is "
+                      "greedy, whatever the model's generation config says."),
+    click.option("--temperature", type=float, help="Sampling temperature (> 0)."),
+    click.option("--top-k", type=int, help="Sample among the k most likely tokens."),
+    click.option("--top-p", type=float, help="Nucleus sampling: the smallest set with this probability mass."),
+    click.option("--repetition-penalty", type=float, help="Penalise tokens already present (as in generate())."),
+    click.option("--stop", multiple=True, help="Stop after this string (repeatable; needs a tokenizer)."),
+)
+
+
+def _decoding(sample: bool, temperature: float | None, top_k: int | None, top_p: float | None, repetition_penalty: float | None,
+              stop: tuple[str, ...], **rest) -> tuple[dict, dict]:
+    """``generate``'s decoding options from ``DECODING_OPTIONS``' sampling flags (greedy unless one asks to sample),
+    and the other options (``rest``) as they came."""
     warpers = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     options = {k: v for k, v in (warpers | {"repetition_penalty": repetition_penalty}).items() if v is not None}
     options["do_sample"] = sample or any(v is not None for v in warpers.values())
     if stop:
         options["stop_strings"] = list(stop)
+    return options, rest
+
+
+def _load(model_spec: str, dtype: str, device: str, kernels: str, weights: str, cache_dir: Path | None, window: int | None,
+          ngram: int | None, guess: int | None, tree_budget: int | None, suffix_drafts: int | None, suffix_length: int | None,
+          recycle_k: int | None, recycle_prior: int | None, auto: bool | None,
+          state_dir: Path | None) -> tuple[LookaheadGenerator, DraftState]:
+    """The generator ``MODEL_OPTIONS`` ask for, and the drafting state to decode with (``--state``'s, or a new one).
+    The config is checked before the model loads (a bad shape fails fast)."""
+    from lookahead.generator import LookaheadGenerator
+
+    shape = {k: v for k, v in {"window": window, "ngram": ngram, "guess": guess, "tree_budget": tree_budget, "suffix_drafts": suffix_drafts,
+                               "suffix_length": suffix_length, "recycle_k": recycle_k}.items() if v is not None}
+    prior = {} if recycle_prior is None else {"recycle_prior": recycle_prior}  # a help to drafting, not a shape
+    config = LookaheadConfig(**shape, **prior, auto=not shape if auto is None else auto)  # an explicit shape is run as given
+    gen = LookaheadGenerator.from_pretrained(model_spec, config, dtype=dtype, device=device, cache_dir=cache_dir, progress=_progress,
+                                             kernels=kernels, weights=weights)
+    return gen, gen.load_state(state_dir)
+
+
+def _first_line(error: Exception) -> str:
+    """An error as the one line the user sees (its first; its type's name if it says nothing)."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("prompt", required=False)
+@click.option("--file", "prompt_file", type=click.Path(dir_okay=False, path_type=Path), help="Read the prompt from a file.")
+@click.option("--chat/--no-chat", default=None, help="Apply the model's chat template (default: when it has one).")
+@MODEL_OPTIONS
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@DECODING_OPTIONS
+@click.option("--ids", "ids_mode", is_flag=True,
+              help="Token ids in and out (no tokenizer needed): PROMPT is '1,2,3' or a JSON list; without PROMPT, one request per stdin line.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) per request instead of streaming.")
+def generate(prompt, prompt_file, chat, max_new_tokens, system, seed, no_lookahead, ids_mode, as_json, kernels, **options) -> None:
+    """Generate a continuation of PROMPT (an argument, --file, or standard input)."""
+    decoding, model = _decoding(**options)
     try:
-        shape = {k: v for k, v in dict(window=window, ngram=ngram, guess=guess, tree_budget=tree_budget, suffix_drafts=suffix_drafts,
-                                       suffix_length=suffix_length, recycle_k=recycle_k).items() if v is not None}
-        prior = {} if recycle_prior is None else {"recycle_prior": recycle_prior}  # a help to drafting, not a shape
-        config = LookaheadConfig(**shape, **prior, auto=not shape if auto is None else auto)  # an explicit shape is run as given
         requests = _read_requests(prompt, prompt_file, ids_mode)
         from lookahead import native
-        from lookahead.generator import LookaheadGenerator
         from lookahead.kernels import dtype_of, kernels_of, weights_of
 
-        gen = LookaheadGenerator.from_pretrained(model_spec, config, dtype=dtype, device=device, cache_dir=cache_dir, progress=_progress,
-                                                 kernels=kernels, weights=weights)
-        state = gen.load_state(state_dir)
+        gen, state = _load(kernels=kernels, **model)
         if chat is None:
             chat = not ids_mode and gen.tokenizer is not None and bool(gen.tokenizer.chat_template)
         chat = chat and not ids_mode
         for line, request in enumerate(requests, 1):  # every request checked before any is answered
             try:
-                gen.prepare(request, max_new_tokens, chat=chat, system=system, seed=seed, **options)
+                gen.prepare(request, max_new_tokens, chat=chat, system=system, seed=seed, **decoding)
             except ValueError as e:
                 raise ValueError(f"line {line}: {e}" if len(requests) > 1 else str(e)) from None
         for request in requests:
             streamer = None if (as_json or ids_mode or gen.tokenizer is None) else _Printer(gen.tokenizer)
             out = gen.generate(request, max_new_tokens, chat=chat, system=system, streamer=streamer,
-                               lookahead=not no_lookahead, state=state, seed=seed, **options)
+                               lookahead=not no_lookahead, state=state, seed=seed, **decoding)
             if as_json:
                 click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
                                        "stats": out.stats.as_dict(), "dtype": dtype_of(gen.model),
                                        "kernels": kernels_of(gen.model), "weights": weights_of(gen.model),
                                        "isa": native.isa() if kernels == "packed" else None,
-                                       "config": dataclasses.asdict(config)}))
+                                       "config": dataclasses.asdict(gen.config)}))
             elif ids_mode:
                 click.echo(",".join(map(str, out.tokens)))
             click.echo(_summary(out.stats), err=True)
-        if state_dir is not None:
-            state.save(state_dir)
+        if model["state_dir"] is not None:
+            state.save(model["state_dir"])
     except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as other CLIs do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     except (ValueError, OSError) as e:
-        raise click.ClickException(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+        raise click.ClickException(_first_line(e)) from None
+
+
+CHAT_HELP = ("commands: /reset (forget the conversation; /reset all: the drafting state too), /save PATH (the drafting "
+             "state, as --state saves it), /exit (or Ctrl-D)")
+
+
+@main.command(context_settings=CONTEXT)
+@MODEL_OPTIONS
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True, help="Most tokens of one answer.")
+@DECODING_OPTIONS
+def chat(max_new_tokens, system, seed, no_lookahead, **options) -> None:
+    """Chat with the model: each line you type is answered after the conversation so far (its chat template).
+
+    The model and one drafting state stay loaded across the turns, so later answers draft from the conversation.
+    Ctrl-C stops an answer (the part shown is kept); at the prompt it drops the line, twice leaves."""
+    from lookahead.chat import ChatSession
+
+    decoding, model = _decoding(**options)
+    try:
+        import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
+    except ImportError:
+        pass
+    try:
+        gen, state = _load(**model)
+        session = ChatSession(gen, state, max_new_tokens, name=model["model_spec"], system=system, lookahead=not no_lookahead,
+                              seed=seed, **decoding)
+        click.echo(f"[lookahead] chatting with {model['model_spec']}; /help for commands, Ctrl-D to leave", err=True)
+        _chat_loop(session)
+        if model["state_dir"] is not None:
+            session.state.save(model["state_dir"])
+    except (ValueError, OSError) as e:
+        raise click.ClickException(_first_line(e)) from None
+
+
+def _chat_loop(session: ChatSession) -> None:
+    """Prompt, read a line, answer it or run its command, until /exit, the end of input, or Ctrl-C twice in a row
+    at the prompt. The first Ctrl-C at the prompt drops the line being typed, as a shell does (and ollama): a
+    user who pressed it to stop an answer, once too often, does not lose the conversation; the second leaves,
+    as llama-cli's does."""
+    interrupted = False
+    while True:
+        try:
+            line = input("> ")
+            interrupted = False
+            if not _chat_command(session, line.strip()):
+                return
+        except EOFError:  # Ctrl-D, or the end of piped input
+            click.echo()
+            return
+        except UnicodeDecodeError as e:  # from input(): a line that is not text in the terminal's encoding
+            click.echo(f"Error: the line is not {e.encoding} text; type it again", err=True)
+        except KeyboardInterrupt:  # at the prompt, or in the instant before or after an answer (its own Ctrl-C stops it)
+            click.echo()
+            if interrupted:
+                return
+            click.echo("(Ctrl-C again, Ctrl-D or /exit to leave)", err=True)
+            interrupted = True
+
+
+def _chat_command(session: ChatSession, line: str) -> bool:
+    """Run a /command or answer ``line``; False to leave. Errors are one line, and the session goes on."""
+    command, _, argument = line.partition(" ")
+    argument = argument.strip()
+    if not line:
+        pass
+    elif command in ("/exit", "/quit", "/bye"):
+        return False
+    elif command == "/reset" and argument in ("", "all"):
+        exchanges = session.reset(state=argument == "all")
+        kept = "a new drafting state" if argument else "the drafting state kept (/reset all forgets it too)"
+        click.echo(f"conversation reset ({exchanges} exchange{'' if exchanges == 1 else 's'} forgotten); {kept}", err=True)
+    elif command == "/save" and argument:
+        try:
+            session.state.save(Path(argument))
+            click.echo(f"drafting state saved to {argument}", err=True)
+        except (ValueError, OSError) as e:
+            click.echo(f"Error: cannot save the drafting state to {argument}: {_first_line(e)}", err=True)
+    elif command.startswith("/"):
+        click.echo(("" if command in ("/help", "/?") else f"unknown command {line!r}; ") + CHAT_HELP, err=True)
+    else:
+        _chat_answer(session, line)
+    return True
+
+
+def _chat_answer(session: ChatSession, line: str) -> None:
+    """Answer ``line``, streaming it, then its summary line. Meanwhile Ctrl-C stops the answer through the engine
+    (``ChatSession.stop``: the lane leaves at its next step) instead of raising KeyboardInterrupt through torch."""
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: session.stop())
+    try:
+        out = session.answer(line, _Printer(session.gen.tokenizer))
+    except ValueError as e:  # the message, or the conversation with it, cannot be answered: the session goes on
+        click.echo(f"Error: {_first_line(e)}", err=True)
+        return
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    click.echo(_summary(out.stats), err=True)
 
 
 def _given_or_read(value: str | None, path: Path | None, option: str, both: str) -> str | None:
@@ -297,7 +442,7 @@ def serve(model_spec, host, port, dtype, device, kernels, weights, cache_dir, st
         server.serve(gen, model_spec, host, port, state_dir, queue_limit, max_body_bytes, api_key=api_key, max_batch=max_batch,
                      prefill_chunk=prefill_chunk)
     except (ValueError, OSError) as e:
-        raise click.ClickException(str(e).strip().splitlines()[0]) from None
+        raise click.ClickException(_first_line(e)) from None
 
 
 def _read_api_key(key: str | None, key_file: Path | None) -> str | None:

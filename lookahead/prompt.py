@@ -19,13 +19,7 @@ def prompt_ids(prompt: str | list[int] | torch.Tensor, tokenizer, vocab_size: in
         if system is not None:
             check_text("the system message", system)
         if chat:
-            if not tokenizer.chat_template:
-                raise ValueError("this model's tokenizer has no chat template; generate without chat")
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            try:
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-            except TemplateError as e:  # raised from inside the template (e.g. "no system role")
-                raise ValueError(f"the chat template rejected the messages: {e}") from None
+            ids = chat_ids(tokenizer, ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}])
         else:
             ids = tokenizer(prompt)["input_ids"]
     else:
@@ -36,6 +30,17 @@ def prompt_ids(prompt: str | list[int] | torch.Tensor, tokenizer, vocab_size: in
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     return list(ids)
+
+
+def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """``messages`` (role and content) through the tokenizer's chat template, up to where the assistant's answer
+    starts; a ValueError if there is no template or it rejects them."""
+    if not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template; generate without chat")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except TemplateError as e:  # raised from inside the template (e.g. "no system role")
+        raise ValueError(f"the chat template rejected the messages: {e}") from None
 
 
 def check_text(what: str, text: str) -> None:
