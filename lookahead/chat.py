@@ -2,7 +2,7 @@
 state kept warm across the turns, so the pool and the suffix source learn the conversation (a turn that repeats or
 quotes an earlier answer drafts from it). Each answer is exactly what ``generate`` gives for the whole conversation
 so far through the model's chat template: the session keeps messages, not a KV cache, so nothing of a stopped or
-refused turn can leak into the next one."""
+refused turn can leak into the next one (the price: each turn prefills the whole conversation again)."""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ def generate(prompt, prompt_file, chat, max_new_tokens, system, seed, no_lookahe
 
 
 CHAT_HELP = ("commands: /reset (forget the conversation; /reset all: the drafting state too), /save PATH (the drafting "
-             "state, as --state saves it), /exit (or Ctrl-D)")
+             "state, as --state saves it), /exit (or Ctrl-D); a line ending in \\ goes on on the next")
 
 
 @main.command(context_settings=CONTEXT)
@@ -261,6 +261,8 @@ def _chat_loop(session: ChatSession) -> None:
     while True:
         try:
             line = input("> ")
+            while line.endswith("\\"):  # the message goes on on the next line, as in llama-cli
+                line = line[:-1] + "\n" + input("... ")
             interrupted = False
             if not _chat_command(session, line.strip()):
                 return

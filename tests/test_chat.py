@@ -118,8 +118,8 @@ def run(*args: str, input: str | None = None):
 
 def test_the_command_with_piped_lines(chat_dir, tmp_path):
     state = tmp_path / "state"
-    lines = ["hello world", "", "   ", "/nope", "/help", f"/save {tmp_path / 'file'}/x", "/reset", "w5 w6", f"/save {state}", "/exit",
-             "never read"]
+    lines = ["hello world", "", "   ", "/nope", "/help", f"/save {tmp_path / 'file'}/x", "/reset", "w5 \\", "w6", f"/save {state}",
+             "/exit", "never read"]
     (tmp_path / "file").write_text("not a directory")
     result = run("--model", chat_dir, "--max-new-tokens", "6", input="\n".join(lines) + "\n")
     assert result.exit_code == 0, result.output
@@ -129,7 +129,8 @@ def test_the_command_with_piped_lines(chat_dir, tmp_path):
     assert "conversation reset (1 exchange forgotten); the drafting state kept" in result.stderr
     assert f"Error: cannot save the drafting state to {tmp_path / 'file'}/x: " in result.stderr
     assert f"drafting state saved to {state}" in result.stderr and (state / "pool.npz").is_file()
-    assert result.stdout.count("> ") == 10  # every line read was prompted for; the one after /exit was not read
+    # every line read was prompted for ("w6" as the rest of the message before it); the one after /exit was not read
+    assert result.stdout.count("> ") == 10 and result.stdout.count("... ") == 1
     # the end of the input leaves as /exit does; --state is loaded at the start and saved at the end
     ended = run("--model", chat_dir, "--max-new-tokens", "4", "--state", str(state), input="hello world\n")
     assert ended.exit_code == 0 and len(SUMMARY.findall(ended.stderr)) == 1, ended.output
