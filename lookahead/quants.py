@@ -2,8 +2,9 @@
 
 Every GGUF type kept here dequantizes as ``W = s q (+ o)`` per output row and group of ``group`` k's, in fp32, a
 product and then a sum (gguf-py's numpy does exactly this; its dequantized weights are the model transformers
-loads from the file): Q8_0, Q5_0, Q4_0 (``d q``, q signed), Q6_K and Q3_K (``(d sc) q``, groups of 16), Q4_1
-(``d q + m``), Q4_K and Q5_K (``(d sc) q - dmin m``). ``Quantized`` holds q as int8 (nibbles once packed, for the 4-bit types), s and
+loads from the file): Q8_0, Q5_0, Q4_0 (``d q``, q signed), IQ4_NL (``d q``, q from a table of 16 int8 values),
+IQ4_XS (``(d sc) q``, q from that table), Q6_K and Q3_K (``(d sc) q``, groups of 16), Q4_1 and Q5_1 (``d q + m``),
+Q4_K and Q5_K (``(d sc) q - dmin m``), Q2_K (the same, groups of 16). ``Quantized`` holds q as int8 (nibbles once packed, for the 4-bit types), s and
 o in fp32, so nothing is re-quantized: the kernels' weights are the dequantized model's, bit for bit. The types
 with five or six bits are widened to 8 in the kernels' layout (a Q5_0 weight streams 9 bits instead of 5.5).
 
@@ -32,7 +33,9 @@ def kind(bits: int, group: int, offsets: bool, supers: bool = False, halves: boo
 
 # each GGUF type's kind once kept here (``from_blocks``)
 KINDS = {"Q8_0": kind(8, 32, False), "Q5_0": kind(8, 32, False), "Q4_0": kind(8, 32, False), "Q6_K": kind(8, 16, False),
-         "Q3_K": kind(8, 16, False), "Q5_K": kind(8, 32, True), "Q4_1": kind(4, 32, True), "Q4_K": kind(4, 32, True)}
+         "Q3_K": kind(8, 16, False), "Q5_K": kind(8, 32, True), "Q4_1": kind(4, 32, True), "Q4_K": kind(4, 32, True),
+         "Q5_1": kind(8, 32, True), "IQ4_NL": kind(8, 32, False), "IQ4_XS": kind(8, 32, False), "Q2_K": kind(8, 16, True)}
+IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)  # IQ4_NL's and IQ4_XS's values
 
 
 @dataclass
@@ -118,8 +121,8 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _legacy(raw: np.ndarray, n: int, k: int, kind: str) -> Quantized:
-    """Q4_0, Q4_1, Q5_0, Q8_0: blocks of 32 k's, an fp16 d (and m) first."""
-    sizes = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: blocks of 32 k's, an fp16 d (and m) first."""
+    sizes = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "IQ4_NL": 18}
     b = raw.reshape(n, k // QK, sizes[kind])
     d = _f16(b[..., 0:2]).reshape(n, -1)
     offset = None
@@ -129,9 +132,13 @@ def _legacy(raw: np.ndarray, n: int, k: int, kind: str) -> Quantized:
         q, bits = _nibbles(b[..., 2:]).astype(np.int8) - 8, 8
     elif kind == "Q4_1":
         offset, q, bits = _f16(b[..., 2:4]).reshape(n, -1), _nibbles(b[..., 4:]).astype(np.int8), 4
-    else:  # Q5_0: the fifth bits in a little-endian 32-bit word
-        high = (b[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
-        q, bits = (_nibbles(b[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16, 8
+    elif kind == "IQ4_NL":
+        q, bits = IQ4[_nibbles(b[..., 2:])], 8
+    else:  # Q5_0, Q5_1: the fifth bits in a little-endian 32-bit word (after Q5_1's m)
+        at = 2 if kind == "Q5_0" else 4
+        offset = None if kind == "Q5_0" else _f16(b[..., 2:4]).reshape(n, -1)
+        high = (b[..., at:at + 4].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+        q, bits = (_nibbles(b[..., at + 4:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - (16 if offset is None else 0), 8
     return Quantized(torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)), torch.from_numpy(d),
                      None if offset is None else torch.from_numpy(offset), QK, bits)
 
@@ -190,6 +197,29 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Quantized:
     return _with_supers(q, d, sc, None, None, 16, 8)
 
 
+def _iq4_xs(raw: np.ndarray, n: int, k: int) -> Quantized:
+    """IQ4_XS: super-blocks of 256 k's, eight groups of 32 with 6-bit scales (sc - 32), q from ``IQ4``. Its scales are
+    kept as fp32 ``d sc`` (``Supers`` are the 6-bit q's of the integer kernel's layout; these q's take 8)."""
+    b = raw.reshape(n, k // QK_K, 136)
+    d, high, low = _f16(b[..., 0:2]), b[..., 2:4].copy().view(np.uint16), b[..., 4:8]
+    low = np.stack([low & 0x0F, low >> 4], axis=-1).reshape(n, -1, 8)
+    high = (high >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
+    sc = ((low | (high.astype(np.uint8) << 4)).astype(np.int8) - 32).astype(np.float32)
+    q = IQ4[_nibbles(b[..., 8:].reshape(n, -1, 8, 16))].reshape(n, k)
+    return Quantized(torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, -1)), None, QK, 8)
+
+
+def _q2_k(raw: np.ndarray, n: int, k: int) -> Quantized:
+    """Q2_K: super-blocks of 256 k's, sixteen groups of 16 with 4-bit scales and mins, q in 2 bits. Kept as fp32
+    scales and offsets (``d sc``, ``-(dmin m)``), not as ``Supers``: no type the integer kernel lays out in its own
+    scales has groups of 16 with offsets."""
+    b = raw.reshape(n, k // QK_K, 84)
+    s, qs, d, dmin = b[..., :16], b[..., 16:80], _f16(b[..., 80:82]), _f16(b[..., 82:84])
+    q = ((qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3).astype(np.int8)
+    scale, offset = d * (s & 0x0F).astype(np.float32), -(dmin * (s >> 4).astype(np.float32))
+    return Quantized(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scale.reshape(n, -1)), torch.from_numpy(offset.reshape(n, -1)), 16, 8)
+
+
 def _with_supers(q: np.ndarray, d: np.ndarray, sc: np.ndarray, dmin: np.ndarray | None, mn: np.ndarray | None, group: int,
                  bits: int) -> Quantized:
     """A K type's ``Quantized``: ``d`` (and ``dmin``) (n, super-blocks, 1), ``sc`` (and ``mn``) (n, super-blocks,
@@ -201,8 +231,8 @@ def _with_supers(q: np.ndarray, d: np.ndarray, sc: np.ndarray, dmin: np.ndarray 
     return Quantized(torch.from_numpy(q), flat(d * sc), None if dmin is None else flat(-(dmin * mn)), group, bits, supers)
 
 
-DECODERS = {**{kind: partial(_legacy, kind=kind) for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1")}, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-            "Q3_K": _q3_k}  # KINDS' keys
+DECODERS = {**{kind: partial(_legacy, kind=kind) for kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "IQ4_NL")}, "Q4_K": _q4_k,
+            "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k, "IQ4_XS": _iq4_xs, "Q2_K": _q2_k}  # KINDS' keys
 
 
 def from_blocks(raw: np.ndarray, kind: str, n: int, k: int) -> Quantized:

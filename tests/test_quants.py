@@ -21,10 +21,13 @@ OWN = kernels.own_kernel(torch.float32) is None and native.has("quant_fp32_linea
 OWN_BF16 = kernels.own_kernel(torch.bfloat16) is None and native.has("quant_bf16_linear")
 needs_kernel = pytest.mark.skipif(not OWN, reason="the quantized kernels need an AVX-512 CPU and gcc")
 GGML = gguf.GGMLQuantizationType
-BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110}
-BLOCK_SIZE = {"Q8_0": 32, "Q5_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q3_K": 256}
+BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "Q5_1": 24,
+               "IQ4_NL": 18, "IQ4_XS": 136, "Q2_K": 84}
+BLOCK_SIZE = {"Q8_0": 32, "Q5_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q3_K": 256, "Q5_1": 32,
+              "IQ4_NL": 32, "IQ4_XS": 256, "Q2_K": 256}
 SCALES = {"Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-          "Q3_K": (108,)}  # fp16 fields' offsets
+          "Q3_K": (108,), "Q5_1": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": (80, 82)}  # fp16 fields' offsets
+NEW = ["Q5_1", "IQ4_NL", "IQ4_XS", "Q2_K"]  # the types run on blocks since round 5 (#76): kinds the kernels had
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -46,8 +49,8 @@ def test_blocks_decode_to_gguf_pys_dequantized_weights_bit_for_bit(kind):
 
 
 def test_an_unknown_type_is_named():
-    with pytest.raises(ValueError, match="GGUF type Q2_K is not one the quantized kernels run"):
-        quants.from_blocks(np.zeros((16, 84), np.uint8), "Q2_K", 16, 256)
+    with pytest.raises(ValueError, match="GGUF type IQ2_XXS is not one the quantized kernels run"):
+        quants.from_blocks(np.zeros((16, 66), np.uint8), "IQ2_XXS", 16, 256)
 
 
 def test_q8_0_quantization_is_llama_cpps():
@@ -88,7 +91,7 @@ def test_the_k_types_own_scales_unpack_to_their_scales_bit_for_bit(kind):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q5_K", "Q3_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q5_K", "Q3_K", *NEW])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_quantized_products_equal_the_dense_kernels_and_are_row_invariant(kind, dtype):
     if dtype == torch.bfloat16 and not OWN_BF16:
@@ -136,7 +139,7 @@ def integer_reference(q: quants.Quantized, x: torch.Tensor, bias: torch.Tensor |
 
 
 @needs_integer
-@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q5_K", "Q3_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q5_K", "Q3_K", *NEW])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_invariant(kind, dtype):
     """The integer sums are exact, so the product is the one of the 8-bit activations and the blocks' integers, each
@@ -148,7 +151,8 @@ def test_integer_products_are_the_rounded_activations_times_the_blocks_and_row_i
     q = quants.from_blocks(random_blocks(kind, 80, k, seed=k), kind, 80, k)
     bias = torch.randn(80, generator=torch.Generator().manual_seed(1))
     linear = linear_kernels.Linear(linear_kernels.lay_out(q, dtype, integer=True), bias)  # the K types in their own scales (pack_supers)
-    assert linear.packed.supers == kind.endswith("_K") and linear.packed.halves == (not kind.endswith("_K"))  # the others': fp16
+    assert linear.packed.supers == (q.supers is not None)  # the K types' own scales; Q2_K's and IQ4_XS's, fp32 ones
+    assert linear.packed.halves == (kind in ("Q8_0", "Q4_1", "Q5_1", "IQ4_NL"))  # the legacy types': fp16
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(2)).to(dtype)
     x[3, :7] = 0  # a row whose first block is all zeros: scale 0
     wide = linear(x)
