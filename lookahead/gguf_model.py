@@ -533,6 +533,8 @@ def check_metadata(gguf: Path, reader, architecture: str) -> None:
     if not 0 < kv_heads <= heads or heads % kv_heads:
         raise bad(f"attention.head_count {heads} is not a multiple of {architecture}.attention.head_count_kv {kv_heads}")
     head = scalar("attention.key_length") or (width // heads if width else None)
+    if head == 0:
+        raise bad(f"attention.head_count {heads} is more than {architecture}.embedding_length {width}: heads of 0")
     for key, count, tensor in (("attention.head_count", heads, "blk.0.attn_q.weight"), ("attention.head_count_kv", kv_heads, "blk.0.attn_k.weight")):
         if head and tensor in rows and rows[tensor][0] != count * head:
             raise bad(f"{key} {count} (heads of {head}) makes {count * head} rows, but {tensor} has {rows[tensor][0]}")

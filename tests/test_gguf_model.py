@@ -483,6 +483,8 @@ SHAPES = {  # how a file lies about its tensors: (its tensors stored so, or its 
     "vocab_size 4096": ({"metadata": {"vocab_size": 4096}}, "llama.vocab_size is 4096, but token_embd.weight has 96 rows"),
     "embedding_length 2e9": ({"metadata": {"embedding_length": 2 * 10 ** 9}}, "llama.embedding_length is 2000000000, but token_embd.weight has 64 columns"),
     "head_count_kv 3 of 4": ({"metadata": {"head_count_kv": 3}}, "llama.attention.head_count 4 is not a multiple of llama.attention.head_count_kv 3"),
+    "head_count 2e9": ({"metadata": {"head_count": 2 * 10 ** 9, "head_count_kv": 2 * 10 ** 9}},
+                       "llama.attention.head_count 2000000000 is more than llama.embedding_length 64: heads of 0"),
     "head_count_kv 4 of 4": ({"metadata": {"head_count_kv": 4}}, "llama.attention.head_count_kv 4 (heads of 16) makes 64 rows, but blk.0.attn_k.weight has 32"),
     "feed_forward_length 2e9": ({"metadata": {"feed_forward_length": 2 * 10 ** 9}},
                                 "tensor blk.0.ffn_gate.weight is 128 x 64 in the file, but the config makes model.layers.0.mlp.gate_proj.weight 2000000000 x 64"),
