@@ -11,12 +11,12 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     {"ngram_pool", "ngram_pool.files", "ngram_pool.kernels", "ngram_pool.pool", "ngram_pool.recycle", "ngram_pool.reference",
      "ngram_pool.suffix"},
-    {"lookahead.cpu", "lookahead.native", "lookahead.norms", "lookahead.layers", "lookahead.quants", "lookahead.kernels", "lookahead.kv", "lookahead.curve",
+    {"lookahead.cpu", "lookahead.native", "lookahead.linear_kernels", "lookahead.layer_kernels", "lookahead.host_kernels", "lookahead.norms", "lookahead.layers", "lookahead.quants", "lookahead.kernels", "lookahead.kv", "lookahead.curve",
      "lookahead.gguf_model", "lookahead.models"},
     {"lookahead.config", "lookahead.tree", "lookahead.drafting", "lookahead.window", "lookahead.layout", "lookahead.model_forward",
      "lookahead.verify", "lookahead.rules", "lookahead.capability", "lookahead.stats", "lookahead.prompt"},
     {"lookahead.planner", "lookahead.probing", "lookahead.prior", "lookahead.lane", "lookahead.loop", "lookahead.generator"},
-    {"lookahead", "lookahead.hf", "lookahead.scheduler", "lookahead.server", "lookahead.api", "lookahead.auth", "lookahead.cli",
+    {"lookahead", "lookahead.hf", "lookahead.scheduler", "lookahead.server", "lookahead.api", "lookahead.auth", "lookahead.chat", "lookahead.cli",
      "lookahead.vllm", "lookahead.custom_generate.generate"},
 ]
 
