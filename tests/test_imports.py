@@ -12,7 +12,7 @@ LAYERS = [
     {"ngram_pool", "ngram_pool.files", "ngram_pool.kernels", "ngram_pool.pool", "ngram_pool.recycle", "ngram_pool.reference",
      "ngram_pool.suffix"},
     {"lookahead.cpu", "lookahead.native", "lookahead.linear_kernels", "lookahead.layer_kernels", "lookahead.host_kernels", "lookahead.norms", "lookahead.layers", "lookahead.quants", "lookahead.kernels", "lookahead.kv", "lookahead.curve",
-     "lookahead.gguf_model", "lookahead.models"},
+     "lookahead.cache_entries", "lookahead.gguf_header", "lookahead.gguf_model", "lookahead.models"},
     {"lookahead.config", "lookahead.tree", "lookahead.drafting", "lookahead.window", "lookahead.layout", "lookahead.model_forward",
      "lookahead.verify", "lookahead.rules", "lookahead.capability", "lookahead.stats", "lookahead.prompt"},
     {"lookahead.planner", "lookahead.probing", "lookahead.prior", "lookahead.lane", "lookahead.loop", "lookahead.generator"},

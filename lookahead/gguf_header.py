@@ -1,0 +1,200 @@
+"""A GGUF file's header and metadata, read only once they agree with the file's bytes and with each other:
+``check_header`` checks the header as llama.cpp checks it (gguf-py's and transformers' readers trust it), and
+``check_metadata`` bounds the metadata by the tensors it describes (the vocabulary against the embedding's rows,
+the heads against the projections), before a config is made from it. A file that lies is refused with
+``ModelLoadError``, one line naming the tensor or key and both values."""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import stat
+import struct
+from pathlib import Path
+
+
+GGUF_VERSIONS = (2, 3)  # the versions gguf-py reads
+MAX_DIMS = 4  # GGML_MAX_DIMS
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUF value types' formats
+STRING, ARRAY, UINT32 = 8, 9, 4  # the other GGUF value types, and general.alignment's
+CUT = ": the file is cut short, or its header lies"
+class ModelLoadError(ValueError):
+    """A model could not be found, fetched, converted or loaded; the message says which and why, in one line."""
+
+
+def _regular(gguf: Path) -> os.stat_result:
+    """``gguf``'s status, or a ``ModelLoadError`` where it is no regular file (a directory, a device such as
+    /dev/zero, a FIFO: reading one would never end, or never start) or is not there."""
+    try:
+        status = gguf.stat()
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {'a link to nothing' if gguf.is_symlink() else e.strerror}") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {'a directory' if stat.S_ISDIR(status.st_mode) else 'not a regular file'}")
+    return status
+
+
+def check_header(gguf: Path) -> None:
+    """A ``ModelLoadError`` naming ``gguf`` and what is wrong where it is not a GGUF file whose header its bytes bear
+    out, checked as llama.cpp checks it before gguf-py's and transformers' readers trust the header (a count of
+    2^40 or a key length of 2^60 made them fail far away, blaming a config file; a wrong type or offset read other
+    bytes as weights). Every count and length is bounded by the bytes left: nothing is allocated or looped over
+    beyond the file's size."""
+    from gguf import GGML_QUANT_SIZES
+
+    types = {int(t): (t.name, *sizes) for t, sizes in GGML_QUANT_SIZES.items()}  # id: (name, block, the block's bytes)
+    size = _regular(gguf).st_size
+    if not size:
+        raise ModelLoadError(f"cannot read GGUF {gguf}: the file is empty")
+    try:
+        with open(gguf, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            header = _Header(gguf, data)
+            if (magic := bytes(data[header.skip(4, "the magic"): 4])) != b"GGUF":
+                raise header.bad(f"not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+            at = header.skip(4, "the version")
+            header.order = ">" if data[at: at + 2] == b"\0\0" else "<"  # the version's low half 0: big-endian, as gguf-py reads it
+            if (version := struct.unpack_from(header.order + "I", data, at)[0]) not in GGUF_VERSIONS:
+                raise header.bad(f"GGUF version {version}, not one of {GGUF_VERSIONS}")
+            tensor_count = header.count("tensor_count", 8 + 4 + 8 + 4 + 8)  # a name's length, n_dims, a dimension, type, offset
+            alignment = 32
+            for i in range(header.count("kv_count", 8 + 4 + 1)):  # a key's length, its value's type, a byte
+                key = header.text(f"key {i}")
+                kind = header.number("I", f"{key}'s value type")
+                if key != "general.alignment":
+                    header.value(kind, key)
+                elif kind != UINT32:
+                    raise header.bad(f"general.alignment has value type {kind}, not UINT32 ({UINT32})")
+                elif (alignment := header.number("I", key)) & (alignment - 1) or not alignment:
+                    raise header.bad(f"general.alignment {alignment} is not a power of two")
+            tensors = [header.tensor(i, types) for i in range(tensor_count)]
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {e.strerror or one_line(e)}") from None
+    start, end = -(-header.at // alignment) * alignment, 0  # the data, after the header padded to the alignment
+    for tensor, offset, nbytes in tensors:  # one after the other, each padded to the alignment, as llama.cpp reads them
+        if offset % alignment:
+            raise header.bad(f"{tensor}'s offset {offset} is not a multiple of the alignment {alignment}")
+        if nbytes > size - start - offset:
+            raise header.bad(f"{tensor} ({nbytes} bytes at offset {offset}) ends past the end of the file ({size} bytes){CUT}")
+        if offset != end:
+            raise header.bad(f"{tensor} is at offset {offset}, but the tensors before it end at {end}: a type or shape is not as written")
+        end = offset + -(-nbytes // alignment) * alignment
+
+
+class _Header:
+    """A GGUF header read front to back, each read checked against the end of the file."""
+
+    def __init__(self, gguf: Path, data: mmap.mmap) -> None:
+        self.gguf, self.data, self.at, self.order = gguf, data, 0, "<"
+
+    def bad(self, what: str) -> ModelLoadError:
+        return ModelLoadError(f"cannot read GGUF {self.gguf}: {what}")
+
+    def skip(self, size: int, what: str) -> int:
+        """Where the next ``size`` bytes (``what``) start, read past; a ``ModelLoadError`` where they pass the end."""
+        if size > len(self.data) - self.at:
+            raise self.bad(f"{what} ({size} bytes at byte {self.at}) ends past the end of the file ({len(self.data)} bytes){CUT}")
+        self.at += size
+        return self.at - size
+
+    def number(self, form: str, what: str) -> int:
+        return struct.unpack_from(self.order + form, self.data, self.skip(struct.calcsize(form), what))[0]
+
+    def count(self, what: str, least: int) -> int:
+        """A count (uint64) of items ``least`` bytes long at least: no more than the rest of the file holds."""
+        n = self.number("Q", what)
+        if n * least > len(self.data) - self.at:
+            raise self.bad(f"{what} is {n}, more than the {len(self.data) - self.at} bytes after it hold{CUT}")
+        return n
+
+    def text(self, what: str) -> str:
+        size = self.number("Q", f"{what}'s length")
+        try:
+            return str(self.data[self.skip(size, what): self.at], "utf-8")
+        except UnicodeDecodeError:
+            raise self.bad(f"{what} is not UTF-8") from None
+
+    def value(self, kind: int, key: str) -> None:
+        """Read past ``key``'s value, of GGUF value type ``kind`` (its strings checked: transformers decodes them)."""
+        if kind == ARRAY:
+            item = self.number("I", f"{key}'s item type")
+            if item == STRING:
+                for _ in range(self.count(f"{key}'s item count", 8)):
+                    self.text(f"a string of {key}")
+            elif item in SCALARS:
+                size = struct.calcsize(SCALARS[item])
+                self.skip(self.count(f"{key}'s item count", size) * size, key)
+            else:
+                raise self.bad(f"{key} is an array of value type {item}, which GGUF does not have (or an array of arrays)")
+        elif kind == STRING:
+            self.text(key)
+        elif kind in SCALARS:
+            self.skip(struct.calcsize(SCALARS[kind]), key)
+        else:
+            raise self.bad(f"{key} has value type {kind}, which GGUF does not have")
+
+    def tensor(self, i: int, types: dict[int, tuple[str, int, int]]) -> tuple[str, int, int]:
+        """("tensor <name>", its offset, its bytes) from tensor ``i``'s info, checked: 1 to ``MAX_DIMS`` positive
+        dimensions, a type gguf-py knows (``types``: id: (name, block, the block's bytes)), rows of whole blocks."""
+        name = self.text(f"tensor {i}'s name")
+        tensor = f"tensor {name or i}"
+        n_dims = self.number("I", f"{tensor}'s n_dims")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise self.bad(f"{tensor} has {n_dims} dimensions, not 1 to {MAX_DIMS}")
+        dims = [self.number("Q", f"{tensor}'s dimensions") for _ in range(n_dims)]
+        kind, offset = self.number("I", f"{tensor}'s type"), self.number("Q", f"{tensor}'s offset")
+        if 0 in dims:
+            raise self.bad(f"{tensor} has a dimension of 0: {dims}")
+        if kind not in types:
+            raise self.bad(f"{tensor} has type id {kind}, which is no GGML type gguf-py knows")
+        type_name, block, block_bytes = types[kind]
+        if dims[0] % block:
+            raise self.bad(f"{tensor}'s rows of {dims[0]} are not whole {type_name} blocks of {block}")
+        return tensor, offset, math.prod(dims) // block * block_bytes
+
+
+def check_metadata(gguf: Path, reader, architecture: str) -> None:
+    """A ``ModelLoadError`` naming the key, the tensor and both values where the metadata a config is made from
+    contradicts the tensors it describes, before anything is made from it: the vocabulary and width against the
+    embedding's rows and columns, the heads against the attention's projections, the blocks against those the file
+    holds (a ``vocab_size`` of 2e9 asked torch for 512 GB; ``head_count_kv`` 3 of 4 heads failed inside attention;
+    a ``block_count`` of 1e9 would build 1e9 layers). Every other size is checked tensor by tensor (``_entries``)."""
+    def scalar(key: str) -> int | None:
+        field = reader.fields.get(f"{architecture}.{key}")
+        return int(field.contents()) if field is not None and len(field.types) == 1 and field.types[0] != STRING else None
+
+    def bad(what: str) -> ModelLoadError:
+        return ModelLoadError(f"cannot read GGUF {gguf}: {architecture}.{what}")
+
+    rows = {t.name: [int(d) for d in reversed(t.shape)] for t in reader.tensors}  # (rows, columns), as torch holds them
+    blocks = {int(name.split(".")[1]) for name in rows if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    if (count := scalar("block_count")) is not None and count > len(blocks):
+        raise bad(f"block_count is {count}, but the file holds tensors for {len(blocks)} blocks")
+    embedding = rows.get("token_embd.weight")
+    for key, value, found, what in (("vocab_size", scalar("vocab_size"), embedding and embedding[0], "rows"),
+                                    ("embedding_length", scalar("embedding_length"), embedding and embedding[-1], "columns")):
+        if value is not None and found and value != found:
+            raise bad(f"{key} is {value}, but token_embd.weight has {found} {what}")
+    heads, kv_heads, width = scalar("attention.head_count"), scalar("attention.head_count_kv"), scalar("embedding_length")
+    if heads is None:
+        return
+    kv_heads = heads if kv_heads is None else kv_heads
+    if not 0 < kv_heads <= heads or heads % kv_heads:
+        raise bad(f"attention.head_count {heads} is not a multiple of {architecture}.attention.head_count_kv {kv_heads}")
+    head = scalar("attention.key_length") or (width // heads if width else None)
+    if head == 0:
+        raise bad(f"attention.head_count {heads} is more than {architecture}.embedding_length {width}: heads of 0")
+    for key, count, tensor in (("attention.head_count", heads, "blk.0.attn_q.weight"), ("attention.head_count_kv", kv_heads, "blk.0.attn_k.weight")):
+        if head and tensor in rows and rows[tensor][0] != count * head:
+            raise bad(f"{key} {count} (heads of {head}) makes {count * head} rows, but {tensor} has {rows[tensor][0]}")
+
+
+def wrong_shape(gguf: Path, tensor: str, stored: list[int], parameter: str, shape) -> ModelLoadError:
+    return ModelLoadError(f"cannot read GGUF {gguf}: tensor {tensor} is {' x '.join(map(str, stored))} in the file, but the "
+                          f"config makes {parameter} {' x '.join(map(str, shape))}")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's first line (its type where it says nothing)."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
