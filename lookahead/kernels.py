@@ -281,8 +281,8 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
     stock and the report's ``notice`` says why. Our kernels are built into ``cache_dir`` (``native.library``).
     ``quantized``: {module name: its weight quantized, or laid out already}, run on our quantized kernel
     (``csrc/quant_linear.c``: the same outputs as the dense weight's ``dequantize()``); where that kernel cannot run,
-    the dense weights do and the notice says why (a linear on the meta device has none: ``quantized_unavailable``
-    says beforehand whether the kernel runs). ``integer``: those run on the integer kernel (``csrc/int_linear.c``:
+    the dense weights do and the notice says why; a weight given laid out already has none, and is a ValueError there
+    (``quantized_unavailable`` says beforehand whether the kernel runs). ``integer``: those run on the integer kernel (``csrc/int_linear.c``:
     each activation row rounded to 8 bits, as llama.cpp does; ``quantized_unavailable`` says where it runs)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
@@ -295,7 +295,12 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
     native.library(cache_dir)  # built (or found) where the caller keeps its cache, before anything asks for it
     if reason := available(dtype):
         return KernelReport("stock", notice=f"packed kernels unavailable ({reason}); running stock kernels")
-    quantized, why_dense = _runnable(quantized or {}, dtype, integer)
+    given = quantized or {}
+    quantized, why_dense = _runnable(given, dtype, integer)
+    stranded = [name for name, q in given.items() if isinstance(q, linear_kernels.QuantLayout) and name not in quantized]
+    if stranded:  # laid out already (a GGUF loaded straight from its blocks): no dense weights to fall back on
+        why = quantized_unavailable(dtype, integer) or "a shape the kernel does not take"
+        raise ValueError(f"{stranded[0]}'s laid-out blocks cannot run here ({why}), and it has no dense weights")
     tied = _shared_weights(model)
     packed = kept = extra = products = 0
     for prefix, parent in list(model.named_modules()):

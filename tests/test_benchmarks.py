@@ -187,3 +187,19 @@ def test_the_arithmetic_floor_measures_the_dot_product_peak_and_bounds_the_steps
     assert [int(r[0]) for r in rows] == [1, 2, 64]
     for size, forward, ratio, at_peak, floor in ([float(c) for c in r] for r in rows):
         assert forward >= at_peak and ratio >= floor - 0.01 >= 0.99  # no step is faster than its multiply-adds at the peak
+
+
+def test_the_plot_takes_each_engine_s_best_run_on_the_file_and_draws_them(tmp_path):
+    from benchmarks import plot
+
+    def rows(tokens_per_s: float) -> list[dict]:
+        return [{"set": "a", "prompt": "0", "tokens": {"n": 100, "sha256": "x"}, "seconds": 100 / tokens_per_s}]
+    runs = {"HF greedy float32": rows(10), "HF greedy bfloat16": rows(12), "HF prompt lookup bfloat16": rows(15),
+            "llama.cpp m.gguf plain": rows(40), "llama.cpp m.gguf ngram-simple": rows(44), "llama.cpp bf16 ngram-mod": rows(90),
+            "our plain loop gguf float32": rows(50), "our plain loop gguf int8": rows(60), "lookahead gguf int8": rows(80),
+            "lookahead bfloat16": rows(99)}
+    results = {"hardware": run.hardware(), "model": "m", "gguf": "m.gguf", "max_new_tokens": 100, "runs": runs}
+    assert plot.rates(results) == pytest.approx({"HF greedy": 12, "HF prompt lookup": 15, "llama.cpp plain": 40,
+                                                 "llama.cpp best n-gram mode": 44, "our plain loop": 60, "lookahead": 80})
+    plot.draw([results, results], tmp_path / "peers.png")
+    assert (tmp_path / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

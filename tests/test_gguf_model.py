@@ -8,7 +8,6 @@ import gc
 import hashlib
 import json
 import os
-import re
 import struct
 import threading
 import time
@@ -120,7 +119,7 @@ def test_the_integer_kernel_maps_the_k_types_in_their_own_scales():
     supers = [m.product.packed for m in model.modules() if isinstance(m, PackedLinear) and m.product.packed.supers]
     assert {layout.kind for layout in supers} >= {"q4/32+offsets in 256s", "q6/16 in 256s"}
     assert all(layout.packed.untyped_storage().nbytes() == (directory / "integer.bin").stat().st_size for layout in supers)
-    on_groups, _, layouts, _ = gguf_model.load(gguf, torch.bfloat16, cache, lambda _: None)
+    on_groups, _, layouts, _ = gguf_model.load(gguf, models.torch_dtype(native.INTEGER), cache, lambda _: None)
     kernels.pack(on_groups, quantized=layouts, integer=True)
     assert not any(m.product.packed.supers for m in on_groups.modules() if isinstance(m, PackedLinear))
     ids = torch.tensor([[2, 818, 5279, 529, 7001, 563]])
@@ -187,8 +186,9 @@ def test_the_1_5b_on_its_blocks_equals_generate_on_the_dequantized_model():
     own = "bfloat16" if kernels.own_kernel(torch.bfloat16) is None else native.INTEGER  # our plain loop's arithmetic
     for dtype in (own, "float32"):
         model, tok = models.load(name, dtype=dtype, kernels="packed", weights="gguf")
-        weights = kernels.weights_of(model)  # every linear on the file's Q4_K and Q6_K blocks
-        assert weights == "q4/32+offsets x 168, q8/16 x 29" or dtype == native.INTEGER and re.fullmatch(r"q4/32\S* x 168, q6/16\S* x 29", weights), weights
+        # every linear on the file's Q4_K and Q6_K blocks (the integer kernel's: the K types' own scales)
+        assert kernels.weights_of(model) == ("q4/32+offsets in 256s x 168, q6/16 in 256s x 29" if dtype == native.INTEGER
+                                             else "q4/32+offsets x 168, q8/16 x 29")
         prompts = [tok.apply_chat_template([{"role": "user", "content": "Write a Python function that reverses a string."}],
                                            add_generation_prompt=True)["input_ids"], tok("def quicksort(arr):").input_ids]
         gen = on_fixed_cost(model, tok, config)
@@ -252,8 +252,13 @@ def test_weights_and_dtype_are_chosen_together_by_their_curves(tmp_path):
     assert probing.fastest("smollm2-135m", "cpu", cache, lines.append, "packed", "auto", dense=True) == ("float32", "gguf", None)
     assert lines[-1].startswith("fastest here: float32, its GGUF blocks (plain step 12.0 ms") and "bfloat16 dense ~" in lines[-1]
     integer = [("int8", "gguf")] if native.integer_runs() else []  # where our integer kernel runs
-    assert probing.choices("smollm2-135m", "auto", "auto", "packed", "cpu", cache) == [("float32", "gguf"), ("bfloat16", "gguf"), *integer]
-    assert probing.fastest("smollm2-135m", "cpu", cache, lines.append, "packed", "gguf", "bfloat16") == ("bfloat16", "gguf", None)
+    bf16 = "gguf" if kernels.own_kernel(torch.bfloat16) is None else "dense"  # bf16 on the blocks where our bf16 kernels run
+    assert probing.choices("smollm2-135m", "auto", "auto", "packed", "cpu", cache) == [("float32", "gguf"), ("bfloat16", bf16), *integer]
+    if bf16 == "gguf":
+        assert probing.fastest("smollm2-135m", "cpu", cache, lines.append, "packed", "gguf", "bfloat16") == ("bfloat16", "gguf", None)
+    else:
+        with pytest.raises(gguf_model.ModelLoadError, match="--weights gguf needs our quantized kernels"):
+            probing.fastest("smollm2-135m", "cpu", cache, lines.append, "packed", "gguf", "bfloat16")
     assert len(lines) == 1  # nothing to choose: nothing measured, nothing said
 
 

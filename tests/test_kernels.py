@@ -574,7 +574,7 @@ def test_own_causal_attention_is_the_causal_mask_bit_for_bit(t, s, dtype):
 def test_attention_that_could_not_allocate_runs_sdpa(monkeypatch, dtype):
     q, k, v, mask = attention_case(1, 9, 3, 4, 40, 64, seed=5, dtype=dtype)
     ours = kernels.grouped_sdpa(torch.nn.Module(), q, k, v, mask, scaling=0.125)[0]
-    monkeypatch.setattr(native, "attention", lambda *args: None)  # what it returns when its buffers fail
+    monkeypatch.setattr(layer_kernels, "attention", lambda *args: None)  # what it returns when its buffers fail
     stock = kernels.grouped_sdpa(torch.nn.Module(), q, k, v, mask, scaling=0.125)[0]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True).transpose(1, 2)
     assert torch.equal(stock, want) and not torch.equal(ours, stock)

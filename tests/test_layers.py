@@ -127,7 +127,7 @@ def test_a_step_in_one_call_is_the_module_by_module_path(name, dtype, monkeypatc
     assert all(wholes) and all((whole[3] is None) == (name == "llama-gelu") for whole in wholes)
     assert all(whole[0].parts == (2 if name.endswith("-mixed-blocks") else 1) for whole in wholes)
     calls, whole = [], layer_kernels.decoder_layer
-    monkeypatch.setattr(native, "decoder_layer", lambda *args: calls.append(args[0].shape) or whole(*args))
+    monkeypatch.setattr(layer_kernels, "decoder_layer", lambda *args: calls.append(args[0].shape) or whole(*args))
     runs = []
     for on in (True, False):
         for layer, linears in zip(model.model.layers, wholes):

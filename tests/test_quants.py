@@ -434,3 +434,14 @@ def test_an_int8_model_s_cost_curve_is_probed_anew_for_changed_kernels(tmp_path,
     assert "-packed-own-int8-" in today.name
     monkeypatch.setattr(native, "build_id", lambda tier: "a-changed-kernel")
     assert curve_file(model, tmp_path) != today
+
+
+def test_laid_out_blocks_the_kernel_cannot_run_here_are_refused_not_run_on_no_weights(monkeypatch):
+    """A GGUF loaded straight from its blocks has no dense weights to fall back on: where the kernel its layouts
+    need cannot run (int8 with bf16 activations on a CPU without AVX-512 BF16), packing says so instead of leaving
+    linears on uninitialised weights."""
+    model = tiny_llama(seed=3)
+    layouts = {name: linear_kernels.lay_out(q, torch.float32, integer=True) for name, q in quants.q8_linears(model).items()}
+    monkeypatch.setattr(kernels, "quantized_unavailable", lambda dtype, integer=False: "this CPU has no AVX-512 BF16")
+    with pytest.raises(ValueError, match="laid-out blocks cannot run here .this CPU has no AVX-512 BF16., and it has no dense weights"):
+        kernels.pack(model, "packed", quantized=layouts, integer=True)
