@@ -43,6 +43,7 @@ from lookahead import LookaheadConfig, LookaheadGenerator, models, native
 
 LLAMA_CPP = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp at commit 0c1e570
 TOOLS = ("llama-server", "llama-quantize")
+LOOKAHEAD = LookaheadConfig(recycle_prior_s=float("inf"))  # the whole prior, as a user has it after a few runs
 MODES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # llama.cpp's draft-free speculation
 
 
@@ -168,7 +169,7 @@ def run_all(args) -> dict:
     @contextmanager
     def ours(dtype: str, weights: str):
         model, tokenizer = models.load(args.model, dtype=dtype, cache_dir=cache_dir, kernels="packed", weights=weights)
-        gen = LookaheadGenerator(model, tokenizer, LookaheadConfig(), cache_dir=cache_dir)
+        gen = LookaheadGenerator(model, tokenizer, LOOKAHEAD, cache_dir=cache_dir)
         if weights == "gguf":
             sizes["integer" if dtype == native.INTEGER else "blocks"] = linear_bytes(model)
 
@@ -190,7 +191,8 @@ def run_all(args) -> dict:
             yield {method + (" (--no-repack)" if "--no-repack" in flags else ""): call}
 
     # the GGUF's own blocks (``--weights gguf``), bf16 or fp32 activations, and int8 ones where the integer kernel runs
-    engines = [partial(stock, "bfloat16"), partial(stock, "float32"), partial(ours, "bfloat16", "dense"),
+    dense = "bfloat16" if native.has("bf16_linear") else "float32"  # bf16 on PyTorch's kernels is refused: not row-invariant
+    engines = [partial(stock, "bfloat16"), partial(stock, "float32"), partial(ours, dense, "dense"),
                *[partial(ours, dtype, "gguf") for dtype in (*(["bfloat16"] if native.has("bf16_linear") else []), "float32",
                                                              *([native.INTEGER] if native.integer_runs() else []))],
                *[partial(llama, f"llama.cpp {name} {mode}", gguf, ("--spec-type", mode) if mode != "plain" else ())
@@ -222,7 +224,7 @@ def write_report(results: dict, out: Path) -> None:
     tps = {m: sum(count(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
     peers = {m: v for m, v in tps.items() if m.startswith("llama.cpp")}
     best_peer = max(peers, key=peers.get)
-    plain = runs["our plain loop bfloat16"]
+    plain = runs.get("our plain loop bfloat16") or runs["our plain loop float32"]  # the dense weights' (fp32 without AVX-512 BF16)
     stream_ms = results["weight_bytes"] / results["read_bytes_per_s"] * 1000
     gguf = results.get("gguf")  # runs of the GGUF's own blocks (ours and llama.cpp's), where this run has them
     on_gguf = {m: v for m, v in peers.items() if gguf and gguf in m}

@@ -213,11 +213,16 @@ def generate(prompt, prompt_file, chat, max_new_tokens, system, seed, no_lookahe
             click.echo(_summary(out.stats), err=True)
         if model["state_dir"] is not None:
             state.save(model["state_dir"])
-    except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as other CLIs do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
+    except BrokenPipeError:
+        _reader_gone()
     except (ValueError, OSError) as e:
         raise click.ClickException(_first_line(e)) from None
+
+
+def _reader_gone() -> None:
+    """The reader of stdout went away (``| head``): stop quietly, as other CLIs do."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(0)
 
 
 CHAT_HELP = ("commands: /reset (forget the conversation; /reset all: the drafting state too), /save PATH (the drafting "
@@ -245,9 +250,13 @@ def chat(max_new_tokens, system, seed, no_lookahead, **options) -> None:
         session = ChatSession(gen, state, max_new_tokens, name=model["model_spec"], system=system, lookahead=not no_lookahead,
                               seed=seed, **decoding)
         click.echo(f"[lookahead] chatting with {model['model_spec']}; /help for commands, Ctrl-D to leave", err=True)
-        _chat_loop(session)
-        if model["state_dir"] is not None:
-            session.state.save(model["state_dir"])
+        try:
+            _chat_loop(session)
+        finally:  # what the conversation taught, kept however it ends
+            if model["state_dir"] is not None:
+                session.state.save(model["state_dir"])
+    except BrokenPipeError:
+        _reader_gone()
     except (ValueError, OSError) as e:
         raise click.ClickException(_first_line(e)) from None
 
@@ -374,11 +383,14 @@ def tune(model_spec, dtype, device, kernels, weights, cache_dir, plot) -> None:
 
         click.echo(f"our kernels: {native.isa()}")
     width = max(9, *map(len, curves))
-    click.echo(f"{'dtype':{width}} ms/token(T=1)  " + "  ".join(f"r({t})" for t in next(iter(curves.values())).sizes))
+    sizes = sorted({t for curve in curves.values() for t in curve.sizes})  # a bounded probe stops short of the widest
+    click.echo(f"{'dtype':{width}} ms/token(T=1)  " + "  ".join(f"r({t})" for t in sizes))
     for name, curve in curves.items():
-        click.echo(f"{name:{width}} {curve.ms_at_1:13.1f}  " + "  ".join(f"{r:5.2f}".rjust(len(f"r({t})")) for t, r in zip(curve.sizes, curve.ratios)))
+        ratios = dict(zip(curve.sizes, curve.ratios))
+        click.echo(f"{name:{width}} {curve.ms_at_1:13.1f}  " + "  ".join(
+            (f"{ratios[t]:5.2f}" if t in ratios else "-").rjust(len(f"r({t})")) for t in sizes))
     fastest = max(curves, key=lambda n: probing.lookahead_speed(curves[n]))
-    click.echo(f"fastest lookahead expected in {fastest} (~{probing.lookahead_speed(curves[fastest]):.1f} tokens/s); --dtype auto picks it")
+    click.echo(f"fastest lookahead expected in {fastest} (~{probing.lookahead_speed(curves[fastest]):.1f} tokens/s)")
     for p in (0.3, 0.5, 0.8):  # a chain whose every node is accepted with probability p given its parent
         nodes = planner.choose(curves[fastest], planner.chain_tree(p, 64), 0, 0.0)
         click.echo(f"drafts accepted with p={p}: verify {nodes.nodes} nodes per step, {nodes.value:.2f}x plain decoding expected")

@@ -31,11 +31,12 @@ class LookaheadConfig:
     suffix-match drafts and their longest length (0 = off); recycle_k: successors kept per token by the
     recycling table (0 = off); recycle_prior: the lowest token ids (BPE vocabularies number the commonest
     first) whose successors the model predicts once, to seed a new drafting state's recycling table (0 = none;
-    see ``prior.py``). auto: each step, the measured cost model (``probing.py``, ``planner.py``)
-    picks how many of the tree's best nodes to verify and whether to run the Jacobi branch, within the
-    shape above; False: always the full shape. live_cost: the loop corrects the cost curve from its own forwards'
-    timings (``planner.LiveCurve``); False plans on the curve as given, so the plans do not depend on the
-    machine's timings (reproducible runs: the tests' exactness checks).
+    see ``prior.py``); recycle_prior_s: the seconds a generator may spend on it (the rest grows in later runs).
+    auto: each step, the measured cost model (``probing.py``, ``planner.py``) picks how many of the tree's best
+    nodes to verify and whether to run the Jacobi branch, within the shape above; False: always the full shape.
+    live_cost: the loop corrects the cost curve from its own forwards' timings (``planner.LiveCurve``); False plans
+    on the curve as given, so the plans do not depend on the machine's timings (reproducible runs: the tests'
+    exactness checks).
     """
 
     # small steps pay off on CPUs (see benchmarks/README.md); GPUs afford wider ones
@@ -47,6 +48,7 @@ class LookaheadConfig:
     suffix_length: int = 8
     recycle_k: int = 8
     recycle_prior: int = 16384
+    recycle_prior_s: float = 20.0
     auto: bool = True
     live_cost: bool = True
     pool_slots: int = 16  # continuations kept per key; least recently used evicted
@@ -64,6 +66,8 @@ class LookaheadConfig:
         _check_int("suffix_length", self.suffix_length, 1, MAX_TREE)
         _check_int("recycle_k", self.recycle_k, 0, MAX_RECYCLE)
         _check_int("recycle_prior", self.recycle_prior, 0)
+        if isinstance(self.recycle_prior_s, bool) or not isinstance(self.recycle_prior_s, (int, float)) or not self.recycle_prior_s > 0:
+            raise ValueError(f"recycle_prior_s must be a number of seconds above 0 (inf: no limit), got {self.recycle_prior_s!r}")
         _check_int("pool_slots", self.pool_slots, 1)
         _check_int("seed", self.seed, 0)
         for name in ("auto", "live_cost", "seed_pool_from_prompt", "pool_from_output"):

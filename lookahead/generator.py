@@ -64,6 +64,7 @@ class LookaheadGenerator:
         DraftState.warm_up()
         planner.warm_up()
         capability.check_step(model, *self._probes())
+        capability.check_rows(model, *self._probes(), 1 + self.config.tree_budget + self.config.window * (self.config.ngram - 1))
 
     def _probes(self) -> tuple[capability.Prefill, capability.Forward]:
         return (lambda prompt: prefill(self.model, prompt), lambda *step: forward(self.model, self.windows, *step))
@@ -251,7 +252,7 @@ class LookaheadGenerator:
         with self._prior_lock:  # computed once (seconds), whichever thread asks first
             if self._prior is None and cfg.recycle_prior and cfg.recycle_k:
                 self._prior = prior.cached(self.model, self.tokenizer, cfg.recycle_prior, cfg.recycle_k,
-                                           self._cache_dir or models.default_cache_dir(), self._progress)
+                                           self._cache_dir or models.default_cache_dir(), self._progress, cfg.recycle_prior_s)
                 if self._prior is None:
                     self._prior = np.empty((0, cfg.recycle_k), np.int32)  # none for this model: asked once
         if self._prior is not None and self._prior.size:

@@ -6,9 +6,13 @@ Measured (SmolLM2 bf16, Zen 5, the benchmark's 8 prompts x 64 tokens, a fresh st
 proposed nothing. So before a state's first request the model predicts, for each of the ``recycle_prior``
 lowest ids (BPE vocabularies number the commonest first: 89% of those tokens were below 16384 of 49152), its
 top-k next tokens after a newline and that token alone (with no token before it, a small model's prediction
-is noise). One batched pass, cached on disk per model and dtype (SmolLM2: ~20 s in bf16 once). Side by side,
+is noise). Batched passes, cached on disk per model and dtype (SmolLM2: ~20 s in bf16 once). Side by side,
 the same prompts: 1.64 -> 1.83 tokens a forward from a fresh state, 1.73 -> 1.90 from one kept across
 prompts, +5.5-5.8% tokens/s. Drafts only: the output is what it was.
+
+A run spends at most ``recycle_prior_s`` seconds on it and caches what it got, commonest ids first; the next run
+grows it from there. A row costs a forward of its own, so the whole prior of a 7B-class model would take ~20
+minutes on 2 cores: it arrives over many runs instead of delaying the first token.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,27 +35,32 @@ FORMAT = 1
 BATCH = 512  # one-token sequences a forward
 
 
-def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int) -> np.ndarray:
-    """(tokens, k) int32: the model's k likeliest next tokens after ``prefix`` + [t], for t = 0 .. tokens - 1: the
-    prefix's keys computed once, then ``BATCH`` one-token sequences a forward over copies of them."""
-    out = np.empty((tokens, k), np.int32)
+def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int, start: int = 0,
+               seconds: float = float("inf")) -> np.ndarray:
+    """(n, k) int32: the model's k likeliest next tokens after ``prefix`` + [t], for t = start .. start + n - 1: the
+    prefix's keys computed once, then ``BATCH`` one-token sequences a forward over copies of them, up to t =
+    ``tokens`` - 1 or until ``seconds`` have passed (at least one forward)."""
+    out, began = [], time.perf_counter()
     with torch.inference_mode():
         held = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([prefix], device=model.device), **kv.cache_kwarg(model, held), use_cache=True)
-        for start in range(0, tokens, BATCH):
-            ids = torch.arange(start, min(tokens, start + BATCH), device=model.device)[:, None]  # (B, 1)
+        for first in range(start, tokens, BATCH):
+            ids = torch.arange(first, min(tokens, first + BATCH), device=model.device)[:, None]  # (B, 1)
             cache = copy.deepcopy(held)
             cache.batch_repeat_interleave(ids.shape[0])
             logits = model(input_ids=ids, **kv.cache_kwarg(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1].cpu()
-            out[start : start + ids.shape[0]] = host_kernels.top_k(logits, k)
-    return out
+            out.append(host_kernels.top_k(logits, k).astype(np.int32))
+            if time.perf_counter() - began >= seconds:
+                break
+    return np.concatenate(out) if out else np.empty((0, k), np.int32)
 
 
 def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path,
-           progress: models.Progress = models._quiet) -> np.ndarray | None:
-    """``successors`` of the ``tokens`` lowest ids after a newline, from ``cache_dir`` or computed and cached there;
-    None without a tokenizer (no newline to put first), where there is nothing to predict, or where the model's
-    forward does not take this pass (a prior is only ever a help: its absence costs drafts, never a request)."""
+           progress: models.Progress = models._quiet, seconds: float = float("inf")) -> np.ndarray | None:
+    """``successors`` of the ``tokens`` lowest ids after a newline: those cached in ``cache_dir``, grown there by
+    what ``seconds`` of forwards add (the first n ids: fewer than ``tokens`` while it grows); None without a
+    tokenizer (no newline to put first), where there is nothing to predict, or where the model's forward does not
+    take this pass (a prior is only ever a help: its absence costs drafts, never a request)."""
     vocab = models.vocab_size(model)
     tokens = min(tokens, vocab)
     if tokenizer is None or tokens < 1 or k < 1:
@@ -59,17 +69,21 @@ def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Pa
     if not prefix:
         return None
     name = model_name(model)
-    key = json.dumps([name, str(model.dtype), vocab, tokens, k, prefix, FORMAT])
+    key = json.dumps([name, str(model.dtype), vocab, k, prefix, FORMAT])
     path = cache_dir / "priors" / f"{Path(name).name or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
+    table = np.empty((0, k), np.int32)
     try:
-        table = np.load(path, allow_pickle=False)
-        if table.dtype == np.int32 and table.shape == (tokens, k) and (table >= -1).all() and (table < vocab).all():
-            return table
+        held = np.load(path, allow_pickle=False)
+        if held.dtype == np.int32 and held.ndim == 2 and held.shape[1] == k and (held >= -1).all() and (held < vocab).all():
+            table = held
     except (OSError, ValueError):
         pass  # none yet, or unreadable: computed again
-    progress(f"predicting the successors of {tokens} common tokens (once for this model and dtype)")
+    if len(table) >= tokens:
+        return table[:tokens]
+    progress(f"predicting the successors of common tokens, {len(table)} of {tokens} so far "
+             f"({'up to ' + format(seconds, '.0f') + ' s; the rest grows in later runs' if seconds < float('inf') else 'once for this model and dtype'})")
     try:
-        table = successors(model, prefix, tokens, k)
+        table = np.concatenate([table, successors(model, prefix, tokens, k, len(table), seconds)])
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as e:  # a model this pass does not fit
         progress(f"no prior for the recycling table ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})")
         return None

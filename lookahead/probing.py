@@ -31,6 +31,10 @@ from lookahead.tree import TokenTree
 
 PROBE_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # every width of the small trees CPUs run
 PROBE_CONTEXT = 256
+# a probe's time after its first pass over the sizes: four rounds for an embedded model (SmolLM2 int8 on a Zen 3: ~6 s),
+# one or two for a 7B-class one (its four rounds took 54 s in int8 and 151 s in fp32 on a Zen 4)
+PROBE_SECONDS = 15.0
+DEAR_FROM = 8  # the narrowest step a bounded probe may find too dear to measure wider ones
 # what --dtype auto chooses from (float16 on CPU is slow and lossy); int8 (``native.INTEGER``) where quantized
 # weights run and our integer kernel does
 AUTO_DTYPES = ("float32", "bfloat16", INTEGER)
@@ -40,17 +44,19 @@ AUTO_DTYPES = ("float32", "bfloat16", INTEGER)
 # chose fp32 for SmolLM2's Q4_1 on the Xeon (121 against 118 tokens/s expected) where bf16 lookahead ran 1.16x
 # faster (and 1.31x and 1.18x for Gemma 3's and Qwen's GGUFs); this reference picks bf16 on all three.
 REFERENCE_DRAFTS = 16
+DENSE_HEADROOM = 1.5e9  # what ``lookahead tune``'s dense candidates may take beyond the GGUF file (bytes)
 
 
 def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT, rounds: int = 4,
-          progress: Callable[[str], None] = lambda _: None, batch: bool = True) -> CostCurve:
+          progress: Callable[[str], None] = lambda _: None, batch: bool = True, seconds: float = PROBE_SECONDS) -> CostCurve:
     """Time one forward adding T tokens to a ``context``-token cache for each T; with ``batch``, also ``BATCH``
     such caches taking ``BATCH_WIDTHS`` rows each (a model whose sequences cannot share a step: ``batch=False``).
 
     Timing noise on a shared CPU only ever adds time, and drifts: so the sizes are measured in ``rounds``
     interleaved passes, each size keeps its fastest time, and the curve is the lower envelope that never
     decreases (a step of more tokens cannot really cost less; a single slow sample of r(2) above r(4) would
-    otherwise keep every two-token step off for good).
+    otherwise keep every two-token step off for good). A large model's probe is bounded (``step_times``'s
+    ``seconds``): fewer rounds, and no size past one too dear to pay; the curve extrapolates beyond its sizes.
     """
     start = time.perf_counter()
     limit = capability.context_length(model.config.get_text_config(decoder=True)) or 1 << 20
@@ -58,7 +64,10 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
     context = max(1, min(context, limit - max(sizes)))
     progress(f"measuring forward cost for {len(sizes)} step sizes (once for this machine, model and dtype)")
     widths = BATCH_WIDTHS if batch else ()
-    times = step_times(model, sizes, context, rounds, widths)
+    times = step_times(model, sizes, context, rounds, widths, seconds)
+    sizes = tuple(s for s in sizes if (1, s) in times)
+    widths = tuple(w for w in widths if (BATCH, w) in times)
+    widths = widths if len(widths) == len(BATCH_WIDTHS) else ()  # the batch axis whole, or not at all
     envelope = np.minimum.accumulate([times[1, s] for s in sizes][::-1])[::-1]  # non-decreasing in T
     base = envelope[0]
     wide = np.minimum.accumulate([times[BATCH, w] for w in widths][::-1])[::-1] / base if widths else ()  # likewise
@@ -67,10 +76,15 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
 
 
 def step_times(model: PreTrainedModel, sizes: tuple[int, ...], context: int, rounds: int,
-               widths: tuple[int, ...] = ()) -> dict[tuple[int, int], float]:
+               widths: tuple[int, ...] = (), seconds: float = float("inf")) -> dict[tuple[int, int], float]:
     """Seconds of the loop's own forward (its cache, a 4D mask, logits of every row on the host) adding T tokens to
     a ``context``-token cache, keyed (1, T) for each T of ``sizes`` and (``BATCH``, w) for ``BATCH`` such caches
-    taking w rows each, for w in ``widths``: each the fastest of ``rounds`` interleaved passes."""
+    taking w rows each, for w in ``widths``: each the fastest of ``rounds`` interleaved passes.
+
+    With ``seconds`` finite, a bounded probe: the first pass drops every size (and batch width) past the first T of
+    at least ``DEAR_FROM`` rows that costs over T/2 one-row steps (it pays only where over half its rows are
+    accepted tokens: the planner's linear extrapolation prices what lies beyond), and another pass starts only while
+    ``seconds`` have not passed since the first began."""
     vocab = models.vocab_size(model)
     rng = torch.Generator().manual_seed(0)  # private: the global RNG (unseeded sampling) is the user's
     windows = capability.mask_windows(model.config.get_text_config(decoder=True))
@@ -81,15 +95,33 @@ def step_times(model: PreTrainedModel, sizes: tuple[int, ...], context: int, rou
         for _ in range(BATCH - 1 if widths else 0):
             batched.join(cache)  # a copy of the same prompt's keys: no prefill of its own
         runs = [(1, size) for size in sizes] + [(BATCH, width) for width in widths]
-        times = dict.fromkeys(runs, float("inf"))
-        for sequences, size in runs[:1] * 2 + runs * rounds:  # two warm-up forwards, then the interleaved rounds
+        times: dict[tuple[int, int], float] = {}
+
+        def timed(sequences: int, size: int) -> float:
             step = stack([build_layout(0, 0, chain_tree(0.5, size - 1))] * sequences)
             ids = torch.randint(0, vocab, (sequences, size), generator=rng)
             on = cache if sequences == 1 else batched
             t0 = time.perf_counter()
             forward(model, windows, step, on, ids, torch.full((sequences,), context))  # returns on the host: synchronised
-            times[sequences, size] = min(times[sequences, size], time.perf_counter() - t0)
+            took = time.perf_counter() - t0
             on.cache.crop(-size)  # back to the context (a negative count in transformers 5.x)
+            return took
+
+        for _ in range(2):
+            timed(*runs[0])  # two warm-up forwards
+        began = time.perf_counter()
+        for round_ in range(rounds):
+            if round_ and time.perf_counter() - began > seconds:
+                break
+            for sequences, size in runs:
+                took = timed(sequences, size)
+                times[sequences, size] = min(times.get((sequences, size), float("inf")), took)
+            if not round_ and seconds < float("inf"):  # the bounded probe's sizes
+                one = times[1, runs[0][1]]
+                dear = next((t for s, t in runs if s == 1 and t >= DEAR_FROM and times[1, t] > one * t / 2), None)
+                if dear is not None:
+                    runs = [(s, t) for s, t in runs if s * t <= dear]
+                    times = {run: times[run] for run in runs}
     return times
 
 
@@ -123,11 +155,11 @@ def lookahead_speed(curve: CostCurve) -> float:
 
 def choices(spec: str, dtype: str, weights: str, kernels: str, device: str, cache_dir: Path,
             progress: Callable[[str], None] = lambda _: None, dense: bool = False) -> list[tuple[str, str]]:
-    """The (dtype, weights) pairs ``fastest`` compares: ``AUTO_DTYPES`` where ``dtype`` is "auto", on the weights
-    ``weights`` runs; with ``dense`` (``lookahead tune``), for ``weights`` "auto" on a GGUF model whose blocks our
-    kernel runs, its dequantized weights too, where they fit in the memory this machine has free (``dense_fits``).
-    (``--weights auto`` itself keeps to the blocks: dequantizing a GGUF at each load cost ~20 s on the 1.5B, more
-    than its faster dense steps save in a request.)"""
+    """The (dtype, weights) pairs ``fastest`` compares: of ``AUTO_DTYPES`` where ``dtype`` is "auto", on the weights
+    ``weights`` runs, those that can win here (``can_win``); with ``dense`` (``lookahead tune``), every one, and for
+    ``weights`` "auto" on a GGUF model whose blocks our kernel runs, its dequantized weights too, where they fit
+    (``dense_fits``). (``--weights auto`` itself keeps to the blocks: dequantizing a GGUF at each load cost ~20 s on
+    the 1.5B, more than its faster dense steps save in a request.)"""
     dtypes = AUTO_DTYPES if dtype == "auto" else (dtype,)
     found = []
     for name in dtypes:
@@ -140,20 +172,32 @@ def choices(spec: str, dtype: str, weights: str, kernels: str, device: str, cach
         if dtype == "auto" and name == INTEGER and mode == "q8" and weights != "q8":
             continue  # auto quantizes no dense model on its own
         found.append((name, mode))
-        if dense and weights == "auto" and mode == "gguf" and name != INTEGER and dense_fits(gguf_model.prepare(gguf, cache_dir, progress), name):
+        if dense and weights == "auto" and mode == "gguf" and name != INTEGER and dense_fits(gguf, gguf_model.prepare(gguf, cache_dir, progress), name):
             found.append((name, "dense"))
-    return found
+    return found if dense or dtype != "auto" else can_win(found, kernels, device, cache_dir)
 
 
-def dense_fits(prepared: gguf_model.Prepared, dtype: str) -> bool:
-    """Whether a GGUF model's dequantized weights in ``dtype`` fit in half the memory this machine has free now
-    (the rest: the blocks' pages, activations, the cache and whatever else runs)."""
+def can_win(found: list[tuple[str, str]], kernels: str, device: str, cache_dir: Path) -> list[tuple[str, str]]:
+    """Of ``--dtype auto``'s candidates, those that could be the fastest here, so that a first run probes no other:
+    int8 alone on a GGUF's blocks where no AMX tiles run bf16 (on a Zen 4 int8 lookahead ran 1.6-2.2x bf16's on
+    each of four GGUFs, on a Zen 3 the 1.5B's int8 plain step 2.9x faster than fp32 activations'); else none on
+    PyTorch's own kernels where ours run another (bf16 without AVX-512 BF16)."""
+    if (INTEGER, "gguf") in found and not native.amx():
+        return [(INTEGER, "gguf")]
+    ours = [(name, mode) for name, mode in found if _kernels_for(kernels, name, device, cache_dir) != "stock"]
+    return ours or found
+
+
+def dense_fits(gguf: Path, prepared: gguf_model.Prepared, dtype: str) -> bool:
+    """Whether a GGUF model's dequantized weights in ``dtype`` fit within ``DENSE_HEADROOM`` bytes beyond the file
+    itself and in half the memory this machine has free now (the rest: the blocks' pages, activations, the cache
+    and whatever else runs), so that measuring them keeps a run's memory near the file's."""
     size = torch.finfo(models.torch_dtype(dtype)).bits // 8 * gguf_model.dense_parameters(prepared)
     try:
         free = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable"))
     except (OSError, StopIteration, ValueError):
         return False
-    return size <= free / 2
+    return size <= min(free / 2, gguf.stat().st_size + DENSE_HEADROOM)
 
 
 def fastest(spec: str, device: str, cache_dir: Path, progress: Callable[[str], None] = lambda _: None, kernels: str = "stock",

@@ -336,7 +336,7 @@ def test_serve_takes_a_prefill_chunk(tokenizerless_dir, serve_calls):
 def test_tune_measures_prints_and_plots(tokenizerless_dir, tmp_path):
     result = run("tune", "--model", tokenizerless_dir, "--cache-dir", str(tmp_path / "cache"), "--plot", str(tmp_path / "c.png"))
     assert result.exit_code == 0, result.output
-    assert "float32" in result.stdout and "bfloat16" in result.stdout and "--dtype auto picks it" in result.stdout
+    assert "float32" in result.stdout and "bfloat16" in result.stdout and "fastest lookahead expected in" in result.stdout
     assert "verify" in result.stdout and (tmp_path / "c.png").stat().st_size > 1000 and "our kernels: " in result.stdout
     assert len(list((tmp_path / "cache" / "costs").glob("*.json"))) == 2
     assert "no such model" in run("tune", "--model", "/no/such").output

@@ -41,6 +41,16 @@ def test_cached_computes_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert prior.cached(model, tok, 500, 3, tmp_path).shape == (128, 3)  # at most the vocabulary
 
 
+def test_a_run_grows_the_prior_within_its_seconds_and_the_next_goes_on_from_there(tmp_path, monkeypatch):
+    model, tok = tiny_llama(), tiny_tokenizer()
+    whole = prior.cached(model, tok, 100, 3, tmp_path / "at once")
+    first = prior.cached(model, tok, 100, 3, tmp_path, seconds=1e-9)  # one forward of BATCH = 64 rows, then saved
+    assert first.shape == (64, 3) and np.array_equal(first, whole[:64])
+    assert np.array_equal(prior.cached(model, tok, 100, 3, tmp_path, seconds=1e-9), whole)  # the other 36, from row 64
+    monkeypatch.setattr(prior, "successors", lambda *args: pytest.fail("computed again"))
+    assert np.array_equal(prior.cached(model, tok, 50, 3, tmp_path), whole[:50])  # fewer asked: read, not computed
+
+
 def test_a_new_state_starts_from_the_prior_and_output_is_unchanged(tmp_path):
     model, tok = tiny_llama(), tiny_tokenizer()
     gen = LookaheadGenerator(model, tok, LookaheadConfig(recycle_prior=100, auto=False), cache_dir=tmp_path)
@@ -71,6 +81,9 @@ def test_a_model_the_pass_does_not_fit_gets_no_prior_and_still_generates(tmp_pat
 def test_recycle_prior_is_validated():
     with pytest.raises(ValueError, match="recycle_prior"):
         LookaheadConfig(recycle_prior=-1)
+    for seconds in (0, -1.0, float("nan"), True, "20"):
+        with pytest.raises(ValueError, match="recycle_prior_s"):
+            LookaheadConfig(recycle_prior_s=seconds)
 
 
 def test_a_saved_state_keeps_what_it_learned_and_takes_the_prior_where_it_learned_nothing(tmp_path):

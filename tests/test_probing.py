@@ -191,6 +191,31 @@ def test_probe_curve_starts_at_one_and_never_decreases():
     assert CostCurve.from_json(curve.to_json()) == curve and probe(tiny_llama(), rounds=1, batch=False).batch_ratios == ()
 
 
+def test_a_bounded_probe_measures_no_size_past_one_too_dear_and_no_round_past_its_seconds(monkeypatch):
+    """A 7B-class model's probe took 54-151 s in four rounds over every size: a bounded one stops at the first size of
+    8+ rows costing over half a row's plain step a row, and starts no round once its seconds have passed."""
+    from types import SimpleNamespace
+
+    from lookahead import probing
+
+    clock, forwards, real = [0.0], [], probing.forward
+
+    def priced(model, windows, step, on, ids, lengths):  # c(T rows) = max(1, T^2 / 20) x 10 ms: r(8) 3.2, r(12) 7.2
+        forwards.append(ids.numel())
+        clock[0] += 0.01 * max(1.0, ids.numel() ** 2 / 20)
+        return real(model, windows, step, on, ids, lengths)
+
+    monkeypatch.setattr(probing, "forward", priced)
+    monkeypatch.setattr(probing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    curve = probe(tiny_llama(), rounds=3, seconds=0.0)
+    assert curve.sizes == (1, 2, 3, 4, 5, 6, 8, 12) and curve.ratios[-2:] == pytest.approx((3.2, 7.2)) and curve.batch_ratios == ()
+    assert len(forwards) == 2 + 13 + 3  # two warm-ups and one whole first pass: no second round
+    forwards.clear()
+    assert probe(tiny_llama(), rounds=3, seconds=1e9).sizes == curve.sizes and len(forwards) == 2 + 16 + 2 * (8 + 1)
+    forwards.clear()
+    assert probe(tiny_llama(), rounds=2, seconds=float("inf")).sizes == probing.PROBE_SIZES  # unbounded: every size
+
+
 def test_the_probed_batch_axis_prices_a_cold_batch_s_wide_steps():
     """One sequence's 16 rows cost 1.15x its 8; eight sequences' 2 rows each cost 1.4x their 1 (as measured on a
     Zen 5): a tree worth a row to each of eight sequences at the single-sequence shape is not worth it there."""
