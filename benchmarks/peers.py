@@ -191,7 +191,7 @@ def run_all(args) -> dict:
             yield {method + (" (--no-repack)" if "--no-repack" in flags else ""): call}
 
     # the GGUF's own blocks (``--weights gguf``), bf16 or fp32 activations, and int8 ones where the integer kernel runs
-    dense = "bfloat16" if native.has("bf16_linear") else "float32"  # bf16 on PyTorch's kernels is refused: not row-invariant
+    dense = "bfloat16" if native.has("bf16_linear") else "float32"  # PyTorch's bf16 where ours do not run: slow, and not row-invariant
     engines = [partial(stock, "bfloat16"), partial(stock, "float32"), partial(ours, dense, "dense"),
                *[partial(ours, dtype, "gguf") for dtype in (*(["bfloat16"] if native.has("bf16_linear") else []), "float32",
                                                              *([native.INTEGER] if native.integer_runs() else []))],

@@ -167,31 +167,6 @@ def check_step(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> No
                          "(ALiBi by cache slot as in MPT, or positions counted from the cache), or its cache cannot be rolled back")
 
 
-def check_rows(model: PreTrainedModel, prefill: Prefill, forward: Forward, widest: int) -> None:
-    """Refuse a model whose rows change with the step's width, up to ``widest`` rows: in bf16 (or int8) lookahead
-    must give the plain loop's tokens, so a row's logits must be the same bits in a step of any width. Our kernels
-    sum every row in one order whatever the width (their tests: 1 to 40 rows); PyTorch's bf16 products on a CPU
-    without AVX-512 BF16 do not (SmolLM2 on a Zen 3: rows 0.19-0.33 apart from 4 rows on). fp32 is held to stock
-    ``generate()`` up to ties instead (``check_step``), and CUDA's kernels are known to vary (the README)."""
-    if model.dtype in PROBE_TOLERANCE and kernels.dtype_of(model) != INTEGER or model.device.type != "cpu":
-        return
-    vocab, context = models.vocab_size(model), context_length(model.config.get_text_config(decoder=True)) or 1 << 20
-    widths = [w for w in (1, 2, 4, 8, 16, 32, 64) if w < 2 * widest and w + 2 <= context]  # powers of two to ``widest``'s
-    ids = (np.arange(3, 3 + widths[-1]) % vocab).tolist()
-    rows = {}
-    with torch.inference_mode():
-        for width in widths:
-            n = width - 1
-            chain = TokenTree.merge(np.array(ids[1:width]), np.arange(n) - 1, np.full(n, 0.5), np.ones(n, np.int64), n)
-            cache, _ = prefill([1, 2])
-            rows[width] = forward(stack([build_layout(0, 0, chain)]), cache, torch.tensor([ids[:width]]), torch.tensor([2]))[0, :2]
-    for width in widths[1:]:
-        if not (torch.equal(rows[width][:1], rows[1][:1]) and torch.equal(rows[width][:2], rows[2][:2])):
-            raise ValueError(f"{type(model).__name__} in {kernels.dtype_of(model)} on {kernels.kernels_of(model)} kernels gives a row "
-                             f"other logits in a step of {width} rows than in a narrower one, so lookahead could not give "
-                             "the plain loop's tokens: use float32 (or int8 on a GGUF)")
-
-
 def check_batch(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> bool:
     """Whether sequences can share a step exactly: two of different lengths (so one is left-padded), one step
     with a two-node chain beside a lone token (a padding row), then a step after which the shorter sequence

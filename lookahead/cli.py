@@ -15,6 +15,7 @@ import click
 
 from lookahead import models
 from lookahead.config import MAX_BODY_BYTES, PREFILL_CHUNK, LookaheadConfig
+from lookahead.gguf_header import one_line
 
 if TYPE_CHECKING:
     from lookahead.chat import ChatSession
@@ -63,13 +64,6 @@ class _Printer:
         if self.tokens:
             click.echo(self.tokenizer.decode(self.tokens, skip_special_tokens=True)[len(self.shown) :], nl=False)
         click.echo()
-
-
-def _summary(stats) -> str:
-    return (
-        f"{stats.new_tokens} tokens, {stats.steps} steps, compression {stats.compression:.2f}, "
-        f"{stats.tokens_per_s:.1f} tokens/s, time to first token {stats.prefill_s * 1000:.0f} ms"
-    )
 
 
 KERNELS_OPTION = click.option("--kernels", type=click.Choice(["packed", "stock"]), default="packed", show_default=True,
@@ -166,11 +160,6 @@ def _load(model_spec: str, dtype: str, device: str, kernels: str, weights: str, 
     return gen, gen.load_state(state_dir)
 
 
-def _first_line(error: Exception) -> str:
-    """An error as the one line the user sees (its first; its type's name if it says nothing)."""
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
 @main.command(context_settings=CONTEXT)
 @click.argument("prompt", required=False)
 @click.option("--file", "prompt_file", type=click.Path(dir_okay=False, path_type=Path), help="Read the prompt from a file.")
@@ -210,13 +199,13 @@ def generate(prompt, prompt_file, chat, max_new_tokens, system, seed, no_lookahe
                                        "config": dataclasses.asdict(gen.config)}))
             elif ids_mode:
                 click.echo(",".join(map(str, out.tokens)))
-            click.echo(_summary(out.stats), err=True)
+            click.echo(out.stats.summary(), err=True)
         if model["state_dir"] is not None:
             state.save(model["state_dir"])
     except BrokenPipeError:
         _reader_gone()
     except (ValueError, OSError) as e:
-        raise click.ClickException(_first_line(e)) from None
+        raise click.ClickException(one_line(e)) from None
 
 
 def _reader_gone() -> None:
@@ -258,7 +247,7 @@ def chat(max_new_tokens, system, seed, no_lookahead, **options) -> None:
     except BrokenPipeError:
         _reader_gone()
     except (ValueError, OSError) as e:
-        raise click.ClickException(_first_line(e)) from None
+        raise click.ClickException(one_line(e)) from None
 
 
 def _chat_loop(session: ChatSession) -> None:
@@ -305,7 +294,7 @@ def _chat_command(session: ChatSession, line: str) -> bool:
             session.state.save(Path(argument))
             click.echo(f"drafting state saved to {argument}", err=True)
         except (ValueError, OSError) as e:
-            click.echo(f"Error: cannot save the drafting state to {argument}: {_first_line(e)}", err=True)
+            click.echo(f"Error: cannot save the drafting state to {argument}: {one_line(e)}", err=True)
     elif command.startswith("/"):
         click.echo(("" if command in ("/help", "/?") else f"unknown command {line!r}; ") + CHAT_HELP, err=True)
     else:
@@ -320,11 +309,11 @@ def _chat_answer(session: ChatSession, line: str) -> None:
     try:
         out = session.answer(line, _Printer(session.gen.tokenizer))
     except ValueError as e:  # the message, or the conversation with it, cannot be answered: the session goes on
-        click.echo(f"Error: {_first_line(e)}", err=True)
+        click.echo(f"Error: {one_line(e)}", err=True)
         return
     finally:
         signal.signal(signal.SIGINT, previous)
-    click.echo(_summary(out.stats), err=True)
+    click.echo(out.stats.summary(), err=True)
 
 
 def _given_or_read(value: str | None, path: Path | None, option: str, both: str) -> str | None:
@@ -456,7 +445,7 @@ def serve(model_spec, host, port, dtype, device, kernels, weights, cache_dir, st
         server.serve(gen, model_spec, host, port, state_dir, queue_limit, max_body_bytes, api_key=api_key, max_batch=max_batch,
                      prefill_chunk=prefill_chunk)
     except (ValueError, OSError) as e:
-        raise click.ClickException(_first_line(e)) from None
+        raise click.ClickException(one_line(e)) from None
 
 
 def _read_api_key(key: str | None, key_file: Path | None) -> str | None:

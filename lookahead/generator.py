@@ -64,7 +64,6 @@ class LookaheadGenerator:
         DraftState.warm_up()
         planner.warm_up()
         capability.check_step(model, *self._probes())
-        capability.check_rows(model, *self._probes(), 1 + self.config.tree_budget + self.config.window * (self.config.ngram - 1))
 
     def _probes(self) -> tuple[capability.Prefill, capability.Forward]:
         return (lambda prompt: prefill(self.model, prompt), lambda *step: forward(self.model, self.windows, *step))

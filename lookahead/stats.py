@@ -76,6 +76,11 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / max(self.prefill_s + self.decode_s, 1e-9)
 
+    def summary(self) -> str:
+        """The line the CLI prints after an answer."""
+        return (f"{self.new_tokens} tokens, {self.steps} steps, compression {self.compression:.2f}, "
+                f"{self.tokens_per_s:.1f} tokens/s, time to first token {self.prefill_s * 1000:.0f} ms")
+
     def as_dict(self) -> dict:
         return {
             "new_tokens": self.new_tokens, "steps": self.steps, "compression": round(self.compression, 4),

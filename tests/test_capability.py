@@ -158,20 +158,3 @@ def test_the_batch_probe_catches_rows_that_leak_between_sequences():
     for prompt, out in zip(prompts, gen.decode([gen.new_lane(p, 12, state=gen.new_state()) for p in prompts])):
         assert out.tokens == hf_greedy(model, prompt, 12)
 
-
-def test_a_model_whose_rows_change_with_the_step_s_width_is_refused_in_bf16_not_fp32():
-    """PyTorch's bf16 products on a Zen 3 (no AVX-512 BF16) gave SmolLM2's rows other logits from 8-row steps on, and
-    lookahead parted from the plain loop on 4 of 12 prompts: such kernels are refused where rows must be the same bits."""
-    def exact(layout, cache, ids, positions):  # each row's logits from its own token alone: the same at any width
-        return torch.nn.functional.one_hot(ids, 48).to(torch.bfloat16)
-
-    def drifting(layout, cache, ids, positions):  # from 8 rows on, every row lands a little elsewhere
-        return exact(layout, cache, ids, positions) + (ids.shape[1] >= 8) * 0.01
-
-    bare = lambda prompt: (None, None)  # noqa: E731 -- these forwards read no cache
-    bf16 = LlamaForCausalLM(LlamaConfig(**LLAMA)).to(torch.bfloat16).eval()
-    capability.check_rows(bf16, bare, exact, 23)
-    with pytest.raises(ValueError, match="in bfloat16 on stock kernels gives a row other logits in a step of 8 rows"):
-        capability.check_rows(bf16, bare, drifting, 23)
-    capability.check_rows(bf16, bare, drifting, 4)  # steps of at most 4 rows: none that wide
-    capability.check_rows(LlamaForCausalLM(LlamaConfig(**LLAMA)).eval(), bare, drifting, 23)  # fp32: held to generate() up to ties
