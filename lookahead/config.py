@@ -31,7 +31,7 @@ class LookaheadConfig:
     suffix-match drafts and their longest length (0 = off); recycle_k: successors kept per token by the
     recycling table (0 = off); recycle_prior: the lowest token ids (BPE vocabularies number the commonest
     first) whose successors the model predicts once, to seed a new drafting state's recycling table (0 = none;
-    see ``prior.py``); recycle_prior_s: the seconds a generator may spend on it (the rest grows in later runs).
+    see ``prior.py``); recycle_prior_s: the seconds a first run may spend on it (later ones grow it by a tenth of that).
     auto: each step, the measured cost model (``probing.py``, ``planner.py``) picks how many of the tree's best
     nodes to verify and whether to run the Jacobi branch, within the shape above; False: always the full shape.
     live_cost: the loop corrects the cost curve from its own forwards' timings (``planner.LiveCurve``); False plans

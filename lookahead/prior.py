@@ -10,9 +10,10 @@ is noise). Batched passes, cached on disk per model and dtype (SmolLM2: ~20 s in
 the same prompts: 1.64 -> 1.83 tokens a forward from a fresh state, 1.73 -> 1.90 from one kept across
 prompts, +5.5-5.8% tokens/s. Drafts only: the output is what it was.
 
-A run spends at most ``recycle_prior_s`` seconds on it and caches what it got, commonest ids first; the next run
-grows it from there. A row costs a forward of its own, so the whole prior of a 7B-class model would take ~20
-minutes on 2 cores: it arrives over many runs instead of delaying the first token.
+A first run spends at most ``recycle_prior_s`` seconds on it and caches what it got, commonest ids first; each later
+run grows it by a tenth of that (``GROWTH``). A row costs a forward of its own, so the whole prior of a 7B-class model
+would take ~20 minutes on 2 cores, and the 1.5B's rows came at ~77 a second on a Zen 3: the commonest arrive first,
+the rest over many runs, at a small price to each instead of the first token's delay.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ngram_pool.files import written_whole
 
 FORMAT = 1
 BATCH = 512  # one-token sequences a forward
+GROWTH = 0.1  # of a first run's seconds, what a later one spends growing the prior
 
 
 def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int, start: int = 0,
@@ -58,7 +60,8 @@ def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int, s
 def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path,
            progress: models.Progress = models._quiet, seconds: float = float("inf")) -> np.ndarray | None:
     """``successors`` of the ``tokens`` lowest ids after a newline: those cached in ``cache_dir``, grown there by
-    what ``seconds`` of forwards add (the first n ids: fewer than ``tokens`` while it grows); None without a
+    what ``seconds`` of forwards add (``GROWTH`` of them once some are cached; the first n ids: fewer than ``tokens``
+    while it grows); None without a
     tokenizer (no newline to put first), where there is nothing to predict, or where the model's forward does not
     take this pass (a prior is only ever a help: its absence costs drafts, never a request)."""
     vocab = models.vocab_size(model)
@@ -80,6 +83,7 @@ def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Pa
         pass  # none yet, or unreadable: computed again
     if len(table) >= tokens:
         return table[:tokens]
+    seconds = seconds if not len(table) else seconds * GROWTH
     progress(f"predicting the successors of common tokens, {len(table)} of {tokens} so far "
              f"({'up to ' + format(seconds, '.0f') + ' s; the rest grows in later runs' if seconds < float('inf') else 'once for this model and dtype'})")
     try:

@@ -157,8 +157,8 @@ def choices(spec: str, dtype: str, weights: str, kernels: str, device: str, cach
             progress: Callable[[str], None] = lambda _: None, dense: bool = False) -> list[tuple[str, str]]:
     """The (dtype, weights) pairs ``fastest`` compares: of ``AUTO_DTYPES`` where ``dtype`` is "auto", on the weights
     ``weights`` runs, those that can win here (``can_win``); with ``dense`` (``lookahead tune``), every one, and for
-    ``weights`` "auto" on a GGUF model whose blocks our kernel runs, its dequantized weights too, where they fit
-    (``dense_fits``). (``--weights auto`` itself keeps to the blocks: dequantizing a GGUF at each load cost ~20 s on
+    ``weights`` "auto" on a GGUF model whose blocks our kernel runs, its dequantized weights too; a GGUF model's
+    dequantized weights only where they fit (``dense_fits``), unless asked for. (``--weights auto`` itself keeps to the blocks: dequantizing a GGUF at each load cost ~20 s on
     the 1.5B, more than its faster dense steps save in a request.)"""
     dtypes = AUTO_DTYPES if dtype == "auto" else (dtype,)
     found = []
@@ -171,6 +171,9 @@ def choices(spec: str, dtype: str, weights: str, kernels: str, device: str, cach
             raise
         if dtype == "auto" and name == INTEGER and mode == "q8" and weights != "q8":
             continue  # auto quantizes no dense model on its own
+        file = models.gguf_file(spec, cache_dir, progress) if dtype == "auto" and mode == "dense" and weights == "auto" else None
+        if file is not None and not dense_fits(file, gguf_model.prepare(file, cache_dir, progress), name):
+            continue  # a GGUF model's dequantized weights (bf16 where no kernel of ours runs it on blocks): only where they fit
         found.append((name, mode))
         if dense and weights == "auto" and mode == "gguf" and name != INTEGER and dense_fits(gguf, gguf_model.prepare(gguf, cache_dir, progress), name):
             found.append((name, "dense"))
