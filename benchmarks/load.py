@@ -1,6 +1,7 @@
 """Loading a GGUF model: wall time and peak resident memory of our direct load from an empty cache and again warm,
-a warm ``lookahead generate``'s first token after it starts, and llama.cpp's ``llama-server`` loading the same file,
-each in a process of its own, one after another (never two at once).
+a whole first ``lookahead generate`` from an empty cache, a warm one and ``lookahead tune`` (first token, peak resident
+memory, the cache they leave), a warm ``lookahead generate``'s first token on the user's cache, and llama.cpp's
+``llama-server`` loading the same file, each in a process of its own, one after another (never two at once).
 
     python -m benchmarks.load                                  # Qwen2.5-Coder-1.5B Q4_K_M (fetched once, 1.1 GB)
     python -m benchmarks.load --model smollm2-135m --out benchmarks/results/load-smollm2-135m
@@ -48,16 +49,37 @@ def ours(spec: str, dtype: str, cache: Path) -> dict:
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "process_s": time.perf_counter() - start}
 
 
-def first_token(spec: str, cache: Path) -> float:
-    """Seconds from starting ``lookahead generate`` (the user's cache: warm) to the first byte of its text."""
+PROMPT = "Write a Python function that reverses a string."
+
+
+def cli_run(cache: Path, *args: str) -> dict:
+    """``lookahead ARGS`` in a process of its own with ``cache`` as its cache: seconds to the first byte it prints on
+    stdout (a generate's first token), in all, and its peak resident memory."""
     env = {**os.environ, "XDG_CACHE_HOME": str(cache.parent)}
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "lookahead.cli", "generate", "--model", spec, "--max-new-tokens", "8",
-                             "Write a Python function that reverses a string."], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "lookahead.cli", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     proc.stdout.read(1)
-    seconds = time.perf_counter() - start
-    proc.communicate()
-    return seconds
+    first = time.perf_counter() - start
+    proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    return {"first_byte_s": first, "seconds": time.perf_counter() - start, "peak_rss_gb": usage.ru_maxrss / 1e6,
+            "exit": os.waitstatus_to_exitcode(status)}
+
+
+def empty_cache(base: Path, user: Path) -> Path:
+    """A fresh cache directory under ``base`` holding only the downloads (wheels, assembled GGUFs) and the kernels'
+    build, shared with ``user``'s: what a first run measures, not what it fetches."""
+    cache = base / "lookahead"
+    cache.mkdir(parents=True)
+    for shared in ("wheels", "gguf", "kernels"):
+        (user / shared).mkdir(parents=True, exist_ok=True)
+        (cache / shared).symlink_to(user / shared, target_is_directory=True)
+    return cache
+
+
+def cache_gb(cache: Path) -> dict[str, float]:
+    """What ``cache`` holds beyond the shared downloads, by folder, in GB."""
+    return {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / 1e9 for p in cache.iterdir() if not p.is_symlink()}
 
 
 def llama_cpp(gguf: Path, cache_dir: Path) -> dict:
@@ -96,18 +118,16 @@ def main(argv=None) -> None:
     user = models.default_cache_dir()
     spec = str(args.gguf.resolve()) if args.gguf else args.model
     gguf = args.gguf or models.fetch_embedded(args.model, user, print)
+    generate = ("generate", "--model", spec, "--max-new-tokens", "8", PROMPT)
     with tempfile.TemporaryDirectory(prefix="lookahead-load-") as base:
-        cache = Path(base) / "lookahead"
-        cache.mkdir()
-        for shared in ("wheels", "gguf", "kernels"):  # downloads and the kernels' build: not what a load measures
-            (user / shared).mkdir(parents=True, exist_ok=True)
-            (cache / shared).symlink_to(user / shared, target_is_directory=True)
+        cache = empty_cache(Path(base) / "load", user)
         results = {"hardware": hardware(), "model": spec, "dtype": args.dtype, "file_gb": gguf.stat().st_size / 1e9,
-                   "cold": ours(spec, args.dtype, cache), "warm": ours(spec, args.dtype, cache)}
-        results["cache"] = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / 1e9
-                            for p in cache.iterdir() if not p.is_symlink()}
-    first_token(spec, user)  # once to measure what the first run measures (cost curves, prior), and to warm the page cache
-    results["first_token_s"] = [first_token(spec, user) for _ in range(3)]
+                   "cold": ours(spec, args.dtype, cache), "warm": ours(spec, args.dtype, cache), "cache": cache_gb(cache)}
+        first = empty_cache(Path(base) / "first", user)  # a whole first run: layout, probes, prior, its first token
+        results |= {"first_run": cli_run(first, *generate), "warm_run": cli_run(first, *generate),
+                    "tune": cli_run(first, "tune", "--model", spec), "first_run_cache": cache_gb(first)}
+    cli_run(user, *generate)  # once to measure what the first run measures (cost curves, prior), and to warm the page cache
+    results["first_token_s"] = [cli_run(user, *generate)["first_byte_s"] for _ in range(3)]
     if not args.no_llama_cpp:
         results["llama_cpp"] = llama_cpp(gguf, user)
     save(results, args.out)
