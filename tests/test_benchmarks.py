@@ -203,3 +203,16 @@ def test_the_plot_takes_each_engine_s_best_run_on_the_file_and_draws_them(tmp_pa
                                                  "llama.cpp best n-gram mode": 44, "our plain loop": 60, "lookahead": 80})
     plot.draw([results, results], tmp_path / "peers.png")
     assert (tmp_path / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_times_a_cli_run_on_an_empty_cache_sharing_only_the_downloads(tmp_path):
+    from benchmarks.load import cache_gb, cli_run, empty_cache
+
+    user = tmp_path / "user" / "lookahead"
+    cache = empty_cache(tmp_path / "base", user)
+    assert sorted(p.name for p in cache.iterdir()) == ["gguf", "kernels", "wheels"] and all(p.is_symlink() for p in cache.iterdir())
+    run = cli_run(cache, "models")  # the embedded models, none fetched into this cache
+    assert run["exit"] == 0 and 0 < run["first_byte_s"] <= run["seconds"] and run["peak_rss_gb"] > 0.05
+    (cache / "blocks").mkdir()
+    (cache / "blocks" / "x.bin").write_bytes(b"\0" * 10**6)
+    assert cache_gb(cache) == {"blocks": 0.001}
