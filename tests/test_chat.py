@@ -4,6 +4,7 @@ real command in a pseudo-terminal on the embedded SmolLM2 (typed lines, Ctrl-C, 
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 
@@ -178,10 +179,16 @@ def test_smollm2_turns_are_what_generate_gives(smollm2):
 # -- the real command in a pseudo-terminal ------------------------------------------------------------------------
 
 
+def default_interrupt() -> None:
+    """Ctrl-C as a terminal's user has it: a suite started in the background (``nohup pytest &``) ignores SIGINT, and
+    its children would inherit that (the chat's prompt would then shrug Ctrl-C off)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(*args: str):
     """``lookahead chat`` on the embedded SmolLM2 in a pseudo-terminal, at its first prompt."""
     child = pexpect.spawn(sys.executable, ["-m", "lookahead.cli", "chat", *SMOLLM2, *args], encoding="utf-8", timeout=120,
-                          dimensions=(24, 200))
+                          dimensions=(24, 200), preexec_fn=default_interrupt)
     child.expect_exact("> ")
     return child
 
