@@ -210,6 +210,8 @@ def fastest(spec: str, device: str, cache_dir: Path, progress: Callable[[str], N
     wide steps are), from the cached curves (probed where missing); said in one line, with the others' speeds."""
     candidates = choices(spec, dtype, weights, kernels, device, cache_dir, progress, dense)
     if len(candidates) == 1:  # nothing to choose: nothing to measure
+        if dtype == "auto":
+            progress(f"--dtype auto: {candidates[0][0]}, the one that can win here (lookahead tune measures every dtype)")
         return *candidates[0], None
     gguf = models.gguf_file(spec, cache_dir, progress)
     source = str(gguf) if gguf else models.resolve(spec, cache_dir, progress)  # a GGUF model is named by its file
