@@ -282,8 +282,9 @@ def pack(model: nn.Module, kernels: str = "packed", cache_dir: Path | None = Non
     ``quantized``: {module name: its weight quantized, or laid out already}, run on our quantized kernel
     (``csrc/quant_linear.c``: the same outputs as the dense weight's ``dequantize()``); where that kernel cannot run,
     the dense weights do and the notice says why; a weight given laid out already has none, and is a ValueError there
-    (``quantized_unavailable`` says beforehand whether the kernel runs). ``integer``: those run on the integer kernel (``csrc/int_linear.c``:
-    each activation row rounded to 8 bits, as llama.cpp does; ``quantized_unavailable`` says where it runs)."""
+    (``quantized_unavailable`` says beforehand whether the kernel runs). ``integer``: those run on the integer kernel
+    (``csrc/int_linear.c``: each activation row rounded to 8 bits, as llama.cpp does; ``quantized_unavailable`` says
+    where it runs)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if kernels == "stock":

@@ -35,7 +35,7 @@ from ngram_pool.files import written_whole
 FORMAT = 1
 BATCH = 512  # one-token sequences a forward
 GROWTH = 0.1  # of a first run's seconds, what a later one spends growing the prior
-PROBE_ROWS = 64  # a bounded run's first forward, which measures the rate of the next
+FIRST_ROWS = 64  # a bounded run's first forward, which measures the rate for the next
 
 
 def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int, start: int = 0,
@@ -43,9 +43,9 @@ def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int, s
     """(n, k) int32: the model's k likeliest next tokens after ``prefix`` + [t], for t = start .. start + n - 1: the
     prefix's keys computed once, then up to ``BATCH`` one-token sequences a forward over copies of them, up to t =
     ``tokens`` - 1 or until ``seconds`` have passed (at least one forward). Within a budget the first forward takes
-    ``PROBE_ROWS`` and each next as many as the rate so far fits in what is left (a 1.5B's 512 rows took 7 s)."""
+    ``FIRST_ROWS`` and each next as many as the rate so far fits in what is left (a 1.5B's 512 rows took 7 s)."""
     bounded = seconds < float("inf")
-    out, began, first, size = [], time.perf_counter(), start, min(BATCH, PROBE_ROWS) if bounded else BATCH
+    out, began, first, size = [], time.perf_counter(), start, min(BATCH, FIRST_ROWS) if bounded else BATCH
     with torch.inference_mode():
         held = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([prefix], device=model.device), **kv.cache_kwarg(model, held), use_cache=True)
@@ -66,9 +66,9 @@ def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Pa
            progress: models.Progress = models._quiet, seconds: float = float("inf")) -> np.ndarray | None:
     """``successors`` of the ``tokens`` lowest ids after a newline: those cached in ``cache_dir``, grown there by
     what ``seconds`` of forwards add (``GROWTH`` of them once some are cached; the first n ids: fewer than ``tokens``
-    while it grows); None without a
-    tokenizer (no newline to put first), where there is nothing to predict, or where the model's forward does not
-    take this pass (a prior is only ever a help: its absence costs drafts, never a request)."""
+    while it grows); None without a tokenizer (no newline to put first), where there is nothing to predict, or where
+    the model's forward does not take this pass (a prior is only ever a help: its absence costs drafts, never a
+    request)."""
     vocab = models.vocab_size(model)
     tokens = min(tokens, vocab)
     if tokenizer is None or tokens < 1 or k < 1:
@@ -89,8 +89,8 @@ def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Pa
     if len(table) >= tokens:
         return table[:tokens]
     seconds = seconds if not len(table) else seconds * GROWTH
-    progress(f"predicting the successors of common tokens, {len(table)} of {tokens} so far "
-             f"({'up to ' + format(seconds, '.0f') + ' s; the rest grows in later runs' if seconds < float('inf') else 'once for this model and dtype'})")
+    budget = f"up to {seconds:.0f} s; the rest grows in later runs" if seconds < float("inf") else "once for this model and dtype"
+    progress(f"predicting the successors of common tokens, {len(table)} of {tokens} so far ({budget})")
     try:
         table = np.concatenate([table, successors(model, prefix, tokens, k, len(table), seconds)])
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as e:  # a model this pass does not fit

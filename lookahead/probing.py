@@ -155,29 +155,33 @@ def lookahead_speed(curve: CostCurve) -> float:
 
 def choices(spec: str, dtype: str, weights: str, kernels: str, device: str, cache_dir: Path,
             progress: Callable[[str], None] = lambda _: None, dense: bool = False) -> list[tuple[str, str]]:
-    """The (dtype, weights) pairs ``fastest`` compares: of ``AUTO_DTYPES`` where ``dtype`` is "auto", on the weights
-    ``weights`` runs, those that can win here (``can_win``); with ``dense`` (``lookahead tune``), every one, and for
-    ``weights`` "auto" on a GGUF model whose blocks our kernel runs, its dequantized weights too; a GGUF model's
-    dequantized weights only where they fit (``dense_fits``), unless asked for. (``--weights auto`` itself keeps to the blocks: dequantizing a GGUF at each load cost ~20 s on
-    the 1.5B, more than its faster dense steps save in a request.)"""
+    """The (dtype, weights) pairs ``fastest`` compares: ``AUTO_DTYPES`` where ``dtype`` is "auto" (for a first run only
+    those that can win here: ``can_win``), on the weights ``weights`` runs; with ``dense`` (``lookahead tune``), for
+    ``weights`` "auto" on a GGUF model whose blocks our kernel runs, its dequantized weights too. Beside its blocks, a
+    GGUF model's dequantized weights are a choice only where they fit (``dense_fits``). (``--weights auto`` itself
+    keeps to the blocks: dequantizing a GGUF at each load cost ~20 s on the 1.5B, more than its faster dense steps save
+    in a request.)"""
     dtypes = AUTO_DTYPES if dtype == "auto" else (dtype,)
-    found = []
+    found, gguf = [], None
     for name in dtypes:
         try:
-            mode, gguf = models.weights_mode(spec, weights, kernels, cache_dir, progress, name, device)
+            mode, file = models.weights_mode(spec, weights, kernels, cache_dir, progress, name, device)
+            gguf = gguf or file
         except models.ModelLoadError:
             if dtype == "auto" and name == INTEGER:  # auto: int8 only where it runs
                 continue
             raise
         if dtype == "auto" and name == INTEGER and mode == "q8" and weights != "q8":
             continue  # auto quantizes no dense model on its own
-        file = models.gguf_file(spec, cache_dir, progress) if dtype == "auto" and mode == "dense" and weights == "auto" else None
-        if file is not None and not dense_fits(file, gguf_model.prepare(file, cache_dir, progress), name):
-            continue  # a GGUF model's dequantized weights (bf16 where no kernel of ours runs it on blocks): only where they fit
         found.append((name, mode))
-        if dense and weights == "auto" and mode == "gguf" and name != INTEGER and dense_fits(gguf, gguf_model.prepare(gguf, cache_dir, progress), name):
+        if dense and weights == "auto" and mode == "gguf" and name != INTEGER:
             found.append((name, "dense"))
-    return found if dense or dtype != "auto" else can_win(found, kernels, device, cache_dir)
+    if dtype == "auto" and not dense:
+        found = can_win(found, kernels, device, cache_dir)
+    if weights == "auto" and gguf is not None and any(mode == "dense" for _, mode in found):  # within the file's memory
+        prepared = gguf_model.prepare(gguf, cache_dir, progress)  # (the blocks' cache entry, which the others load)
+        found = [(name, mode) for name, mode in found if mode != "dense" or dense_fits(gguf, prepared, name)]
+    return found
 
 
 def can_win(found: list[tuple[str, str]], kernels: str, device: str, cache_dir: Path) -> list[tuple[str, str]]:

@@ -157,4 +157,3 @@ def test_the_batch_probe_catches_rows_that_leak_between_sequences():
     prompts = [[5, 6, 5, 6, 5], [9, 10, 11] * 4]
     for prompt, out in zip(prompts, gen.decode([gen.new_lane(p, 12, state=gen.new_state()) for p in prompts])):
         assert out.tokens == hf_greedy(model, prompt, 12)
-
