@@ -483,13 +483,13 @@ def models_(ctx: click.Context, cache_dir: Path | None) -> None:
 @click.argument("name", type=click.Choice(list(models.EMBEDDED)))
 @click.pass_obj
 def pull(cache_dir: Path, name: str) -> None:
-    """Fetch an embedded model ahead of time, and read it once (its blocks laid out for the kernels)."""
-    from lookahead import gguf_model
+    """Fetch an embedded model ahead of time, and read it once (its blocks laid out for the kernels --dtype auto runs)."""
+    from lookahead import gguf_model, native
 
     start = time.perf_counter()
     try:
         path = models.fetch_embedded(name, cache_dir, _progress)
-        gguf_model.prepare(path, cache_dir, _progress)
+        gguf_model.prepare(path, cache_dir, _progress, gguf_model.layout_for(native.integer_runs()))
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{name}: ready at {path} ({time.perf_counter() - start:.1f} s)")

@@ -3,10 +3,14 @@
 The first load of a file reads it once (``prepare``): its header checked against its bytes as llama.cpp checks it
 (``check_header``: gguf-py's and transformers' readers trust it), its config, tokenizer and chat template from its
 metadata (transformers' GGUF readers), which of its tensors becomes what (transformers' name mapping and tensor
-processor for the architecture, on a skeleton of the model), and every linear's blocks decoded and laid out for the
-kernels (``linear_kernels.pack_quantized``), one tensor at a time, into ``<cache>/blocks/<file>-<key>/``: ``blocks.bin``,
-``integer.bin`` (the integer kernel's layouts: values in its lanes' order, the K types' scales per 256 k's, the legacy types' fp16 ones),
-the small files, and ``index.json``. Each load (``load``) then builds the model on the meta device (parameters only:
+processor for the architecture, on a skeleton of the model), into ``<cache>/blocks/<file>-<key>/``: the small files
+and ``index.json``. The first load that runs the blocks with a kind of activations lays every linear's blocks out
+for those kernels (``_lay_out``), one tensor at a time, beside them: ``blocks.bin`` for fp32 and bf16 activations
+(``linear_kernels.pack_quantized``), ``integer.bin`` for int8 ones (the integer kernel's layouts: values in its lanes'
+order, the K types' scales per 256 k's, the legacy types' fp16 ones), each with its own index (``blocks.json``,
+``integer.json``). A run lays out (and maps) only the one it reads: the cache of a model run on int8 holds about the
+file's size (the 1.5B's: 1.0 GB for its 1.1 GB file, where both were 2.4 GB), and a first run decodes the file once.
+Each load (``load``) then builds the model on the meta device (parameters only:
 buffers such as RoPE's frequencies are computed as usual), memory-maps the laid-out blocks into the linears
 (``kernels.pack``), looks the embedding up from the file's own blocks (``quants.QuantEmbedding``) and dequantizes
 the few small tensors (norms, biases) from the file, through the processor (Gemma's norm offset). The GGUF
@@ -45,12 +49,14 @@ import torch
 from torch import nn
 
 from lookahead import linear_kernels, quants
-from lookahead.cache_entries import Progress, check_files, directory_whole, held, sha256, sweep
+from lookahead.cache_entries import Progress, check_files, directory_whole, held, leftovers, sha256, sweep
+from ngram_pool.files import written_whole
 from lookahead.gguf_header import ModelLoadError, _regular, check_header, check_metadata, one_line, wrong_shape
 from lookahead.kernels import SIBLINGS
 
-LAYOUT = 8  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
-ALIGN = 64  # each laid-out weight starts at a multiple of this in blocks.bin
+LAYOUT = 9  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
+LAYOUTS = {"blocks": "fp32 and bf16", "integer": "int8"}  # the laid-out blocks a load maps, and the activations they serve
+ALIGN = 64  # each laid-out weight starts at a multiple of this in its layout's file
 CHUNK = 4096  # rows decoded and laid out at a time (a multiple of linear_kernels.BLOCK: blocks of rows are independent)
 @dataclass(frozen=True)
 class Prepared:
@@ -58,6 +64,8 @@ class Prepared:
 
     directory: Path
     index: dict  # index.json: {"gguf", "architecture", "tensors": [...], "left": [...], "source", "files", "check"}
+    layout: str | None = None  # the layout laid out and checked for this load ("blocks", "integer"), if one was asked for
+    placed: dict | None = None  # <layout>.json: {"tensors": {hf name: where and how each is laid out}, "files", "check"}
 
 
 def cache_key(gguf: Path, status: os.stat_result) -> str:
@@ -103,7 +111,7 @@ def _read(gguf: Path, entry: dict) -> np.ndarray:
 
 def _sibling_order(name: str) -> tuple[str, int, str]:
     """Sort key that puts a module's sibling linears (q, k, v; gate, up) next to each other in ``SIBLINGS`` order,
-    so a product of them is one view of ``blocks.bin``."""
+    so a product of them is one view of its layout's file."""
     parent, _, leaf = name.rpartition(".")
     order = [leaf_name for names in SIBLINGS for leaf_name in names]
     return parent, order.index(leaf) if leaf in order else len(order), leaf
@@ -123,17 +131,19 @@ def tokenizer_of(gguf: Path, model_type: str):
     return None
 
 
-def prepare(gguf: Path, cache_dir: Path, progress: Progress) -> Prepared:
-    """``gguf``'s cache directory, made on first use and made again where it is not whole (``_checked``: one line
-    says why); a ``ModelLoadError`` for a file it cannot read."""
-    with _entry(gguf, cache_dir, progress) as prepared:
+def prepare(gguf: Path, cache_dir: Path, progress: Progress, layout: str | None = None) -> Prepared:
+    """``gguf``'s cache directory, with ``layout`` (one of ``LAYOUTS``) laid out where one is asked for; each made on
+    first use and made again where it is not whole (``_checked``: one line says why); a ``ModelLoadError`` for a
+    file it cannot read."""
+    with _entry(gguf, cache_dir, progress, layout) as prepared:
         return prepared
 
 
 @contextlib.contextmanager
-def _entry(gguf: Path, cache_dir: Path, progress: Progress) -> Iterator[Prepared]:
+def _entry(gguf: Path, cache_dir: Path, progress: Progress, layout: str | None) -> Iterator[Prepared]:
     """``prepare``'s entry, checked, and kept from being made again by another process while the block reads it.
-    Processes loading one file at once wait for the one that makes its entry (its lock, ``held``), then read it."""
+    Processes loading one file at once wait for the one that makes its entry or lays it out (its lock, ``held``),
+    then read it."""
     status = _regular(gguf)
     target = cache_dir / "blocks" / cache_key(gguf, status)
     sweep(target.parent)
@@ -142,10 +152,15 @@ def _entry(gguf: Path, cache_dir: Path, progress: Progress) -> Iterator[Prepared
             index, why = _checked(target, gguf)
             if index is None and not shared:
                 progress(f"making {target} again: {why}" if why else
-                         f"reading {gguf.name} once: its config, tokenizer and blocks laid out for the kernels (cached in {target})")
+                         f"reading {gguf.name} once: its config and tokenizer (cached in {target})")
                 index = _build(gguf, status, target)
-            if index is not None:
-                yield Prepared(target, index)
+            placed, why = _checked_layout(target, layout) if index is not None and layout else (None, "")
+            if placed is None and layout and index is not None and not shared:
+                progress(f"laying out {target / layout}.bin again: {why}" if why else
+                         f"laying out {gguf.name}'s blocks once for the {LAYOUTS[layout]} kernels (in {target / layout}.bin)")
+                placed = _lay_out(gguf, index, target, layout)
+            if index is not None and (placed is not None or not layout):
+                yield Prepared(target, index, layout, placed)
                 return
 
 
@@ -154,22 +169,43 @@ def _index_check(index: dict) -> str:
     return hashlib.sha256(json.dumps({k: v for k, v in index.items() if k != "check"}, sort_keys=True).encode()).hexdigest()
 
 
+def _read_index(path: Path) -> tuple[dict | None, str]:
+    """(the index at ``path``, "") where it is the one written (its digest of itself, ``_index_check``), else (None,
+    why not: "" where there is none)."""
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, ValueError) as e:
+        return None, f"its {path.name} is unreadable ({one_line(e)})"
+    if not isinstance(index, dict) or index.get("check") != _index_check(index):
+        return None, f"its {path.name} is an older version's, without checksums" if "check" not in index and "tensors" in index \
+            else f"its {path.name} is not the one written"
+    return index, ""
+
+
+def _listed(target: Path, index: dict) -> dict[str, tuple[Path, int, str]]:
+    """The files ``index`` lists, as ``check_files`` takes them."""
+    return {name: (target / name, size, digest) for name, (size, digest) in index["files"].items()}
+
+
 def _checked(target: Path, gguf: Path) -> tuple[dict | None, str]:
     """(the entry's index, "") where its index and every file it lists are as written (``check_files``) and ``gguf``
     is the file they were made from (its size and sha256: another file given the same name, size and time is not);
     else (None, why not: "" where there is no entry)."""
-    try:
-        index = json.loads((target / "index.json").read_text())
-    except FileNotFoundError:
-        return None, ""
-    except (OSError, ValueError) as e:
-        return None, f"its index.json is unreadable ({one_line(e)})"
-    if not isinstance(index, dict) or index.get("check") != _index_check(index):
-        return None, "its index.json is an older version's, without checksums" if "check" not in index and "tensors" in index \
-            else "its index.json is not the one written"
-    files = {name: (target / name, size, digest) for name, (size, digest) in index["files"].items()}
-    why = check_files({gguf.name: (gguf, *index["source"]), **files}, target / "verified.json")
-    return (None, why) if why else (index, "")
+    index, why = _read_index(target / "index.json")
+    if index is not None:
+        why = check_files({gguf.name: (gguf, *index["source"]), **_listed(target, index)}, target / "verified.json") or ""
+    return (None, why) if why or index is None else (index, "")
+
+
+def _checked_layout(target: Path, layout: str) -> tuple[dict | None, str]:
+    """(``layout``'s index in the entry ``target``, "") where it and its file are as written, else (None, why not: ""
+    where it was never laid out)."""
+    placed, why = _read_index(target / f"{layout}.json")
+    if placed is not None:
+        why = check_files(_listed(target, placed), target / "verified.json") or ""
+    return (None, why) if why or placed is None else (placed, "")
 
 
 def _build(gguf: Path, status: os.stat_result, target: Path) -> dict:
@@ -198,7 +234,6 @@ def _build(gguf: Path, status: os.stat_result, target: Path) -> dict:
         config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _lay_out(gguf, entries, model, blocks == "heads", tmp)
         for entry in entries:  # the embedding's scales, checked once here (its rows are decoded as they are looked up)
             if entry["role"] == "embedding":
                 for q in _decoded(entry, _read(gguf, entry)):
@@ -243,14 +278,15 @@ def _entries(gguf: Path, reader, model: nn.Module, processor, blocks: str | None
         if quantized and module_name == embedding:
             entry["role"] = "embedding"
             if tied and type(modules.get(output)) is nn.Linear:  # the output layer multiplies by the same blocks
-                entries.append({**entry, "hf": f"{output}.weight", "role": "blocks"})
+                head = modules[output]
+                entries.append({**entry, "hf": f"{output}.weight", "role": "blocks", "n": head.out_features, "k": head.in_features})
         elif module_name == embedding and tied and type(modules.get(output)) is nn.Linear:  # on its dense table (``load``)
             left.append(f"{tensor.name} as the tied output layer: type {kind} not run quantized")
         elif type(modules.get(module_name)) is nn.Linear and leaf == "weight":
             linear = modules[module_name]
             why = (f"type {kind} not run quantized" if not quantized else "its architecture's processor changes it" if blocks is None
                    else None if linear_kernels.quant_fits(linear.out_features, linear.in_features, quants.QK) else "a shape the kernel does not take")
-            entry["role"] = "dense" if why else "blocks"
+            entry.update(role="dense" if why else "blocks", n=linear.out_features, k=linear.in_features)
             if why:
                 left.append(f"{tensor.name}: {why}")
         entries.append(entry)
@@ -271,33 +307,65 @@ def kept_dense(left: list[str]) -> str:
                      for why, tensors in reasons.items())
 
 
-def _lay_out(gguf: Path, entries: list[dict], model: nn.Module, heads: bool, directory: Path) -> None:
-    """Write each "blocks" entry's weight in the kernels' layout to ``blocks.bin`` and, where the integer kernel runs
-    it, in its own (``linear_kernels.lay_out``: values in its lanes' order, the K types' scales per 256 k's, the legacy types'
-    fp16 scales) to ``integer.bin`` (siblings adjacent, each aligned), and record where in its entry. ``heads``: Llama's q and
-    k rows reordered as transformers' processor does."""
-    config = model.config
+def _lay_out(gguf: Path, index: dict, directory: Path, layout: str) -> dict:
+    """Write each "blocks" entry's weight as ``layout``'s kernels read it to ``<layout>.bin`` (siblings adjacent, each
+    aligned): "blocks", ``linear_kernels.pack_quantized``'s blocks for fp32 and bf16 activations; "integer", the
+    integer kernel's own where it takes the shape (``linear_kernels.lay_out``: values in its lanes' order, the K
+    types' scales per 256 k's, the legacy types' fp16 scales), else those blocks. Then ``<layout>.json``, its index:
+    where each weight is and how it is laid out, the file's size and sha256. Llama's q and k rows are reordered as
+    transformers' processor does."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    heads = _processor(index["architecture"], config)[1] == "heads"
     counts = {"q_proj": config.num_attention_heads, "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
-    with open(directory / "blocks.bin", "wb") as out, open(directory / "integer.bin", "wb") as integer:
-        for entry in sorted((e for e in entries if e["role"] == "blocks"), key=lambda e: _sibling_order(e["hf"][: -len(".weight")])):
-            linear = model.get_submodule(entry["hf"][: -len(".weight")])
-            n, k = linear.out_features, linear.in_features
+    path, digest, placed = directory / f"{layout}.bin", hashlib.sha256(), {}
+    for name in LAYOUTS:  # what a writer killed midway left (its lock held alone here, as ``held`` does beside the entry)
+        for left in leftovers(directory / f"{name}.bin") + leftovers(directory / f"{name}.json"):
+            left.unlink(missing_ok=True)
+    with written_whole(path) as out:
+        def write(data) -> None:
+            out.write(data)
+            digest.update(data)
+
+        for entry in sorted((e for e in index["tensors"] if e["role"] == "blocks"), key=lambda e: _sibling_order(e["hf"][: -len(".weight")])):
+            n, k = entry["n"], entry["k"]
             raw = _read(gguf, entry).reshape(n, -1)  # (n, bytes a row)
             leaf = entry["hf"].split(".")[-2]
             if heads and leaf in counts and n % (2 * counts[leaf]) == 0:
                 raw = raw[quants.head_order(n, counts[leaf]).numpy()]
-            for f in (out, integer):
-                f.write(b"\0" * (-f.tell() % ALIGN))
-            entry.update(at=out.tell(), n=n, k=k, integer_at=integer.tell())
-            for q in _decoded(entry, raw):
+            write(b"\0" * (-out.tell() % ALIGN))
+            at = out.tell()
+            for q in _decoded(entry, raw):  # every chunk alike: the rows' scales are all the file's
                 _check_finite(gguf, entry, q.scale, q.offset)
-                out.write(linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32).packed.numpy().data)
-                own = linear_kernels.lay_out(q, torch.float32, integer=True) if linear_kernels.quant_fits(n, k, q.group, integer=True) else None
-                if own is not None:  # every chunk alike: the rows' scales are all the file's
-                    integer.write(own.packed.numpy().data)
-                    entry.update(integer_bits=own.bits, supers=own.supers, halves=own.halves)
-            entry.update(size=out.tell() - entry["at"], bits=q.bits, group=q.group, offsets=q.offset is not None)
-            entry.update(integer_size=integer.tell() - entry["integer_at"])
+                integer = layout == "integer" and linear_kernels.quant_fits(n, k, q.group, integer=True)
+                laid = (linear_kernels.lay_out(q, torch.float32, integer=True) if integer
+                        else linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32))
+                write(laid.packed.numpy().data)
+            placed[entry["hf"]] = {"at": at, "size": out.tell() - at, "bits": laid.bits, "group": laid.group, "offsets": laid.offsets,
+                                   "integer": integer, "supers": laid.supers, "halves": laid.halves}
+        size = out.tell()
+    placed = {"tensors": placed, "files": {path.name: [size, digest.hexdigest()]}}
+    placed["check"] = _index_check(placed)
+    with written_whole(directory / f"{layout}.json") as out:
+        out.write(json.dumps(placed).encode())
+    return placed
+
+
+def _dequantized(gguf: Path, entry: dict) -> np.ndarray:
+    """A tensor dequantized as gguf-py does, ``CHUNK`` rows at a time into one array: gguf-py's intermediates for a
+    whole table are several times its size (the 1.5B's embedding: 0.9 GB in fp32), and a dense load's peak was there."""
+    import gguf as gguf_py
+
+    raw, kind = _read(gguf, entry), gguf_py.GGMLQuantizationType[entry["type"]]
+    if raw.ndim < 2 or len(raw) <= CHUNK:
+        return gguf_py.dequantize(raw, kind)
+    first = gguf_py.dequantize(raw[:CHUNK], kind)
+    out = np.empty((len(raw), *first.shape[1:]), first.dtype)
+    out[:CHUNK] = first
+    for start in range(CHUNK, len(raw), CHUNK):
+        out[start:start + CHUNK] = gguf_py.dequantize(raw[start:start + CHUNK], kind)
+    return out
 
 
 def _decoded(entry: dict, raw: np.ndarray):
@@ -308,10 +376,15 @@ def _decoded(entry: dict, raw: np.ndarray):
         yield quants.from_blocks(raw[start:start + CHUNK], entry["type"], min(CHUNK, n - start), k)
 
 
-def weight_kinds(prepared: Prepared, integer: bool = False) -> str:
-    """What ``kernels.weight_kinds`` will say of the model ``load`` builds (the cost curve's key), from the index."""
-    kinds = {quants.kind(e["integer_bits"], e["group"], e["offsets"], e["supers"], e["halves"]) if integer and e["integer_size"]
-             else quants.kind(e["bits"], e["group"], e["offsets"]) for e in prepared.index["tensors"] if e["role"] == "blocks"}
+def layout_for(integer: bool) -> str:
+    """The layout a load maps for int8 activations (``integer``), or for fp32 and bf16 ones."""
+    return "integer" if integer else "blocks"
+
+
+def weight_kinds(prepared: Prepared) -> str:
+    """What ``kernels.weight_kinds`` will say of the model ``load`` builds on ``prepared``'s layout (the cost curve's
+    key), from its index."""
+    kinds = {quants.kind(w["bits"], w["group"], w["offsets"], w["supers"], w["halves"]) for w in prepared.placed["tensors"].values()}
     return ", ".join(sorted(kinds | ({"dense"} if prepared.index["left"] else set()))) or "dense"
 
 
@@ -328,13 +401,12 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
     until then. ``dense``: every tensor dequantized instead (``--weights dense``, the stock kernels), still
     straight from the file: the model holds its dense weights once, and nothing dense is written anywhere.
     ``integer``: for the integer kernel, the blocks as it reads them where it has a layout of its own (``integer.bin``)."""
-    with _entry(gguf, cache_dir, progress) as prepared:  # read and mapped while no other process can make it again
-        return _built(gguf, prepared, dtype, dense, integer)
+    with _entry(gguf, cache_dir, progress, None if dense else layout_for(integer)) as prepared:  # mapped while no one makes it again
+        return _built(gguf, prepared, dtype)
 
 
-def _built(gguf: Path, prepared: Prepared, dtype: torch.dtype, dense: bool, integer: bool):
+def _built(gguf: Path, prepared: Prepared, dtype: torch.dtype):
     """``load``'s model, from its entry ``prepared``, checked."""
-    import gguf as gguf_py
     from transformers import AutoConfig, AutoTokenizer
 
     directory, index = prepared.directory, prepared.index
@@ -343,20 +415,18 @@ def _built(gguf: Path, prepared: Prepared, dtype: torch.dtype, dense: bool, inte
     tokenizer = AutoTokenizer.from_pretrained(directory) if (directory / "tokenizer_config.json").is_file() else None
     model = _skeleton(config, dtype)
     processor, _ = _processor(index["architecture"], config)
-    blocks = _blocks(directory / "blocks.bin") if not dense else None
-    own = _blocks(directory / "integer.bin") if integer and not dense else None
+    dense = prepared.layout is None
+    blocks = _blocks(directory / f"{prepared.layout}.bin") if not dense else None
     layouts = {}
     for entry in index["tensors"]:
         module_name, _, leaf = entry["hf"].rpartition(".")
         if dense and entry["role"] == "blocks" and entry["gguf"] == "token_embd.weight":
             continue  # a tied output layer: the embedding's own table (tied below)
         if not dense and entry["role"] == "blocks":
-            on_own = own is not None and entry["integer_size"] > 0
-            source, at, size = (own, entry["integer_at"], entry["integer_size"]) if on_own else (blocks, entry["at"], entry["size"])
-            packed = source[at: at + size].view(entry["n"] // linear_kernels.BLOCK, -1)
-            layouts[module_name] = linear_kernels.QuantLayout(packed, entry["n"], entry["k"], entry["integer_bits"] if on_own else entry["bits"],
-                                                      entry["group"], entry["offsets"], dtype, integer=on_own,
-                                                      supers=on_own and entry["supers"], halves=on_own and entry["halves"])
+            where = prepared.placed["tensors"][entry["hf"]]
+            packed = blocks[where["at"]: where["at"] + where["size"]].view(entry["n"] // linear_kernels.BLOCK, -1)
+            layouts[module_name] = linear_kernels.QuantLayout(packed, entry["n"], entry["k"], where["bits"], where["group"], where["offsets"],
+                                                              dtype, where["integer"], where["supers"], where["halves"])
         elif not dense and entry["role"] == "embedding":
             original = model.get_submodule(module_name)
             raw = np.memmap(gguf, dtype=np.uint8, mode="r", offset=entry["offset"], shape=(entry["nbytes"],))
@@ -365,8 +435,7 @@ def _built(gguf: Path, prepared: Prepared, dtype: torch.dtype, dense: bool, inte
             parent, _, child = module_name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, table)
         else:
-            weights = gguf_py.dequantize(_read(gguf, entry), gguf_py.GGMLQuantizationType[entry["type"]])
-            weights = processor.process(weights=weights, name=entry["gguf"]).weights
+            weights = processor.process(weights=_dequantized(gguf, entry), name=entry["gguf"]).weights
             _check_finite(gguf, entry, torch.from_numpy(np.asarray(weights)))
             module = model.get_submodule(module_name)
             if tuple(weights.shape) != tuple(getattr(module, leaf).shape):  # as processed (``_entries`` checked the rest)
@@ -389,6 +458,6 @@ def _check_finite(gguf: Path, entry: dict, *tensors: torch.Tensor | None) -> Non
 
 
 def _blocks(path: Path) -> torch.Tensor:
-    """``blocks.bin`` memory-mapped (private: the pages stay the file's until written, which nothing does)."""
+    """A layout's file memory-mapped (private: the pages stay the file's until written, which nothing does)."""
     size = path.stat().st_size
     return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)

