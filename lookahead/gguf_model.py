@@ -48,11 +48,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from lookahead import linear_kernels, quants
+from lookahead import cpu, linear_kernels, quants
 from lookahead.cache_entries import Progress, check_files, directory_whole, held, leftovers, sha256, sweep
-from ngram_pool.files import written_whole
 from lookahead.gguf_header import ModelLoadError, _regular, check_header, check_metadata, one_line, wrong_shape
 from lookahead.kernels import SIBLINGS
+from ngram_pool.files import written_whole
 
 LAYOUT = 9  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
 LAYOUTS = {"blocks": "fp32 and bf16", "integer": "int8"}  # the laid-out blocks a load maps, and the activations they serve
@@ -352,22 +352,6 @@ def _lay_out(gguf: Path, index: dict, directory: Path, layout: str) -> dict:
     return placed
 
 
-def _dequantized(gguf: Path, entry: dict) -> np.ndarray:
-    """A tensor dequantized as gguf-py does, ``CHUNK`` rows at a time into one array: gguf-py's intermediates for a
-    whole table are several times its size (the 1.5B's embedding: 0.9 GB in fp32), and a dense load's peak was there."""
-    import gguf as gguf_py
-
-    raw, kind = _read(gguf, entry), gguf_py.GGMLQuantizationType[entry["type"]]
-    if raw.ndim < 2 or len(raw) <= CHUNK:
-        return gguf_py.dequantize(raw, kind)
-    first = gguf_py.dequantize(raw[:CHUNK], kind)
-    out = np.empty((len(raw), *first.shape[1:]), first.dtype)
-    out[:CHUNK] = first
-    for start in range(CHUNK, len(raw), CHUNK):
-        out[start:start + CHUNK] = gguf_py.dequantize(raw[start:start + CHUNK], kind)
-    return out
-
-
 def _decoded(entry: dict, raw: np.ndarray):
     """A tensor's rows decoded ``CHUNK`` at a time (decoding a 150k-row head whole took ~2 GB)."""
     k, n = entry["shape"]
@@ -407,6 +391,7 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
 
 def _built(gguf: Path, prepared: Prepared, dtype: torch.dtype):
     """``load``'s model, from its entry ``prepared``, checked."""
+    import gguf as gguf_py
     from transformers import AutoConfig, AutoTokenizer
 
     directory, index = prepared.directory, prepared.index
@@ -435,7 +420,9 @@ def _built(gguf: Path, prepared: Prepared, dtype: torch.dtype):
             parent, _, child = module_name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, table)
         else:
-            weights = processor.process(weights=_dequantized(gguf, entry), name=entry["gguf"]).weights
+            weights = gguf_py.dequantize(_read(gguf, entry), gguf_py.GGMLQuantizationType[entry["type"]])
+            weights = processor.process(weights=weights, name=entry["gguf"]).weights
+            cpu.release_freed_memory()  # gguf-py's intermediates, between the weights kept: the 1.5B's fp32 load peaked 8.4 GB, 7.6 so
             _check_finite(gguf, entry, torch.from_numpy(np.asarray(weights)))
             module = model.get_submodule(module_name)
             if tuple(weights.shape) != tuple(getattr(module, leaf).shape):  # as processed (``_entries`` checked the rest)
