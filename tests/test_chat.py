@@ -169,7 +169,7 @@ def test_a_template_that_rejects_the_system_message_is_one_line(tmp_path):
 @pytest.mark.slow
 def test_smollm2_turns_are_what_generate_gives(smollm2):
     model, tok = smollm2
-    gen = LookaheadGenerator(model, tok, LookaheadConfig(auto=False, recycle_prior=0))
+    gen = on_fixed_cost(model, tok, LookaheadConfig(auto=False, recycle_prior=0))
     session = ChatSession(gen, gen.new_state(), 40, system="Answer briefly.")
     for user in ("Name three colors of the rainbow.", "Repeat your last answer word for word."):
         messages = session.conversation.messages(user)

@@ -372,10 +372,11 @@ def test_smollm2_bf16_on_its_blocks_lookahead_equals_the_plain_loop():
 def test_smollm2_int8_on_its_blocks_lookahead_equals_the_plain_loop():
     model, tok = models.load("smollm2-135m", dtype="int8", kernels="packed", weights="gguf")
     assert kernels.kernels_of(model) == kernels.INTEGER_KERNELS and kernels.weights_of(model) == "q4/32+offsets in fp16 x 210, q8/32 in fp16 x 1"
-    gen = on_fixed_cost(model, tok, LookaheadConfig())
-    for text in ("import numpy as np\n\ndef softmax(x):", "The capital of France is"):
-        prompt = tok(text)["input_ids"]
-        assert gen.generate(prompt, 40).tokens == gen.generate(prompt, 40, lookahead=False).tokens
+    for config in (LookaheadConfig(), LookaheadConfig(auto=False, window=3, ngram=5, guess=100, tree_budget=64, recycle_prior=0)):
+        gen = on_fixed_cost(model, tok, config)  # the default trees, and 64-node ones
+        for text in ("import numpy as np\n\ndef softmax(x):", "The capital of France is"):
+            prompt = tok(text)["input_ids"]
+            assert gen.generate(prompt, 40).tokens == gen.generate(prompt, 40, lookahead=False).tokens
 
 
 AVX2_INT8_RUN = """
@@ -397,6 +398,7 @@ print("equal")
 
 @pytest.mark.slow
 @pytest.mark.skipif(not OWN or not native.runs("avx2"), reason="our kernels do not run here")
+@pytest.mark.skipif(native.tier() == "avx2", reason="the tier this process runs: the test above runs it")
 def test_smollm2_int8_on_the_avx2_tier_lookahead_equals_the_plain_loop():
     """Without AVX-512 BF16 int8 runs fp32 between the linears (``models.torch_dtype``), each layer's step in one call
     (decoder_layer_fp32.c), its integer products on int_linear_avx2.c and its attention on tree_attention_avx2.c: both
