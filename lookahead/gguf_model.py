@@ -8,8 +8,8 @@ and ``index.json``. The first load that runs the blocks with a kind of activatio
 for those kernels (``_lay_out``), one tensor at a time, beside them: ``blocks.bin`` for fp32 and bf16 activations
 (``linear_kernels.pack_quantized``), ``integer.bin`` for int8 ones (the integer kernel's layouts: values in its lanes'
 order, the K types' scales per 256 k's, the legacy types' fp16 ones), each with its own index (``blocks.json``,
-``integer.json``). A run lays out (and maps) only the one it reads: the cache of a model run on int8 holds about the
-file's size (the 1.5B's: 1.0 GB for its 1.1 GB file, where both were 2.4 GB), and a first run decodes the file once.
+``integer.json``). A run lays out (and maps) only the one it reads: the cache of a model run on int8 holds less than
+the file (the 1.5B's: 0.96 GB for its 1.12 GB file, where both layouts were 2.3 GB).
 Each load (``load``) then builds the model on the meta device (parameters only:
 buffers such as RoPE's frequencies are computed as usual), memory-maps the laid-out blocks into the linears
 (``kernels.pack``), looks the embedding up from the file's own blocks (``quants.QuantEmbedding``) and dequantizes
