@@ -57,6 +57,7 @@ from ngram_pool.files import written_whole
 LAYOUT = 9  # the cache's layout: a change to it (or to pack_quantized's or pack_supers' blocks) must bump this
 LAYOUTS = {"blocks": "fp32 and bf16", "integer": "int8"}  # the laid-out blocks a load maps, and the activations they serve
 ALIGN = 64  # each laid-out weight starts at a multiple of this in its layout's file
+PLACED = ("bits", "group", "offsets", "integer", "supers", "halves")  # what a layout's index keeps of each QuantLayout
 CHUNK = 4096  # rows decoded and laid out at a time (a multiple of linear_kernels.BLOCK: blocks of rows are independent)
 @dataclass(frozen=True)
 class Prepared:
@@ -338,12 +339,11 @@ def _lay_out(gguf: Path, index: dict, directory: Path, layout: str) -> dict:
             at = out.tell()
             for q in _decoded(entry, raw):  # every chunk alike: the rows' scales are all the file's
                 _check_finite(gguf, entry, q.scale, q.offset)
-                integer = layout == "integer" and linear_kernels.quant_fits(n, k, q.group, integer=True)
-                laid = (linear_kernels.lay_out(q, torch.float32, integer=True) if integer
+                laid = (linear_kernels.lay_out(q, torch.float32, integer=True)
+                        if layout == "integer" and linear_kernels.quant_fits(n, k, q.group, integer=True)
                         else linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32))
                 write(laid.packed.numpy().data)
-            placed[entry["hf"]] = {"at": at, "size": out.tell() - at, "bits": laid.bits, "group": laid.group, "offsets": laid.offsets,
-                                   "integer": integer, "supers": laid.supers, "halves": laid.halves}
+            placed[entry["hf"]] = {"at": at, "size": out.tell() - at} | {field: getattr(laid, field) for field in PLACED}
         size = out.tell()
     placed = {"tensors": placed, "files": {path.name: [size, digest.hexdigest()]}}
     placed["check"] = _index_check(placed)
@@ -410,8 +410,7 @@ def _built(gguf: Path, prepared: Prepared, dtype: torch.dtype):
         if not dense and entry["role"] == "blocks":
             where = prepared.placed["tensors"][entry["hf"]]
             packed = blocks[where["at"]: where["at"] + where["size"]].view(entry["n"] // linear_kernels.BLOCK, -1)
-            layouts[module_name] = linear_kernels.QuantLayout(packed, entry["n"], entry["k"], where["bits"], where["group"], where["offsets"],
-                                                              dtype, where["integer"], where["supers"], where["halves"])
+            layouts[module_name] = linear_kernels.QuantLayout(packed, entry["n"], entry["k"], dtype=dtype, **{field: where[field] for field in PLACED})
         elif not dense and entry["role"] == "embedding":
             original = model.get_submodule(module_name)
             raw = np.memmap(gguf, dtype=np.uint8, mode="r", offset=entry["offset"], shape=(entry["nbytes"],))
