@@ -1,10 +1,11 @@
 """A model built straight from a GGUF file: its linears on the file's own blocks, never a dense copy of them.
 
 The first load of a file reads it once (``prepare``): its header checked against its bytes as llama.cpp checks it
-(``check_header``: gguf-py's and transformers' readers trust it), its config, tokenizer and chat template from its
-metadata (transformers' GGUF readers), which of its tensors becomes what (transformers' name mapping and tensor
-processor for the architecture, on a skeleton of the model), into ``<cache>/blocks/<file>-<key>/``: the small files
-and ``index.json``. The first load that runs the blocks with a kind of activations lays every linear's blocks out
+(``read_header``: gguf-py's and transformers' readers trust it), its config (transformers', made of a copy of the
+header without the vocabulary: ``_config``), tokenizer and chat template (transformers' GGUF reader), which of its
+tensors becomes what (transformers' name mapping and tensor processor for the architecture, on a skeleton of the
+model), into ``<cache>/blocks/<file>-<key>/``: the small files and ``index.json`` (the 1.5B's: 30 -> 6 s, gguf-py's
+reader of the whole file, twice, was 23 s of it). The first load that runs the blocks with a kind of activations lays every linear's blocks out
 for those kernels (``_lay_out``), one tensor at a time, beside them: ``blocks.bin`` for fp32 and bf16 activations
 (``linear_kernels.pack_quantized``), ``integer.bin`` for int8 ones (the integer kernel's layouts: values in its lanes'
 order, the K types' scales per 256 k's, the legacy types' fp16 ones), each with its own index (``blocks.json``,
@@ -13,10 +14,10 @@ the file (the 1.5B's: 0.96 GB for its 1.12 GB file, where both layouts were 2.3 
 Each load (``load``) then builds the model on the meta device (parameters only:
 buffers such as RoPE's frequencies are computed as usual), memory-maps the laid-out blocks into the linears
 (``kernels.pack``), looks the embedding up from the file's own blocks (``quants.QuantEmbedding``) and dequantizes
-the few small tensors (norms, biases) from the file, through the processor (Gemma's norm offset). The GGUF
-reader, ~7 s on a 150k vocabulary, and the mapping are not run again.
+the few small tensors (norms, biases) from the file, through the processor (Gemma's norm offset). The file's
+metadata and the mapping are not read again.
 
-A file is read only once what it says agrees with itself: its header with its bytes (``check_header``), its
+A file is read only once what it says agrees with itself: its header with its bytes (``read_header``), its
 metadata with the tensors it describes (``check_metadata``: the vocabulary against the embedding's rows, the heads
 against the projections, before a config is made from it), and every tensor's shape with the one the config gives
 its parameter (``_entries``, on a model on the meta device: nothing is allocated from the metadata). The cache
@@ -38,7 +39,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +53,7 @@ from torch import nn
 
 from lookahead import cpu, linear_kernels, quants
 from lookahead.cache_entries import Progress, check_files, directory_whole, held, leftovers, sha256, sweep
-from lookahead.gguf_header import ModelLoadError, _regular, check_header, check_metadata, one_line, wrong_shape
+from lookahead.gguf_header import Header, ModelLoadError, _regular, check_metadata, one_line, read_header, without_vocabulary, wrong_shape
 from lookahead.kernels import SIBLINGS
 from ngram_pool.files import written_whole
 
@@ -212,25 +215,16 @@ def _checked_layout(target: Path, layout: str) -> tuple[dict | None, str]:
 def _build(gguf: Path, status: os.stat_result, target: Path) -> dict:
     """Read ``gguf`` (see the module doc) into the entry ``target``; its index, which lists every file's size and
     sha256, and the source's."""
-    from transformers import AutoConfig
-
-    check_header(gguf)
+    header = read_header(gguf)
+    check_metadata(gguf, header)
     try:
-        import gguf as gguf_py
-
-        reader = gguf_py.GGUFReader(gguf)
-        architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
-    except Exception as e:  # gguf-py raises many types for an unreadable file
-        raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
-    check_metadata(gguf, reader, architecture)
-    try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = _config(gguf, header)
         model = _skeleton(config, torch.float32, meta=True)
     except Exception as e:  # transformers raises many types for an unsupported file
         raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
     tokenizer = tokenizer_of(gguf, config.model_type)
-    processor, blocks = _processor(architecture, config)
-    entries, left = _entries(gguf, reader, model, processor, blocks)
+    processor, blocks = _processor(header.architecture, config)
+    entries, left = _entries(gguf, header, model, processor, blocks)
     with directory_whole(target) as tmp:
         config.save_pretrained(tmp)
         if tokenizer is not None:
@@ -242,14 +236,36 @@ def _build(gguf: Path, status: os.stat_result, target: Path) -> dict:
         paths = sorted(tmp.iterdir())
         with ThreadPoolExecutor() as pool:
             digests = list(pool.map(sha256, [gguf, *paths]))
-        index = {"gguf": str(gguf.resolve()), "architecture": architecture, "tensors": entries, "left": left,
+        index = {"gguf": str(gguf.resolve()), "architecture": header.architecture, "tensors": entries, "left": left,
                  "source": [status.st_size, digests[0]], "files": {p.name: [p.stat().st_size, d] for p, d in zip(paths, digests[1:])}}
         index["check"] = _index_check(index)
         (tmp / "index.json").write_text(json.dumps(index))
     return index
 
 
-def _entries(gguf: Path, reader, model: nn.Module, processor, blocks: str | None) -> tuple[list[dict], list[str]]:
+def _config(gguf: Path, header: Header):
+    """transformers' config of ``gguf``, made from a copy of its header without the vocabulary
+    (``without_vocabulary``: 12 -> 0.1 s for the 1.5B's); from the file itself where that config's vocabulary is not
+    the file's (an architecture whose vocab_size transformers takes only from the vocabulary)."""
+    from transformers import AutoConfig
+
+    said = logging.getLogger("transformers.modeling_gguf_pytorch_utils")  # its warning of a vocabulary the copy lacks
+    level = said.level
+    with tempfile.TemporaryDirectory(prefix="lookahead-header-") as tmp:
+        without_vocabulary(gguf, header, Path(tmp) / gguf.name)
+        try:
+            said.setLevel(logging.ERROR)
+            config = AutoConfig.from_pretrained(tmp, gguf_file=gguf.name)
+        finally:
+            said.setLevel(level)
+    config.name_or_path = str(gguf.parent)  # as read from the file itself
+    vocabulary = header.values.get(f"{header.architecture}.vocab_size", header.values.get("tokenizer.ggml.tokens"))
+    if vocabulary is not None and config.vocab_size != vocabulary:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return config
+
+
+def _entries(gguf: Path, header: Header, model: nn.Module, processor, blocks: str | None) -> tuple[list[dict], list[str]]:
     """(what each of the file's tensors becomes in ``model`` (on the meta device): its index entry, with its role:
     "blocks" (a linear on the file's blocks), "embedding" (looked up from them) or "dense" (dequantized at each
     load); one line for each linear left dense, and why). Each tensor's shape is the one ``model``'s config gives its
@@ -260,20 +276,18 @@ def _entries(gguf: Path, reader, model: nn.Module, processor, blocks: str | None
     mapping = get_gguf_hf_weights_map(model, processor)
     embedding, output = _module_names(model)
     modules, parameters = dict(model.named_modules()), dict(model.named_parameters())
-    tied = getattr(model.config, "tie_word_embeddings", False) and all(t.name != "output.weight" for t in reader.tensors)
+    tied = getattr(model.config, "tie_word_embeddings", False) and all(t.name != "output.weight" for t in header.tensors)
     entries, left = [], []
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
         hf = mapping.get(tensor.name)
         if hf is None:
             continue
-        stored = [int(d) for d in reversed(tensor.shape)]
-        if blocks is not None and hf in parameters and stored != list(parameters[hf].shape):
-            raise wrong_shape(gguf, tensor.name, stored, hf, parameters[hf].shape)
+        if blocks is not None and hf in parameters and tensor.rows != list(parameters[hf].shape):
+            raise wrong_shape(gguf, tensor.name, tensor.rows, hf, parameters[hf].shape)
         parameters.pop(hf, None)
-        kind = tensor.tensor_type.name
-        entry = {"gguf": tensor.name, "hf": hf, "type": kind, "offset": int(tensor.data_offset), "nbytes": int(tensor.n_bytes),
-                 "shape": [int(d) for d in tensor.shape], "data_shape": list(tensor.data.shape), "dtype": str(tensor.data.dtype),
-                 "role": "dense"}
+        kind, (dtype, data_shape) = tensor.kind, tensor.stored()
+        entry = {"gguf": tensor.name, "hf": hf, "type": kind, "offset": tensor.offset, "nbytes": tensor.nbytes,
+                 "shape": list(tensor.dims), "data_shape": data_shape, "dtype": dtype, "role": "dense"}
         module_name, _, leaf = hf.rpartition(".")
         quantized = kind in quants.DECODERS and leaf == "weight"
         if quantized and module_name == embedding:

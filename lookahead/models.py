@@ -266,7 +266,7 @@ def _convert(gguf: Path, target: Path, progress: Progress) -> Path:
     from transformers import AutoModelForCausalLM
 
     progress(f"converting {gguf.name} to safetensors (once; cached in {target})")
-    gguf_header.check_header(gguf)
+    gguf_header.read_header(gguf)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many types for an unreadable or unsupported GGUF

