@@ -405,7 +405,6 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
 
 def _built(gguf: Path, prepared: Prepared, dtype: torch.dtype):
     """``load``'s model, from its entry ``prepared``, checked."""
-    import gguf as gguf_py
     from transformers import AutoConfig, AutoTokenizer
 
     directory, index = prepared.directory, prepared.index
@@ -433,10 +432,8 @@ def _built(gguf: Path, prepared: Prepared, dtype: torch.dtype):
             parent, _, child = module_name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, table)
         else:
-            weights = gguf_py.dequantize(_read(gguf, entry), gguf_py.GGMLQuantizationType[entry["type"]])
-            weights = processor.process(weights=weights, name=entry["gguf"]).weights
-            cpu.release_freed_memory()  # gguf-py's intermediates, between the weights kept: the 1.5B's fp32 load peaked 8.4 GB, 7.6 so
-            _check_finite(gguf, entry, torch.from_numpy(np.asarray(weights)))
+            weights = processor.process(weights=_dequantized(gguf, entry), name=entry["gguf"]).weights
+            cpu.release_freed_memory()  # the intermediates, between the weights kept: the 1.5B's fp32 load peaked 8.4 GB, 7.6 so
             module = model.get_submodule(module_name)
             if tuple(weights.shape) != tuple(getattr(module, leaf).shape):  # as processed (``_entries`` checked the rest)
                 raise wrong_shape(gguf, entry["gguf"], list(weights.shape), entry["hf"], getattr(module, leaf).shape)
@@ -448,6 +445,25 @@ def _built(gguf: Path, prepared: Prepared, dtype: torch.dtype):
     if missing:
         raise ModelLoadError(f"{gguf}: the file has no tensor for {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     return model, tokenizer, layouts, [] if dense else index["left"]
+
+
+def _dequantized(gguf: Path, entry: dict) -> np.ndarray:
+    """A tensor's values, checked finite, bit for bit as gguf-py's ``dequantize`` gives them: a matrix of a type
+    ``quants`` decodes, ``CHUNK`` rows at a time into one array (2.3x faster: Qwen 0.5B's 6.8 -> 3.0 s), any other
+    tensor by gguf-py."""
+    import gguf as gguf_py
+
+    raw = _read(gguf, entry)
+    if entry["type"] not in quants.DECODERS or len(entry["shape"]) != 2:
+        weights = gguf_py.dequantize(raw, gguf_py.GGMLQuantizationType[entry["type"]])
+        _check_finite(gguf, entry, torch.from_numpy(np.asarray(weights)))
+        return weights
+    k, n = entry["shape"]
+    weights = np.empty((n, k), np.float32)
+    for start, q in zip(range(0, n, CHUNK), _decoded(entry, raw)):
+        _check_finite(gguf, entry, q.scale, q.offset)  # the values then are: q is small
+        weights[start: start + CHUNK] = q.dequantize().numpy()
+    return weights
 
 
 def _check_finite(gguf: Path, entry: dict, *tensors: torch.Tensor | None) -> None:
