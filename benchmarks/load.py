@@ -6,6 +6,7 @@ memory, the cache they leave), a warm ``lookahead generate``'s first token on th
     python -m benchmarks.load                                  # Qwen2.5-Coder-1.5B Q4_K_M (fetched once, 1.1 GB)
     python -m benchmarks.load --model smollm2-135m --out benchmarks/results/load-smollm2-135m
     python -m benchmarks.load --gguf path/to/model.gguf        # any GGUF file
+    python -m benchmarks.load --gguf ~/.cache/lookahead/gguf/synthetic-qwen2-7b.gguf --first-runs  # benchmarks.big_gguf's
 
 An empty cache is a fresh directory holding only the downloads (wheels, assembled GGUFs) and the kernels' build:
 the blocks are laid out anew. The first token is timed on the user's cache, after one run that measures whatever
@@ -113,15 +114,24 @@ def main(argv=None) -> None:
     parser.add_argument("--gguf", type=Path, help="a GGUF file instead of an embedded model")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--first-runs", action="store_true",
+                        help="only a first generate from an empty cache and the warm one after it (a 7B-class file's loads and tune take many minutes)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/load-latest"))
     args = parser.parse_args(argv)
     user = models.default_cache_dir()
     spec = str(args.gguf.resolve()) if args.gguf else args.model
     gguf = args.gguf or models.fetch_embedded(args.model, user, print)
     generate = ("generate", "--model", spec, "--max-new-tokens", "8", PROMPT)
+    if args.first_runs:
+        with tempfile.TemporaryDirectory(prefix="lookahead-load-") as base:
+            first = empty_cache(Path(base) / "first", user)
+            results = {"hardware": hardware(), "model": gguf.name if args.gguf else spec, "file_gb": gguf.stat().st_size / 1e9, "first_run": cli_run(first, *generate),
+                       "warm_run": cli_run(first, *generate), "first_run_cache": cache_gb(first)}
+        save(results, args.out)
+        return
     with tempfile.TemporaryDirectory(prefix="lookahead-load-") as base:
         cache = empty_cache(Path(base) / "load", user)
-        results = {"hardware": hardware(), "model": spec, "dtype": args.dtype, "file_gb": gguf.stat().st_size / 1e9,
+        results = {"hardware": hardware(), "model": gguf.name if args.gguf else spec, "dtype": args.dtype, "file_gb": gguf.stat().st_size / 1e9,
                    "cold": ours(spec, args.dtype, cache), "warm": ours(spec, args.dtype, cache), "cache": cache_gb(cache)}
         first = empty_cache(Path(base) / "first", user)  # a whole first run: layout, probes, prior, its first token
         results |= {"first_run": cli_run(first, *generate), "warm_run": cli_run(first, *generate),

@@ -95,6 +95,10 @@ def headline(results: dict) -> str:
         return (f"a {results['file_gb']:.2f} GB GGUF loaded in {results['cold']['load_s']:.0f} s cold, {results['warm']['load_s']:.1f} s "
                 f"warm; peak {max(results['cold']['peak_rss_gb'], results['warm']['peak_rss_gb']):.2f} GB"
                 + (f"; llama.cpp {llama['load_s']:.1f} s, {llama['peak_rss_gb']:.2f} GB" if llama else ""))
+    if "first_run" in results:  # benchmarks.load --first-runs
+        first, warm = results["first_run"], results["warm_run"]
+        return (f"a {results['file_gb']:.2f} GB GGUF's first run: first token at {first['first_byte_s']:.0f} s, peak "
+                f"{first['peak_rss_gb']:.2f} GB; the next at {warm['first_byte_s']:.0f} s, {warm['peak_rss_gb']:.2f} GB")
     runs = results.get("runs", {})  # benchmarks.peers, benchmarks.window
     tps = {m: sum(count(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
     if "lookahead without the window" in runs:
