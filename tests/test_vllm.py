@@ -198,9 +198,9 @@ def test_greedy_output_with_our_proposer_equals_vllm_plain_greedy():
         {"name": "together", "prompts": prompts, "max_tokens": [16, 64, 32, 48, 24, 40], "together": True},
     ]
     job = {"model": model, "dtype": "float32", "max_num_seqs": 4, "runs": runs}
-    plain = vllm_cpu.run(job)
+    plain = vllm_cpu.run(job, in_process=True)
     ours = vllm_cpu.run({**job, "spec": {"method": "custom_class", "model": "lookahead.vllm.LookaheadProposer",
-                                         "num_speculative_tokens": 8}})
+                                         "num_speculative_tokens": 8}}, in_process=True)
     for run in runs:
         assert ours["runs"][run["name"]]["outputs"] == plain["runs"][run["name"]]["outputs"], run["name"]
     assert ours["accepted"] > 0 and ours["draft_tokens"] > ours["accepted"] and plain["drafts"] == 0
