@@ -19,7 +19,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TextStreamer,
                           TopKLogitsWarper)
 
-from conftest import assert_greedy_equal, hf_greedy, tiny_gemma3, tiny_llama, tiny_tokenizer
+from conftest import assert_greedy_equal, hf_greedy, on_fixed_cost, tiny_gemma3, tiny_llama, tiny_tokenizer
 from test_engine import repetitive_prompt
 from test_sampling import K, VOCAB, chi_square_p, exact_distribution, sharp_tiny_model, state_with
 from lookahead import LookaheadConfig, LookaheadGenerator
@@ -605,11 +605,12 @@ def real_prompts(tok) -> list[list[int]]:
 
 
 def real_batch(engine_model, tok, max_new_tokens: int, config: LookaheadConfig) -> tuple[list[list[int]], list]:
-    """(the real prompts, the engine's outputs for them decoded as one batch). The configs here give the recycling
-    table no prior: what a batch drafts does not change what it must give, and fp32 priors of these models cost
-    27-85 s a test (the prior on real models is in ``test_real_models.py``)."""
+    """(the real prompts, the engine's outputs for them decoded as one batch), planned on the fixed cost curve. The
+    configs here give the recycling table no prior and the generator no probe: what a batch drafts does not change
+    what it must give, and fp32 priors of these models cost 27-85 s a test, probes 15-28 s (the prior and the live
+    cost model on real models are in ``test_real_models.py``)."""
     prompts = real_prompts(tok)
-    return prompts, LookaheadGenerator(engine_model, tok, config).generate_batch(prompts, max_new_tokens)
+    return prompts, on_fixed_cost(engine_model, tok, config).generate_batch(prompts, max_new_tokens)
 
 
 def assert_batch_equals_generate(model, prompts: list[list[int]], results: list, max_new_tokens: int) -> None:

@@ -136,14 +136,14 @@ def test_gguf_conversion_cache_reloads_identical_logits(smollm2, tmp_path):
 def test_qwen2_coder_equals_generate():
     """fp32 lookahead equals stock generate() on Qwen2.5-Coder. One copy of the model at a time (2 GB each): the
     engine's packed one decodes first, then the stock one gives the references and judges any tie. It runs
-    before the Gemma tests, whose module-scoped models would otherwise add ~2 GB to its peak memory. No prior
-    (SmolLM2's tests run it): Qwen's in fp32 took ~90 s of this test's ~140."""
+    before the Gemma tests, whose module-scoped models would otherwise add ~2 GB to its peak memory. No prior and no
+    probe (SmolLM2's tests run them): Qwen's prior in fp32 took ~90 s of this test's ~140, its probe ~20."""
     packed, tok = models.load("qwen2.5-coder-0.5b", dtype="float32", kernels="packed")
     runs = []  # (prompt ids, lookahead's tokens) for two prompts, two tree sizes each
     for name, text, chat in (PROMPTS[0], PROMPTS[3]):
         ids = prompt_ids(tok, text, chat)
         for budget in ((32, 1) if name == PROMPTS[0][0] else (64, 8)):
-            gen = LookaheadGenerator(packed, tok, LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=budget, recycle_prior=0))
+            gen = on_fixed_cost(packed, tok, LookaheadConfig(auto=False, window=4, ngram=4, guess=4, tree_budget=budget, recycle_prior=0))
             runs.append((ids, gen.generate(ids, max_new_tokens=48).tokens))
     del packed, gen
     gc.collect()
