@@ -49,11 +49,12 @@ def run(job: dict, timeout: float = 900, cache_dir: Path | None = None, in_proce
     """Run one engine's job (``vllm_job.py``'s format) in the environment; its results, or RuntimeError with the
     tail of its log. ``in_process``: vLLM's engine core in the job's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
     not in one it starts: SmolLM2's engine up and 48 tokens out in 21 s, not 60 (the second process imports vLLM
-    again); for tests, where vLLM's default is not what is timed."""
+    again); for tests, where vLLM's default is not what is timed. vLLM's own cache (what it learned of a model class,
+    ~13 s the first time) is kept beside its environment, so a test's fresh cache directory shares it."""
     home = venv(cache_dir)
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # a caller's proposer modules too
     env = {**os.environ, "PYTHONPATH": path, "LD_PRELOAD": str(home / "lib" / "libiomp5.so"),
-           "VLLM_CONFIGURE_LOGGING": "1", "TOKENIZERS_PARALLELISM": "false"} | ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})
+           "VLLM_CONFIGURE_LOGGING": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CACHE_ROOT": str(home / "cache")} | ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         done = subprocess.run([str(home / "bin" / "python"), str(ROOT / "tests" / "vllm_job.py")], input=json.dumps({**job, "out": str(out)}),
