@@ -121,17 +121,18 @@ def main(argv=None) -> None:
     user = models.default_cache_dir()
     spec = str(args.gguf.resolve()) if args.gguf else args.model
     gguf = args.gguf or models.fetch_embedded(args.model, user, print)
+    name = gguf.name if args.gguf else spec  # what the results call the model
     generate = ("generate", "--model", spec, "--max-new-tokens", "8", PROMPT)
     if args.first_runs:
         with tempfile.TemporaryDirectory(prefix="lookahead-load-") as base:
             first = empty_cache(Path(base) / "first", user)
-            results = {"hardware": hardware(), "model": gguf.name if args.gguf else spec, "file_gb": gguf.stat().st_size / 1e9, "first_run": cli_run(first, *generate),
+            results = {"hardware": hardware(), "model": name, "file_gb": gguf.stat().st_size / 1e9, "first_run": cli_run(first, *generate),
                        "warm_run": cli_run(first, *generate), "first_run_cache": cache_gb(first)}
         save(results, args.out)
         return
     with tempfile.TemporaryDirectory(prefix="lookahead-load-") as base:
         cache = empty_cache(Path(base) / "load", user)
-        results = {"hardware": hardware(), "model": gguf.name if args.gguf else spec, "dtype": args.dtype, "file_gb": gguf.stat().st_size / 1e9,
+        results = {"hardware": hardware(), "model": name, "dtype": args.dtype, "file_gb": gguf.stat().st_size / 1e9,
                    "cold": ours(spec, args.dtype, cache), "warm": ours(spec, args.dtype, cache), "cache": cache_gb(cache)}
         first = empty_cache(Path(base) / "first", user)  # a whole first run: layout, probes, prior, its first token
         results |= {"first_run": cli_run(first, *generate), "warm_run": cli_run(first, *generate),

@@ -9,8 +9,9 @@ reader of the whole file, run twice, was 23 s of it). The first load that runs t
 lays every linear's blocks out for those kernels (``_lay_out``), one tensor at a time, beside them: ``blocks.bin``
 for fp32 and bf16 activations (``linear_kernels.pack_quantized``), ``integer.bin`` for int8 ones (the integer
 kernel's layouts: values in its lanes' order, the K types' scales per 256 k's, the legacy types' fp16 ones), each
-with its own index (``blocks.json``, ``integer.json``). A run lays out (and maps) only the one it reads: the cache of a model run on int8 holds less than
-the file (the 1.5B's: 0.96 GB for its 1.12 GB file, where both layouts were 2.3 GB).
+with its own index (``blocks.json``, ``integer.json``). A run lays out (and maps) only the one it reads: the cache
+of a model run on int8 holds less than the file (the 1.5B's: 0.96 GB for its 1.12 GB file, where both layouts were
+2.3 GB).
 Each load (``load``) then builds the model on the meta device (parameters only:
 buffers such as RoPE's frequencies are computed as usual), memory-maps the laid-out blocks into the linears
 (``kernels.pack``), looks the embedding up from the file's own blocks (``quants.QuantEmbedding``) and dequantizes
