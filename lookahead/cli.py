@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -16,9 +15,9 @@ import click
 from lookahead import models
 from lookahead.config import MAX_BODY_BYTES, PREFILL_CHUNK, LookaheadConfig
 from lookahead.gguf_header import one_line
+from lookahead.terminal import Printer, chat_loop
 
 if TYPE_CHECKING:
-    from lookahead.chat import ChatSession
     from lookahead.drafting import DraftState
     from lookahead.generator import LookaheadGenerator
 
@@ -39,31 +38,6 @@ def _parse_ids(text: str) -> list[int]:
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise click.BadParameter(f"token ids must be a list of integers, got {text[:60]!r}")
     return ids
-
-
-class _Printer:
-    """A streamer that prints decoded text as tokens are accepted (the prompt's ``put`` is skipped)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.tokens, self.shown, self.prompt_seen = tokenizer, [], "", False
-
-    def put(self, ids) -> None:
-        if not self.prompt_seen:
-            self.prompt_seen = True
-            return
-        self.tokens += ids.tolist()
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-            return
-        click.echo(text[len(self.shown) :], nl=False)
-        sys.stdout.flush()
-        self.shown = text
-
-    def end(self) -> None:
-        """Print what is still held back (text ending in an incomplete character), then the newline."""
-        if self.tokens:
-            click.echo(self.tokenizer.decode(self.tokens, skip_special_tokens=True)[len(self.shown) :], nl=False)
-        click.echo()
 
 
 KERNELS_OPTION = click.option("--kernels", type=click.Choice(["packed", "stock"]), default="packed", show_default=True,
@@ -188,7 +162,7 @@ def generate(prompt, prompt_file, chat, max_new_tokens, system, seed, no_lookahe
             except ValueError as e:
                 raise ValueError(f"line {line}: {e}" if len(requests) > 1 else str(e)) from None
         for request in requests:
-            streamer = None if (as_json or ids_mode or gen.tokenizer is None) else _Printer(gen.tokenizer)
+            streamer = None if (as_json or ids_mode or gen.tokenizer is None) else Printer(gen.tokenizer)
             out = gen.generate(request, max_new_tokens, chat=chat, system=system, streamer=streamer,
                                lookahead=not no_lookahead, state=state, seed=seed, **decoding)
             if as_json:
@@ -202,20 +176,26 @@ def generate(prompt, prompt_file, chat, max_new_tokens, system, seed, no_lookahe
             click.echo(out.stats.summary(), err=True)
         if model["state_dir"] is not None:
             state.save(model["state_dir"])
+        _grow_prior(gen)
     except BrokenPipeError:
         _reader_gone()
     except (ValueError, OSError) as e:
         raise click.ClickException(one_line(e)) from None
 
 
+def _grow_prior(gen) -> None:
+    """The prior grown once the answers are out (``LookaheadGenerator.grow_prior``); Ctrl-C skips it, quietly (the
+    cache keeps what it had)."""
+    try:
+        gen.grow_prior()
+    except KeyboardInterrupt:
+        click.echo(err=True)
+
+
 def _reader_gone() -> None:
     """The reader of stdout went away (``| head``): stop quietly, as other CLIs do."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     sys.exit(0)
-
-
-CHAT_HELP = ("commands: /reset (forget the conversation; /reset all: the drafting state too), /save PATH (the drafting "
-             "state, as --state saves it), /exit (or Ctrl-D); a line ending in \\ goes on on the next")
 
 
 @main.command(context_settings=CONTEXT)
@@ -240,80 +220,15 @@ def chat(max_new_tokens, system, seed, no_lookahead, **options) -> None:
                               seed=seed, **decoding)
         click.echo(f"[lookahead] chatting with {model['model_spec']}; /help for commands, Ctrl-D to leave", err=True)
         try:
-            _chat_loop(session)
+            chat_loop(session)
         finally:  # what the conversation taught, kept however it ends
             if model["state_dir"] is not None:
                 session.state.save(model["state_dir"])
+        _grow_prior(gen)
     except BrokenPipeError:
         _reader_gone()
     except (ValueError, OSError) as e:
         raise click.ClickException(one_line(e)) from None
-
-
-def _chat_loop(session: ChatSession) -> None:
-    """Prompt, read a line, answer it or run its command, until /exit, the end of input, or Ctrl-C twice in a row
-    at the prompt. The first Ctrl-C at the prompt drops the line being typed, as a shell does (and ollama): a
-    user who pressed it to stop an answer, once too often, does not lose the conversation; the second leaves,
-    as llama-cli's does."""
-    interrupted = False
-    while True:
-        try:
-            line = input("> ")
-            while line.endswith("\\"):  # the message goes on on the next line, as in llama-cli
-                line = line[:-1] + "\n" + input("... ")
-            interrupted = False
-            if not _chat_command(session, line.strip()):
-                return
-        except EOFError:  # Ctrl-D, or the end of piped input
-            click.echo()
-            return
-        except UnicodeDecodeError as e:  # from input(): a line that is not text in the terminal's encoding
-            click.echo(f"Error: the line is not {e.encoding} text; type it again", err=True)
-        except KeyboardInterrupt:  # at the prompt, or in the instant before or after an answer (its own Ctrl-C stops it)
-            click.echo()
-            if interrupted:
-                return
-            click.echo("(Ctrl-C again, Ctrl-D or /exit to leave)", err=True)
-            interrupted = True
-
-
-def _chat_command(session: ChatSession, line: str) -> bool:
-    """Run a /command or answer ``line``; False to leave. Errors are one line, and the session goes on."""
-    command, _, argument = line.partition(" ")
-    argument = argument.strip()
-    if not line:
-        pass
-    elif command in ("/exit", "/quit", "/bye"):
-        return False
-    elif command == "/reset" and argument in ("", "all"):
-        exchanges = session.reset(state=argument == "all")
-        kept = "a new drafting state" if argument else "the drafting state kept (/reset all forgets it too)"
-        click.echo(f"conversation reset ({exchanges} exchange{'' if exchanges == 1 else 's'} forgotten); {kept}", err=True)
-    elif command == "/save" and argument:
-        try:
-            session.state.save(Path(argument))
-            click.echo(f"drafting state saved to {argument}", err=True)
-        except (ValueError, OSError) as e:
-            click.echo(f"Error: cannot save the drafting state to {argument}: {one_line(e)}", err=True)
-    elif command.startswith("/"):
-        click.echo(("" if command in ("/help", "/?") else f"unknown command {line!r}; ") + CHAT_HELP, err=True)
-    else:
-        _chat_answer(session, line)
-    return True
-
-
-def _chat_answer(session: ChatSession, line: str) -> None:
-    """Answer ``line``, streaming it, then its summary line. Meanwhile Ctrl-C stops the answer through the engine
-    (``ChatSession.stop``: the lane leaves at its next step) instead of raising KeyboardInterrupt through torch."""
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: session.stop())
-    try:
-        out = session.answer(line, _Printer(session.gen.tokenizer))
-    except ValueError as e:  # the message, or the conversation with it, cannot be answered: the session goes on
-        click.echo(f"Error: {one_line(e)}", err=True)
-        return
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    click.echo(out.stats.summary(), err=True)
 
 
 def _given_or_read(value: str | None, path: Path | None, option: str, both: str) -> str | None:

@@ -10,10 +10,12 @@ is noise). Batched passes, cached on disk per model and dtype (SmolLM2: ~20 s in
 the same prompts: 1.64 -> 1.83 tokens a forward from a fresh state, 1.73 -> 1.90 from one kept across
 prompts, +5.5-5.8% tokens/s. Drafts only: the output is what it was.
 
-A first run spends at most ``recycle_prior_s`` seconds on it and caches what it got, commonest ids first; each later
-run grows it by a tenth of that (``GROWTH``). A row costs a forward of its own, so the whole prior of a 7B-class model
-would take ~20 minutes on 2 cores, and the 1.5B's rows came at ~77 a second on a Zen 3: the commonest arrive first,
-the rest over many runs, at a small price to each instead of the first token's delay.
+A first run spends at most ``recycle_prior_s`` seconds on it and caches what it got, commonest ids first (``cached``);
+later runs use what is cached and grow it by a tenth of that once their answers are out (``grow``: the CLI after its
+requests, a chat when it ends, a server before it listens). A row costs a forward of its own, so the whole prior of a
+7B-class model would take ~20 minutes on 2 cores, and the 1.5B's rows came at ~77 a second on a Zen 3: the commonest
+arrive first, the rest over many runs, at a small price to each and never before a first token (a warm run of the
+1.5B had spent ~2 s growing it before its first).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import copy
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -39,17 +42,18 @@ FIRST_ROWS = 64  # a bounded run's first forward, which measures the rate for th
 
 
 def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int, start: int = 0,
-               seconds: float = float("inf")) -> np.ndarray:
+               seconds: float = float("inf"), stop: Callable[[], bool] | None = None) -> np.ndarray:
     """(n, k) int32: the model's k likeliest next tokens after ``prefix`` + [t], for t = start .. start + n - 1: the
     prefix's keys computed once, then up to ``BATCH`` one-token sequences a forward over copies of them, up to t =
-    ``tokens`` - 1 or until ``seconds`` have passed (at least one forward). Within a budget the first forward takes
-    ``FIRST_ROWS`` and each next as many as the rate so far fits in what is left (a 1.5B's 512 rows took 7 s)."""
+    ``tokens`` - 1, until ``seconds`` have passed (at least one forward) or until ``stop()`` says so (checked between
+    forwards). Within a budget the first forward takes ``FIRST_ROWS`` and each next as many as the rate so far fits
+    in what is left (a 1.5B's 512 rows took 7 s)."""
     bounded = seconds < float("inf")
     out, began, first, size = [], time.perf_counter(), start, min(BATCH, FIRST_ROWS) if bounded else BATCH
     with torch.inference_mode():
         held = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([prefix], device=model.device), **kv.cache_kwarg(model, held), use_cache=True)
-        while first < tokens and size >= 1:
+        while first < tokens and size >= 1 and not (stop and stop()):
             ids = torch.arange(first, min(tokens, first + size), device=model.device)[:, None]  # (B, 1)
             cache = copy.deepcopy(held)
             cache.batch_repeat_interleave(ids.shape[0])
@@ -64,11 +68,39 @@ def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int, s
 
 def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path,
            progress: models.Progress = models._quiet, seconds: float = float("inf")) -> np.ndarray | None:
-    """``successors`` of the ``tokens`` lowest ids after a newline: those cached in ``cache_dir``, grown there by
-    what ``seconds`` of forwards add (``GROWTH`` of them once some are cached; the first n ids: fewer than ``tokens``
-    while it grows); None without a tokenizer (no newline to put first), where there is nothing to predict, or where
-    the model's forward does not take this pass (a prior is only ever a help: its absence costs drafts, never a
-    request)."""
+    """``successors`` of the ``tokens`` lowest ids after a newline, as cached in ``cache_dir`` (the first n ids:
+    fewer than ``tokens`` while it grows); where none are, what ``seconds`` of forwards give, cached. None without a
+    tokenizer (no newline to put first), where there is nothing to predict, or where the model's forward does not
+    take this pass (a prior is only ever a help: its absence costs drafts, never a request)."""
+    where = _where(model, tokenizer, tokens, k, cache_dir)
+    if where is None:
+        return None
+    path, prefix, tokens = where
+    table = _held(path, k, models.vocab_size(model))
+    if len(table):
+        return table[:tokens]
+    budget = f"up to {seconds:.0f} s; the rest grows after later runs" if seconds < float("inf") else "once for this model and dtype"
+    progress(f"predicting the successors of common tokens ({budget})")
+    return _extended(model, path, prefix, table, tokens, k, progress, seconds)
+
+
+def grow(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path, progress: models.Progress = models._quiet,
+         seconds: float = float("inf"), stop: Callable[[], bool] | None = None) -> np.ndarray | None:
+    """The cached table grown by ``GROWTH`` x ``seconds`` of forwards (or until ``stop()``), cached: for later
+    states and runs. None where there is no table to grow (``cached`` makes the first), it is whole, or the pass fails."""
+    where = _where(model, tokenizer, tokens, k, cache_dir)
+    if where is None:
+        return None
+    path, prefix, tokens = where
+    table = _held(path, k, models.vocab_size(model))
+    if not len(table) or len(table) >= tokens:
+        return None
+    progress(f"growing the successors of common tokens, {len(table)} of {tokens} so far (up to {seconds * GROWTH:.0f} s)")
+    return _extended(model, path, prefix, table, tokens, k, progress, seconds * GROWTH, stop)
+
+
+def _where(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path) -> tuple[Path, list[int], int] | None:
+    """(the cache file, the prefix, the ids to predict: at most the vocabulary), or None where there is nothing to do."""
     vocab = models.vocab_size(model)
     tokens = min(tokens, vocab)
     if tokenizer is None or tokens < 1 or k < 1:
@@ -78,21 +110,26 @@ def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Pa
         return None
     name = model_name(model)
     key = json.dumps([name, str(model.dtype), vocab, k, prefix, FORMAT])
-    path = cache_dir / "priors" / f"{Path(name).name or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
-    table = np.empty((0, k), np.int32)
+    return cache_dir / "priors" / f"{Path(name).name or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy", prefix, tokens
+
+
+def _held(path: Path, k: int, vocab: int) -> np.ndarray:
+    """The table cached at ``path``; an empty one where there is none, or it is unreadable or not a table of this
+    model's ids (computed again, never trusted)."""
     try:
         held = np.load(path, allow_pickle=False)
         if held.dtype == np.int32 and held.ndim == 2 and held.shape[1] == k and (held >= -1).all() and (held < vocab).all():
-            table = held
+            return held
     except (OSError, ValueError):
-        pass  # none yet, or unreadable: computed again
-    if len(table) >= tokens:
-        return table[:tokens]
-    seconds = seconds if not len(table) else seconds * GROWTH
-    budget = f"up to {seconds:.0f} s; the rest grows in later runs" if seconds < float("inf") else "once for this model and dtype"
-    progress(f"predicting the successors of common tokens, {len(table)} of {tokens} so far ({budget})")
+        pass
+    return np.empty((0, k), np.int32)
+
+
+def _extended(model: PreTrainedModel, path: Path, prefix: list[int], table: np.ndarray, tokens: int, k: int,
+              progress: models.Progress, seconds: float, stop: Callable[[], bool] | None = None) -> np.ndarray | None:
+    """``table`` and the next rows ``seconds`` of forwards give, written to ``path`` (None where the pass fails)."""
     try:
-        table = np.concatenate([table, successors(model, prefix, tokens, k, len(table), seconds)])
+        table = np.concatenate([table, successors(model, prefix, tokens, k, len(table), seconds, stop)])
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as e:  # a model this pass does not fit
         progress(f"no prior for the recycling table ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})")
         return None

@@ -335,5 +335,6 @@ def serve(gen: LookaheadGenerator, model_name: str, host: str, port: int, state_
     import uvicorn
 
     state = gen.load_state(state_path)  # checked against the generator (ValueError)
+    gen.grow_prior(state)  # before it listens: no request waits on it
     app = create_app(Server(gen, model_name, state, queue_limit, state_path, max_body_bytes, api_key, max_batch, prefill_chunk))
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -178,13 +179,13 @@ def test_state_directory_is_saved_and_loaded(tokenizerless_dir, tmp_path):
 def test_printer_flushes_a_held_incomplete_character(capsys):
     import torch
 
-    from lookahead.cli import _Printer
+    from lookahead.terminal import Printer
 
     class Bytes:  # token i is byte i; a lone lead byte of a 4-byte character decodes to U+FFFD
         def decode(self, ids, skip_special_tokens=True):
             return bytes(ids).decode("utf-8", errors="replace")
 
-    printer = _Printer(Bytes())
+    printer = Printer(Bytes())
     printer.put(torch.tensor([1]))  # the prompt
     printer.put(torch.tensor(list(b"sea: ")))
     printer.put(torch.tensor([0xF0]))  # cut off by max_new_tokens inside a character
@@ -356,7 +357,14 @@ def test_recycle_prior_option_reaches_the_generator(tmp_path):
     assert not list(cache.glob("priors/*.npy"))
     on = run(*args, "--recycle-prior", "50")
     assert on.exit_code == 0 and json.loads(on.stdout)["tokens"] == json.loads(off.stdout)["tokens"]
-    assert len(list(cache.glob("priors/*.npy"))) == 1
+    (table,) = cache.glob("priors/*.npy")
+    assert np.load(table).shape[0] == 50
+    more = run(*args, "--recycle-prior", "100")  # the 50 cached rows drafted with, the table grown once the answer is out
+    assert more.exit_code == 0 and json.loads(more.stdout)["tokens"] == json.loads(off.stdout)["tokens"]
+    lines = more.stderr.splitlines()
+    grown = next(i for i, line in enumerate(lines) if "growing the successors of common tokens, 50 of 100 so far" in line)
+    assert any("tokens/s" in line for line in lines[:grown]) and np.load(table).shape[0] == 100
+    assert "successors" not in run(*args, "--recycle-prior", "100").stderr  # whole: nothing more
 
 
 def test_every_ids_line_is_checked_before_any_is_answered(tokenizerless_dir):

@@ -38,17 +38,39 @@ def test_cached_computes_once_then_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(prior, "BATCH", 64)
     assert np.array_equal(prior.cached(model, tok, 100, 3, tmp_path), first)
     assert prior.cached(model, None, 100, 3, tmp_path) is None  # no tokenizer: no newline to start from
-    assert prior.cached(model, tok, 500, 3, tmp_path).shape == (128, 3)  # at most the vocabulary
+    assert prior.cached(model, tok, 500, 3, tmp_path).shape == (100, 3)  # more asked: what is cached, grown after
+    assert prior.grow(model, tok, 500, 3, tmp_path).shape == (128, 3)  # at most the vocabulary
 
 
-def test_a_run_grows_the_prior_within_its_seconds_and_the_next_goes_on_from_there(tmp_path, monkeypatch):
+def test_a_first_run_caches_what_its_seconds_give_and_later_ones_grow_it_after_their_answers(tmp_path, monkeypatch):
     model, tok = tiny_llama(), tiny_tokenizer()
     whole = prior.cached(model, tok, 100, 3, tmp_path / "at once")
+    assert prior.grow(model, tok, 100, 3, tmp_path / "at once") is None  # whole: nothing to grow
+    assert prior.grow(model, tok, 100, 3, tmp_path) is None  # nothing cached: ``cached`` makes the first rows
     first = prior.cached(model, tok, 100, 3, tmp_path, seconds=1e-9)  # one forward of BATCH = 64 rows, then saved
     assert first.shape == (64, 3) and np.array_equal(first, whole[:64])
-    assert np.array_equal(prior.cached(model, tok, 100, 3, tmp_path, seconds=1e-9), whole)  # the other 36, from row 64
+    assert np.array_equal(prior.cached(model, tok, 100, 3, tmp_path, seconds=1e-9), first)  # read, not grown, before an answer
+    assert prior.grow(model, tok, 100, 3, tmp_path, seconds=1.0, stop=lambda: True).shape == (64, 3)  # stopped before a forward
+    assert np.array_equal(prior.grow(model, tok, 100, 3, tmp_path, seconds=1e-9), whole)  # the other 36, from row 64
     monkeypatch.setattr(prior, "successors", lambda *args: pytest.fail("computed again"))
+    assert np.array_equal(prior.cached(model, tok, 100, 3, tmp_path), whole) and prior.grow(model, tok, 100, 3, tmp_path) is None
     assert np.array_equal(prior.cached(model, tok, 50, 3, tmp_path), whole[:50])  # fewer asked: read, not computed
+
+
+def test_a_generator_grows_its_prior_after_the_answers_into_the_state_it_is_given(tmp_path):
+    model, tok = tiny_llama(), tiny_tokenizer()
+    config = LookaheadConfig(recycle_prior=100, recycle_prior_s=1e-9, auto=False)
+    first = LookaheadGenerator(model, tok, config, cache_dir=tmp_path).new_state()  # a first run: one forward's 64 rows
+    assert (first.recycle.table[:64] >= 0).all() and (first.recycle.table[64:] == -1).all()
+    gen = LookaheadGenerator(model, tok, config, cache_dir=tmp_path)  # a later run: the cached rows, none grown before it answers
+    state = gen.new_state()
+    assert np.array_equal(state.recycle.table, first.recycle.table)
+    state.recycle.update(np.array([70]), np.array([[1, 2, 3, 4, 5, 6, 7, 8]]))  # what the run learned stays
+    gen.grow_prior(state)
+    whole = prior.cached(model, tok, 100, 8, tmp_path / "at once")
+    assert state.recycle.table[70].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert np.array_equal(np.delete(state.recycle.table[:100], 70, 0), np.delete(whole, 70, 0))
+    assert np.array_equal(gen.new_state().recycle.table[:100], whole)  # and the generator's later states start from it
 
 
 def test_a_new_state_starts_from_the_prior_and_output_is_unchanged(tmp_path):
