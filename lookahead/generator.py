@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,16 +258,16 @@ class LookaheadGenerator:
             state.recycle.fill_empty(self._prior)
         return state
 
-    def grow_prior(self, state: DraftState | None = None, stop: Callable[[], bool] | None = None) -> None:
-        """Grow the cached prior (``prior.grow``: a tenth of a first run's seconds, or until ``stop()``) for later
-        states and runs, and fill ``state``'s empty rows from it: call it once the answers are out (the CLI after its
-        requests, a chat when it ends), never before a first token. Nothing where the prior is whole or off."""
+    def grow_prior(self, state: DraftState | None = None) -> None:
+        """Grow the cached prior (``prior.grow``: a tenth of a first run's seconds) for later states and runs, and
+        fill ``state``'s empty rows from it: call it once the answers are out (the CLI after its requests, a chat when
+        it ends, a server before it listens), never before a first token. Nothing where the prior is whole or off."""
         cfg = self.config
         if not (cfg.recycle_prior and cfg.recycle_k):
             return
         with self._prior_lock:
             grown = prior.grow(self.model, self.tokenizer, cfg.recycle_prior, cfg.recycle_k, self._cache_dir or models.default_cache_dir(),
-                               self._progress, cfg.recycle_prior_s, stop)
+                               self._progress, cfg.recycle_prior_s)
             if grown is not None:
                 self._prior = grown
         if grown is not None and state is not None:

@@ -24,7 +24,6 @@ import copy
 import hashlib
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -42,18 +41,17 @@ FIRST_ROWS = 64  # a bounded run's first forward, which measures the rate for th
 
 
 def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int, start: int = 0,
-               seconds: float = float("inf"), stop: Callable[[], bool] | None = None) -> np.ndarray:
+               seconds: float = float("inf")) -> np.ndarray:
     """(n, k) int32: the model's k likeliest next tokens after ``prefix`` + [t], for t = start .. start + n - 1: the
     prefix's keys computed once, then up to ``BATCH`` one-token sequences a forward over copies of them, up to t =
-    ``tokens`` - 1, until ``seconds`` have passed (at least one forward) or until ``stop()`` says so (checked between
-    forwards). Within a budget the first forward takes ``FIRST_ROWS`` and each next as many as the rate so far fits
-    in what is left (a 1.5B's 512 rows took 7 s)."""
+    ``tokens`` - 1 or until ``seconds`` have passed (at least one forward). Within a budget the first forward takes
+    ``FIRST_ROWS`` and each next as many as the rate so far fits in what is left (a 1.5B's 512 rows took 7 s)."""
     bounded = seconds < float("inf")
     out, began, first, size = [], time.perf_counter(), start, min(BATCH, FIRST_ROWS) if bounded else BATCH
     with torch.inference_mode():
         held = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([prefix], device=model.device), **kv.cache_kwarg(model, held), use_cache=True)
-        while first < tokens and size >= 1 and not (stop and stop()):
+        while first < tokens and size >= 1:
             ids = torch.arange(first, min(tokens, first + size), device=model.device)[:, None]  # (B, 1)
             cache = copy.deepcopy(held)
             cache.batch_repeat_interleave(ids.shape[0])
@@ -85,8 +83,8 @@ def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Pa
 
 
 def grow(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path, progress: models.Progress = models._quiet,
-         seconds: float = float("inf"), stop: Callable[[], bool] | None = None) -> np.ndarray | None:
-    """The cached table grown by ``GROWTH`` x ``seconds`` of forwards (or until ``stop()``), cached: for later
+         seconds: float = float("inf")) -> np.ndarray | None:
+    """The cached table grown by ``GROWTH`` x ``seconds`` of forwards, cached: for later
     states and runs. None where there is no table to grow (``cached`` makes the first), it is whole, or the pass fails."""
     where = _where(model, tokenizer, tokens, k, cache_dir)
     if where is None:
@@ -96,7 +94,7 @@ def grow(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path
     if not len(table) or len(table) >= tokens:
         return None
     progress(f"growing the successors of common tokens, {len(table)} of {tokens} so far (up to {seconds * GROWTH:.0f} s)")
-    return _extended(model, path, prefix, table, tokens, k, progress, seconds * GROWTH, stop)
+    return _extended(model, path, prefix, table, tokens, k, progress, seconds * GROWTH)
 
 
 def _where(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path) -> tuple[Path, list[int], int] | None:
@@ -126,10 +124,10 @@ def _held(path: Path, k: int, vocab: int) -> np.ndarray:
 
 
 def _extended(model: PreTrainedModel, path: Path, prefix: list[int], table: np.ndarray, tokens: int, k: int,
-              progress: models.Progress, seconds: float, stop: Callable[[], bool] | None = None) -> np.ndarray | None:
+              progress: models.Progress, seconds: float) -> np.ndarray | None:
     """``table`` and the next rows ``seconds`` of forwards give, written to ``path`` (None where the pass fails)."""
     try:
-        table = np.concatenate([table, successors(model, prefix, tokens, k, len(table), seconds, stop)])
+        table = np.concatenate([table, successors(model, prefix, tokens, k, len(table), seconds)])
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as e:  # a model this pass does not fit
         progress(f"no prior for the recycling table ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})")
         return None
