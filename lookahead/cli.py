@@ -301,6 +301,26 @@ def tune(model_spec, dtype, device, kernels, weights, cache_dir, plot) -> None:
     if plot:
         probing.plot_curves(curves, plot)
         click.echo(f"plot: {plot}")
+    _keep_loaded_layouts(model_spec, dtype, weights, kernels, device, cache_dir)
+
+
+def _keep_loaded_layouts(model_spec: str, dtype: str, weights: str, kernels: str, device: str, cache_dir: Path) -> None:
+    """After ``tune`` has laid out a GGUF's blocks for every kind of activations: the layout that ``--dtype auto`` (and
+    ``--dtype``, where another) now loads with these ``--weights`` kept, the others removed (laid out again if asked
+    for), so the cache holds one layout beside the file, not two."""
+    from lookahead import gguf_model, probing
+    from lookahead.native import INTEGER
+
+    gguf = models.gguf_file(model_spec, cache_dir)
+    if gguf is None or kernels != "packed":
+        return
+    keep = set()
+    for asked in {"auto", dtype}:
+        name, mode, _ = probing.fastest(model_spec, device, cache_dir, kernels=kernels, weights=weights, dtype=asked)
+        keep |= {gguf_model.layout_for(name == INTEGER)} if mode == "gguf" else set()
+    for path, size in gguf_model.keep_layouts(gguf, cache_dir, keep):
+        click.echo(f"removed {path} ({size / 1e9:.2f} GB): --dtype {' and '.join(sorted({'auto', dtype}))} loads another layout here "
+                   f"(laid out again if asked for)")
 
 
 def _check_plot(path: Path) -> None:

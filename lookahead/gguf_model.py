@@ -380,6 +380,23 @@ def layout_for(integer: bool) -> str:
     return "integer" if integer else "blocks"
 
 
+def keep_layouts(gguf: Path, cache_dir: Path, layouts: set[str]) -> list[tuple[Path, int]]:
+    """Remove ``gguf``'s laid-out blocks but ``layouts``', index first (a layout without its index is laid out again
+    when asked for): what ``lookahead tune`` leaves once it has measured them all, so the cache holds the layout that
+    runs load, not every one. The (file, bytes) removed. A process that mapped one keeps its pages."""
+    target = cache_dir / "blocks" / cache_key(gguf, _regular(gguf))
+    removed = []
+    with held(target, None) as mine:
+        if mine and target.is_dir():
+            for other in sorted(set(LAYOUTS) - layouts):
+                blocks = target / f"{other}.bin"
+                (target / f"{other}.json").unlink(missing_ok=True)
+                if blocks.is_file():
+                    removed.append((blocks, blocks.stat().st_size))
+                    blocks.unlink()
+    return removed
+
+
 def weight_kinds(prepared: Prepared) -> str:
     """What ``kernels.weight_kinds`` will say of the model ``load`` builds on ``prepared``'s layout (the cost curve's
     key), from its index."""

