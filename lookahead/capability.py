@@ -126,7 +126,7 @@ class Reach:
         return room, space
 
 
-Prefill = Callable[[list[int]], tuple[kv.BatchCache, torch.Tensor]]  # model_forward.prefill
+Prefill = Callable[..., tuple[kv.BatchCache, torch.Tensor]]  # model_forward.prefill: (prompt, cache holding its first tokens or None)
 Forward = Callable[[BatchLayout, kv.BatchCache, torch.Tensor, torch.Tensor], torch.Tensor]  # model_forward.forward
 
 
@@ -165,6 +165,31 @@ def check_step(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> No
         raise ValueError(f"{name}'s rows in a lookahead step differ from its plain forwards (max difference "
                          f"{float((got - want).abs().max()):.3g}): its forward ignores the 4D mask or the position ids "
                          "(ALiBi by cache slot as in MPT, or positions counted from the cache), or its cache cannot be rolled back")
+
+
+def check_reuse(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> bool:
+    """Whether a prompt can start from an earlier sequence's keys exactly: [a, b] prefilled, then c fed alone, then d
+    with a two-node chain e, f accepted (as a chat's answer is decoded), and the rest of [a .. h] prefilled after those
+    six keys (``BatchCache.sequence``) must give the last logits of [a .. h] prefilled at once, bit for bit. It does
+    where every product and the attention sum a row's terms alike whatever the step's rows (our kernels); where a
+    kernel's order depends on them, a low bit moves and the prompt is prefilled whole, as before."""
+    vocab = models.vocab_size(model)
+    t = (np.arange(1, 9) % vocab).tolist()
+    try:
+        with torch.inference_mode():
+            _, whole = prefill(t)
+            cache, _ = prefill(t[:2])
+            lone = stack([build_layout(0, 0, TokenTree.empty())])
+            forward(lone, cache, torch.tensor([[t[2]]]), torch.tensor([2]))
+            cache.compact(1, [np.array([0])], [np.array([2])])
+            chain = stack([build_layout(0, 0, TokenTree.merge(np.array(t[4:6]), np.array([-1, 0]), np.array([0.5, 0.4]), np.ones(2, np.int64), 2))])
+            forward(chain, cache, torch.tensor([t[3:6]]), torch.tensor([3]))
+            cache.compact(3, [np.array([0, 1, 2])], [np.array([3, 4, 5])])
+            held = cache.sequence(0, 6)
+            _, reused = prefill(t, held) if held is not None else (None, None)
+    except Exception:  # noqa: BLE001 -- a model this does not fit prefills every prompt whole
+        return False
+    return reused is not None and torch.equal(reused, whole)
 
 
 def check_batch(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> bool:

@@ -1,8 +1,10 @@
 """A chat session (``lookahead chat``): a conversation answered turn by turn by one loaded model with ONE drafting
 state kept warm across the turns, so the pool and the suffix source learn the conversation (a turn that repeats or
 quotes an earlier answer drafts from it). Each answer is exactly what ``generate`` gives for the whole conversation
-so far through the model's chat template: the session keeps messages, not a KV cache, so nothing of a stopped or
-refused turn can leak into the next one (the price: each turn prefills the whole conversation again)."""
+so far through the model's chat template: the session keeps the messages, and templates them anew each turn. It also
+keeps the last turn's keys (its prompt's and its answer's), and a turn prefills only what its prompt does not share
+with them, where that gives the same bits (``LookaheadGenerator.reuses_keys``: our kernels); elsewhere each turn
+prefills the whole conversation again."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass, field
 
 from lookahead.drafting import DraftState
 from lookahead.generator import GenerationResult, LookaheadGenerator
+from lookahead.kv import HeldKeys
 from lookahead.lane import Lane
 from lookahead.prompt import chat_ids, check_text
 
@@ -48,6 +51,7 @@ class ChatSession:
         self.conversation = Conversation(system)
         gen.prepare(self.prompt("Hello."), max_new_tokens, **options)
         self._lane: Lane | None = None  # the answer being decoded
+        self._keys: HeldKeys | None = None  # the last turn's, its prompt's and answer's
         self._stopping = False  # asked to stop the answer that is about to start or decoding
 
     def prompt(self, user: str) -> list[int]:
@@ -69,12 +73,13 @@ class ChatSession:
         "cancelled"), kept as the user saw it. A ValueError leaves the conversation as it was."""
         self._stopping = False
         lane = self.gen.new_lane(self.prompt(user), self.max_new_tokens, state=self.state, streamer=streamer,
-                                 lookahead=self.lookahead, **self.options)
+                                 lookahead=self.lookahead, keys=self._keys, keeps_keys=self.gen.reuses_keys, **self.options)
         self._lane, lane.cancelled = lane, self._stopping  # a stop asked while the prompt was templated
         try:
             result = self.gen.decode([lane])[0]
         finally:
             self._lane = None
+        self._keys = lane.keys
         self.conversation.add(user, result.text)
         return result
 

@@ -19,6 +19,7 @@ from lookahead.config import LookaheadConfig
 from lookahead.curve import CostCurve
 from lookahead.rules import Rules
 from lookahead.drafting import DraftState
+from lookahead.kv import HeldKeys
 from lookahead.lane import Lane, shared_state
 from lookahead.loop import Batch
 from lookahead.model_forward import forward, prefill
@@ -66,13 +67,20 @@ class LookaheadGenerator:
         capability.check_step(model, *self._probes())
 
     def _probes(self) -> tuple[capability.Prefill, capability.Forward]:
-        return (lambda prompt: prefill(self.model, prompt), lambda *step: forward(self.model, self.windows, *step))
+        return (lambda prompt, cache=None: prefill(self.model, prompt, cache, self.windows), lambda *step: forward(self.model, self.windows, *step))
 
     @functools.cached_property
     def batchable(self) -> bool:
         """Whether sequences share a step exactly (LongRoPE switches a whole forward by its largest position): probed
         when a batch first needs it, not at load (a quarter of a second a one-request start does not need)."""
         return not self.reach.switches and capability.check_batch(self.model, *self._probes())
+
+    @functools.cached_property
+    def reuses_keys(self) -> bool:
+        """Whether a prompt's first keys, taken from an earlier sequence's cache (a chat's last turn: its prompt's and
+        its answer's, made by steps), give what the whole prompt's prefill gives, bit for bit (``check_reuse``): on
+        kernels whose rows are summed alike whatever the step. Probed when first asked."""
+        return capability.check_reuse(self.model, *self._probes())
 
     @classmethod
     def from_pretrained(
@@ -197,11 +205,14 @@ class LookaheadGenerator:
         return [self.result(lane) for lane in lanes]
 
     def new_lane(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int | None = None, *, state: DraftState,
-                 streamer=None, lookahead: bool = True, **options) -> Lane:
-        """One request, checked and ready to join a batch (``new_batch``); ``options`` as ``prepare`` takes them."""
+                 streamer=None, lookahead: bool = True, keys: HeldKeys | None = None, keeps_keys: bool = False, **options) -> Lane:
+        """One request, checked and ready to join a batch (``new_batch``); ``options`` as ``prepare`` takes them.
+        ``keys``: an earlier sequence's (``Lane.keys``), whose prefix in common with the prompt is not prefilled again
+        where that gives the same bits (``reuses_keys``); ``keeps_keys``: the lane's own kept when it finishes."""
         state.check_fits(self.vocab_size, self.config)
         ids, rules = self.prepare(prompt, max_new_tokens, **options)
-        return Lane(ids, rules, state, streamer, lookahead)
+        prefix = keys.prefix_for(ids) if keys is not None and self.reuses_keys else None
+        return Lane(ids, rules, state, streamer, lookahead, prefix=prefix, keeps_keys=keeps_keys)
 
     def new_batch(self, lookahead: bool = True, prefill_chunk: int | None = None) -> Batch:
         """An empty running batch over this generator's model (the cost model on where ``config.auto`` and lookahead);

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+from dataclasses import dataclass
 from functools import cache as memoize
 
 import numpy as np
@@ -270,6 +271,25 @@ class BatchCache:
         for layer in self._layers():
             layer.keys, layer.values = (_gather_columns(states, index) for states in (layer.keys, layer.values))
 
+    def sequence(self, b: int, length: int) -> "BatchCache | None":
+        """Sequence ``b``'s keys of positions 0 .. ``length`` - 1 as a one-sequence cache of their own (copies, holes
+        left out), which a prompt beginning with the same tokens prefills after (``model_forward.prefill``); None
+        where one of those positions is not held."""
+        positions = self.positions[b]
+        columns = torch.nonzero((positions >= 0) & (positions < length)).flatten()
+        if not torch.equal(positions[columns], torch.arange(length)):
+            return None
+        out = BatchCache()
+        for layer in self.cache.layers:
+            mine = GrowingLayer()
+            if layer.is_initialized:
+                keys, values = (states[b : b + 1].index_select(2, columns.to(states.device)) for states in (layer.keys, layer.values))
+                mine.lazy_initialization(keys, values)
+                mine.keys, mine.values = keys, values
+            out.cache.layers.append(mine)
+        out.positions = torch.arange(length)[None]
+        return out
+
     def masks(self, allowed: torch.Tensor, query_positions: torch.Tensor, windows: dict[str, int | None],
               dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """Per layer type, the (B, 1, T, S + T) additive mask of a step: 0 where attended, dtype-min elsewhere.
@@ -324,6 +344,23 @@ class BatchCache:
             self._spare = None
         else:
             self.positions = positions
+
+
+@dataclass
+class HeldKeys:
+    """A finished sequence's keys (``Lane.keeps_keys``): ``tokens[i]``'s at position i, for a later prompt that
+    begins with the same tokens (a chat's next turn begins with the conversation so far)."""
+
+    tokens: list[int]
+    cache: BatchCache
+
+    def prefix_for(self, prompt: list[int]) -> BatchCache | None:
+        """The keys of ``prompt``'s longest common prefix with ``tokens`` as a cache of their own (at most all of the
+        prompt but its last token, whose logits a prefill must give), or None where they share none."""
+        n = min(len(self.tokens), len(prompt) - 1, self.cache.length)
+        same = np.asarray(self.tokens[:n]) == np.asarray(prompt[:n])
+        shared = n if same.all() else int(np.argmin(same))
+        return self.cache.sequence(0, shared) if shared else None
 
 
 @memoize

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lookahead import kv
 from lookahead.rules import Rules
 from lookahead.drafting import DraftState
 from lookahead.planner import Ledger
@@ -32,6 +33,9 @@ class Lane:
     window: JacobiWindow | None = None
     ledger: Ledger | None = None  # the cost model's account of a drafting lane (``Planner``)
     clock: Clock = field(default_factory=Clock)
+    prefix: kv.BatchCache | None = None  # the keys of the prompt's first tokens, computed before: its prefill goes on after them
+    keeps_keys: bool = False  # whether the lane keeps its keys when it finishes (``keys``), for a prompt that begins with it
+    keys: kv.HeldKeys | None = None
 
     @property
     def position(self) -> int:

@@ -72,10 +72,11 @@ class Batch:
         lane.clock = Clock()
         if lane.streamer is not None:
             lane.streamer.put(torch.tensor(lane.prompt))
+        lane.stats.reused_tokens = lane.prefix.length if lane.prefix is not None else 0
         if self.prefill_chunk is not None and len(self):
-            self.joining.append((lane, kv.BatchCache()))
+            self.joining.append((lane, lane.prefix or kv.BatchCache()))
         else:
-            self._admit(lane, *prefill(self.model, lane.prompt))
+            self._admit(lane, *prefill(self.model, lane.prompt, lane.prefix, self.windows))
 
     def _admit(self, lane: Lane, cache: kv.BatchCache, logits: torch.Tensor) -> bool:
         """The lane's first token from its prompt's ``logits`` (V,); it joins the batch (its ``cache``) unless
@@ -92,6 +93,7 @@ class Batch:
         lane.emit(lane.out)
         finished = lane.finished  # read once: another thread may cancel it, a deadline may pass meanwhile
         if finished:
+            lane.keys = kv.HeldKeys(lane.prompt, cache) if lane.keeps_keys else None
             self._finish(lane)
         else:
             self.cache.join(cache)
@@ -112,7 +114,7 @@ class Batch:
             lane, cache = self.joining[0]
             end = int(min(len(lane.prompt), cache.length + budget))
             budget -= end - cache.length
-            _, logits = prefill(self.model, lane.prompt[:end], cache)
+            _, logits = prefill(self.model, lane.prompt[:end], cache, self.windows)
             if end == len(lane.prompt):
                 self.joining.pop(0)
                 if self._admit(lane, cache, logits):
@@ -233,6 +235,11 @@ class Batch:
         done = [lane.finished for lane in self.lanes]  # once: a deadline may pass meanwhile
         finished = [lane for lane, d in zip(self.lanes, done) if d]
         if finished:
+            for b, lane in enumerate(self.lanes):
+                if done[b] and lane.keeps_keys:  # every key but the current token's (``Lane.position``), before they go
+                    held = (lane.prompt + lane.out)[: lane.position]
+                    cache = self.cache.sequence(b, len(held))
+                    lane.keys = kv.HeldKeys(held, cache) if cache is not None else None
             self.cache.keep([b for b, d in enumerate(done) if not d])
             self.lanes = [lane for lane, d in zip(self.lanes, done) if not d]
             for lane in finished:

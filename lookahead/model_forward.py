@@ -23,14 +23,27 @@ def attention_backends(device: torch.device) -> contextlib.AbstractContextManage
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def prefill(model: PreTrainedModel, prompt: list[int], cache: kv.BatchCache | None = None) -> tuple[kv.BatchCache, torch.Tensor]:
+def prefill(model: PreTrainedModel, prompt: list[int], cache: kv.BatchCache | None = None,
+            windows: dict[str, int | None] | None = None) -> tuple[kv.BatchCache, torch.Tensor]:
     """A one-sequence cache holding the prompt, and the logits (V,) after its last token. ``cache``: one that
-    already holds the prompt's first tokens (a prefill in chunks); the rest is appended to it."""
+    already holds the prompt's first tokens (a prefill in chunks, or an earlier sequence's keys); the rest is
+    appended to it, under the causal mask drawn as a step's is (``windows``: the model's, ``capability.mask_windows``),
+    so that the rows meet the attention a step's would: where the model made its own mask there (a boolean one, which
+    our attention does not take), SDPA summed them, and a SmolLM2 int8 prompt taken in chunks of 32 gave other tokens
+    than whole on 4 prompts of 4."""
     cache = kv.BatchCache() if cache is None else cache
     start = cache.length
     ids = torch.tensor([prompt[start:]], device=model.device)
+    mask = {}
+    if start:
+        if windows is None:
+            raise ValueError("a prefill after cached keys needs the model's mask windows")
+        rows = len(prompt) - start
+        query = torch.arange(start, len(prompt))[None]  # (1, T)
+        masks = cache.masks(torch.ones(1, rows, rows, dtype=torch.bool).tril(), query, windows, model.dtype, model.device)
+        mask = {"position_ids": query.to(model.device), "attention_mask": masks if len(masks) > 1 else next(iter(masks.values()))}
     with attention_backends(model.device):
-        logits = model(input_ids=ids, **kv.cache_kwarg(model, cache.cache), use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=ids, **mask, **kv.cache_kwarg(model, cache.cache), use_cache=True, logits_to_keep=1).logits
     cache.append(torch.arange(start, len(prompt))[None])
     return cache, logits[0, -1].float().cpu()
 

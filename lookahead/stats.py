@@ -42,6 +42,7 @@ class GenerationStats:
     phase_s: Counter = field(default_factory=Counter)  # decode time by phase: draft, forward, verify, learn
     rested_steps: int = 0  # steps the planner held the lane from drafting (dormant, or its drafting lost: ``planner.Pace``)
     drafted: Counter = field(default_factory=Counter)  # the drafting steps': tokens and seconds promised, and as they came
+    reused_tokens: int = 0  # prompt tokens whose keys came from an earlier sequence (``Lane.prefix``), not prefilled
 
     def record(self, tree: TokenTree, levels: int, path: list[int], emitted: int,
                names: tuple[str | None, ...] = SOURCES, promise: tuple[float, float] | None = None, seconds: float = 0.0,
@@ -87,7 +88,7 @@ class GenerationStats:
             "tokens_per_s": round(self.tokens_per_s, 3), "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4), "time_to_first_token_s": round(self.prefill_s, 4),
             "mean_tree_nodes": round(self.tree_nodes / max(self.steps, 1), 3), "window_steps": self.window_steps,
-            "plain_steps": self.plain_steps,
+            "plain_steps": self.plain_steps, "reused_prompt_tokens": self.reused_tokens,
             "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
             "accepted_by_source": dict(self.accepted_by_source), "drafted_by_source": dict(self.drafted_by_source),
             "phase_s": {k: round(v, 4) for k, v in self.phase_s.items()}, "rested_steps": self.rested_steps,

@@ -22,7 +22,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, Re
 from conftest import assert_greedy_equal, hf_greedy, on_fixed_cost, tiny_gemma3, tiny_llama, tiny_tokenizer
 from test_engine import repetitive_prompt
 from test_sampling import K, VOCAB, chi_square_p, exact_distribution, sharp_tiny_model, state_with
-from lookahead import LookaheadConfig, LookaheadGenerator
+from lookahead import LookaheadConfig, LookaheadGenerator, native
 from lookahead.curve import CostCurve
 
 FIXED = LookaheadConfig(auto=False, window=3, ngram=3, guess=3)
@@ -640,6 +640,22 @@ def test_smollm2_long_prompt_joining_by_chunks_equals_generate(smollm2, smollm2_
     assert still_joining.index(0) == -(-(len(passage) + len(code)) // 32) - 1  # the step taking the last chunk leaves none joining
     for lane in lanes:
         assert_greedy_equal(model, lane.prompt, lane.out, hf_greedy(model, lane.prompt, 32))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not native.integer_runs(), reason="no integer linear runs here")
+def test_smollm2_int8_prompts_joining_by_chunks_give_their_plain_loops_tokens():
+    """int8 is its plain loop's bit for bit, so a prompt taken in chunks while another request decodes (the server's
+    --prefill-chunk) gives what it gives alone: a chunk's rows go under a step's mask, on our attention (under the
+    model's own boolean mask SDPA summed them, and every SmolLM2 int8 prompt tried parted from its plain loop)."""
+    from lookahead import models
+
+    model, tok = models.load("smollm2-135m", dtype="int8", kernels="packed", weights="gguf")
+    gen = on_fixed_cost(model, tok, LookaheadConfig(auto=False, window=3, ngram=3, guess=3, tree_budget=16, recycle_prior=0))
+    chat, code, passage = real_prompts(tok)
+    lanes, _, _ = join_while_decoding(gen, chat, [passage, code], 24, chunk=32)
+    for lane in lanes[1:]:
+        assert lane.out == gen.generate(lane.prompt, 24, lookahead=False, state=gen.new_state()).tokens
 
 
 @pytest.mark.slow

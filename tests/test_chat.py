@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import on_fixed_cost, tiny_llama, tiny_tokenizer
 
-from lookahead import LookaheadConfig, LookaheadGenerator
+from lookahead import LookaheadConfig, LookaheadGenerator, kernels
 from lookahead.chat import ChatSession
 from lookahead.cli import main
 from lookahead.drafting import DraftState
@@ -174,6 +174,22 @@ def test_smollm2_turns_are_what_generate_gives(smollm2):
     for user in ("Name three colors of the rainbow.", "Repeat your last answer word for word."):
         messages = session.conversation.messages(user)
         assert session.answer(user).tokens == plain(gen, messages, 40)
+
+
+@pytest.mark.slow
+def test_smollm2_turns_on_our_kernels_prefill_only_what_the_last_turn_did_not_hold(smollm2_packed):
+    """On our kernels a turn starts from the last turn's keys (its prompt's and its answer's, made by steps) and
+    prefills the rest, and gives what ``generate`` gives for the whole conversation prefilled at once."""
+    model, tok = smollm2_packed
+    gen = on_fixed_cost(model, tok, LookaheadConfig(auto=False, recycle_prior=0))
+    assert gen.reuses_keys == (kernels.kernels_of(model) != "stock")
+    session = ChatSession(gen, gen.new_state(), 32, system="Answer briefly.")
+    for turn, user in enumerate(("Name three colors of the rainbow.", "Repeat your last answer word for word.", "One more?")):
+        messages = session.conversation.messages(user)
+        out = session.answer(user)
+        assert out.tokens == plain(gen, messages, 32)
+        assert (out.stats.reused_tokens > 0) == (turn > 0 and gen.reuses_keys), turn
+        assert out.stats.reused_tokens < len(chat_ids(tok, messages))
 
 
 # -- the real command in a pseudo-terminal ------------------------------------------------------------------------

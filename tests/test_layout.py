@@ -213,6 +213,28 @@ def test_squeeze_drawing_matches_the_cache():
     assert torch.equal(keys[:, 0, :, 0][valid], cache.positions[valid].float())
 
 
+def test_a_sequences_first_keys_are_taken_whole_in_order_or_not_at_all():
+    """``BatchCache.sequence``: the keys of positions 0 .. n - 1 of one sequence, holes left out (the drawing's row
+    b=0 before its squeeze), as a one-sequence cache a prompt prefills after; None where a position is not held.
+    ``HeldKeys.prefix_for``: a prompt's longest common prefix with the held tokens, never its last token."""
+    grid = [[0, 1, 2, -1, 3, 4, -1, 5], [-1, -1, -1, 0, 1, -1, -1, 2]]
+    cache = kv.BatchCache()
+    cache.cache.update(*(torch.tensor(grid, dtype=torch.float32)[:, None, :, None].expand(-1, 2, -1, 3).contiguous(),) * 2, 0)
+    cache.positions = torch.tensor(grid)
+    first = cache.sequence(0, 5)
+    assert first.positions.tolist() == [[0, 1, 2, 3, 4]] and first.length == 5 and first.cache.get_seq_length() == 5
+    assert first.cache.layers[0].keys[0, :, :, 0].tolist() == [[0, 1, 2, 3, 4]] * 2
+    assert cache.sequence(1, 3).cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2]
+    assert cache.sequence(1, 4) is None and cache.sequence(0, 7) is None  # position 3, or 6, is not held
+    first.cache.update(torch.full((1, 2, 1, 3), 9.0), torch.full((1, 2, 1, 3), 9.0), 0)  # a copy: the batch's keys stay
+    assert cache.cache.layers[0].keys.shape[-2] == 8 and cache.positions.tolist() == grid
+    held = kv.HeldKeys([7, 8, 9, 10, 11, 12], cache.sequence(0, 6))
+    assert held.prefix_for([7, 8, 9, 4, 5]).length == 3  # the common prefix
+    assert held.prefix_for([7, 8, 9]).length == 2  # never the prompt's last token: its logits come from a prefill
+    assert held.prefix_for([7, 8, 9, 10, 11, 12, 13, 14]).length == 6  # all of them, then the rest prefilled
+    assert held.prefix_for([1, 8, 9]) is None and held.prefix_for([7]) is None
+
+
 def test_spare_kept_across_compactions_is_what_the_positions_say():
     """``BatchCache.spare`` is kept through a compaction that gives every sequence as many keys, recomputed after one
     that leaves a sequence short: after every step it equals the count from the positions."""
