@@ -67,7 +67,8 @@ class LookaheadGenerator:
         capability.check_step(model, *self._probes())
 
     def _probes(self) -> tuple[capability.Prefill, capability.Forward]:
-        return (lambda prompt, cache=None: prefill(self.model, prompt, cache, self.windows), lambda *step: forward(self.model, self.windows, *step))
+        return (lambda prompt, cache=None: prefill(self.model, prompt, cache, self.windows),
+                lambda *step: forward(self.model, self.windows, *step))
 
     @functools.cached_property
     def batchable(self) -> bool:

@@ -74,7 +74,7 @@ class Batch:
             lane.streamer.put(torch.tensor(lane.prompt))
         lane.stats.reused_tokens = lane.prefix.length if lane.prefix is not None else 0
         if self.prefill_chunk is not None and len(self):
-            self.joining.append((lane, lane.prefix or kv.BatchCache()))
+            self.joining.append((lane, lane.prefix if lane.prefix is not None else kv.BatchCache()))
         else:
             self._admit(lane, *prefill(self.model, lane.prompt, lane.prefix, self.windows))
 
