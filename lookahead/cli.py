@@ -305,9 +305,9 @@ def tune(model_spec, dtype, device, kernels, weights, cache_dir, plot) -> None:
 
 
 def _keep_loaded_layouts(model_spec: str, dtype: str, weights: str, kernels: str, device: str, cache_dir: Path) -> None:
-    """After ``tune`` has laid out a GGUF's blocks for every kind of activations: the layout that ``--dtype auto`` (and
-    ``--dtype``, where another) now loads with these ``--weights`` kept, the others removed (laid out again if asked
-    for), so the cache holds one layout beside the file, not two."""
+    """After ``tune`` has laid out a GGUF's blocks for every kind of activations: the layout that a default run
+    (``--dtype auto --weights auto``) now loads kept, and the one the ``--dtype`` and ``--weights`` tuned load, the
+    others removed (laid out again if asked for), so the cache holds one layout beside the file, not two."""
     from lookahead import gguf_model, probing
     from lookahead.native import INTEGER
 
@@ -315,12 +315,12 @@ def _keep_loaded_layouts(model_spec: str, dtype: str, weights: str, kernels: str
     if gguf is None or kernels != "packed":
         return
     keep = set()
-    for asked in {"auto", dtype}:
-        name, mode, _ = probing.fastest(model_spec, device, cache_dir, kernels=kernels, weights=weights, dtype=asked)
+    for asked, on in {("auto", "auto"), (dtype, weights)}:
+        name, mode, _ = probing.fastest(model_spec, device, cache_dir, kernels=kernels, weights=on, dtype=asked)
         keep |= {gguf_model.layout_for(name == INTEGER)} if mode == "gguf" else set()
     for path, size in gguf_model.keep_layouts(gguf, cache_dir, keep):
-        click.echo(f"removed {path} ({size / 1e9:.2f} GB): --dtype {' and '.join(sorted({'auto', dtype}))} loads another layout here "
-                   f"(laid out again if asked for)")
+        click.echo(f"removed {path} ({size / 1e9:.2f} GB): neither a default run nor --dtype {dtype} --weights {weights} loads it "
+                   f"here (laid out again if asked for)")
 
 
 def _check_plot(path: Path) -> None:

@@ -16,7 +16,7 @@ LAYERS = [
     {"lookahead.config", "lookahead.tree", "lookahead.drafting", "lookahead.window", "lookahead.layout", "lookahead.model_forward",
      "lookahead.verify", "lookahead.rules", "lookahead.capability", "lookahead.stats", "lookahead.prompt"},
     {"lookahead.planner", "lookahead.probing", "lookahead.prior", "lookahead.lane", "lookahead.loop", "lookahead.generator"},
-    {"lookahead", "lookahead.hf", "lookahead.scheduler", "lookahead.server", "lookahead.api", "lookahead.auth", "lookahead.chat", "lookahead.cli",
+    {"lookahead", "lookahead.hf", "lookahead.scheduler", "lookahead.server", "lookahead.api", "lookahead.auth", "lookahead.chat", "lookahead.terminal", "lookahead.cli",
      "lookahead.vllm", "lookahead.custom_generate.generate"},
 ]
 
