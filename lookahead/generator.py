@@ -206,7 +206,8 @@ class LookaheadGenerator:
         return [self.result(lane) for lane in lanes]
 
     def new_lane(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int | None = None, *, state: DraftState,
-                 streamer=None, lookahead: bool = True, keys: HeldKeys | None = None, keeps_keys: bool = False, **options) -> Lane:
+                 streamer=None, lookahead: bool = True, keys: HeldKeys | None = None, keeps_keys: bool = False,
+                 **options) -> Lane:
         """One request, checked and ready to join a batch (``new_batch``); ``options`` as ``prepare`` takes them.
         ``keys``: an earlier sequence's (``Lane.keys``), whose prefix in common with the prompt is not prefilled again
         where that gives the same bits (``reuses_keys``); ``keeps_keys``: the lane's own kept when it finishes."""

@@ -34,16 +34,16 @@ def prefill(model: PreTrainedModel, prompt: list[int], cache: kv.BatchCache | No
     cache = kv.BatchCache() if cache is None else cache
     start = cache.length
     ids = torch.tensor([prompt[start:]], device=model.device)
-    mask = {}
+    as_a_step = {}
     if start:
         if windows is None:
             raise ValueError("a prefill after cached keys needs the model's mask windows")
         rows = len(prompt) - start
         query = torch.arange(start, len(prompt))[None]  # (1, T)
         masks = cache.masks(torch.ones(1, rows, rows, dtype=torch.bool).tril(), query, windows, model.dtype, model.device)
-        mask = {"position_ids": query.to(model.device), "attention_mask": masks if len(masks) > 1 else next(iter(masks.values()))}
+        as_a_step = {"position_ids": query.to(model.device), "attention_mask": masks if len(masks) > 1 else next(iter(masks.values()))}
     with attention_backends(model.device):
-        logits = model(input_ids=ids, **mask, **kv.cache_kwarg(model, cache.cache), use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=ids, **as_a_step, **kv.cache_kwarg(model, cache.cache), use_cache=True, logits_to_keep=1).logits
     cache.append(torch.arange(start, len(prompt))[None])
     return cache, logits[0, -1].float().cpu()
 
