@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,15 +259,23 @@ class LookaheadGenerator:
         state.check_fits(self.vocab_size, self.config)
         return self._with_prior(state)
 
+    def _prior_from(self, source: Callable[..., np.ndarray | None]) -> np.ndarray | None:
+        """``prior.cached`` or ``prior.grow`` for this generator's model and config; None where the config wants no
+        prior."""
+        cfg = self.config
+        if not (cfg.recycle_prior and cfg.recycle_k):
+            return None
+        return source(self.model, self.tokenizer, cfg.recycle_prior, cfg.recycle_k, self._cache_dir or models.default_cache_dir(),
+                      self._progress, cfg.recycle_prior_s)
+
     def _with_prior(self, state: DraftState) -> DraftState:
         cfg = self.config
         with self._prior_lock:  # computed once (seconds), whichever thread asks first
-            if self._prior is None and cfg.recycle_prior and cfg.recycle_k:
-                self._prior = prior.cached(self.model, self.tokenizer, cfg.recycle_prior, cfg.recycle_k,
-                                           self._cache_dir or models.default_cache_dir(), self._progress, cfg.recycle_prior_s)
+            if self._prior is None:
+                self._prior = self._prior_from(prior.cached)
                 if self._prior is None:
-                    self._prior = np.empty((0, cfg.recycle_k), np.int32)  # none for this model: asked once
-        if self._prior is not None and self._prior.size:
+                    self._prior = np.empty((0, cfg.recycle_k), np.int32)  # none for this model or config: asked once
+        if self._prior.size:
             state.recycle.fill_empty(self._prior)
         return state
 
@@ -275,12 +283,8 @@ class LookaheadGenerator:
         """Grow the cached prior (``prior.grow``: a tenth of a first run's seconds) for later states and runs, and
         fill ``state``'s empty rows from it: call it once the answers are out (the CLI after its requests, a chat when
         it ends, a server before it listens), never before a first token. Nothing where the prior is whole or off."""
-        cfg = self.config
-        if not (cfg.recycle_prior and cfg.recycle_k):
-            return
         with self._prior_lock:
-            grown = prior.grow(self.model, self.tokenizer, cfg.recycle_prior, cfg.recycle_k, self._cache_dir or models.default_cache_dir(),
-                               self._progress, cfg.recycle_prior_s)
+            grown = self._prior_from(prior.grow)
             if grown is not None:
                 self._prior = grown
         if grown is not None and state is not None:

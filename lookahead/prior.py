@@ -70,11 +70,10 @@ def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Pa
     fewer than ``tokens`` while it grows); where none are, what ``seconds`` of forwards give, cached. None without a
     tokenizer (no newline to put first), where there is nothing to predict, or where the model's forward does not
     take this pass (a prior is only ever a help: its absence costs drafts, never a request)."""
-    where = _where(model, tokenizer, tokens, k, cache_dir)
-    if where is None:
+    found = _found(model, tokenizer, tokens, k, cache_dir)
+    if found is None:
         return None
-    path, prefix, tokens = where
-    table = _held(path, k, models.vocab_size(model))
+    path, prefix, tokens, table = found
     if len(table):
         return table[:tokens]
     budget = f"up to {seconds:.0f} s; the rest grows after later runs" if seconds < float("inf") else "once for this model and dtype"
@@ -86,19 +85,19 @@ def grow(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path
          seconds: float = float("inf")) -> np.ndarray | None:
     """The cached table grown by ``GROWTH`` x ``seconds`` of forwards, cached: for later
     states and runs. None where there is no table to grow (``cached`` makes the first), it is whole, or the pass fails."""
-    where = _where(model, tokenizer, tokens, k, cache_dir)
-    if where is None:
+    found = _found(model, tokenizer, tokens, k, cache_dir)
+    if found is None:
         return None
-    path, prefix, tokens = where
-    table = _held(path, k, models.vocab_size(model))
+    path, prefix, tokens, table = found
     if not len(table) or len(table) >= tokens:
         return None
     progress(f"growing the successors of common tokens, {len(table)} of {tokens} so far (up to {seconds * GROWTH:.0f} s)")
     return _extended(model, path, prefix, table, tokens, k, progress, seconds * GROWTH)
 
 
-def _where(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path) -> tuple[Path, list[int], int] | None:
-    """(the cache file, the prefix, the ids to predict: at most the vocabulary), or None where there is nothing to do."""
+def _found(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path) -> tuple[Path, list[int], int, np.ndarray] | None:
+    """(the cache file, the prefix, the ids to predict: at most the vocabulary, the table cached there: ``_held``), or
+    None where there is nothing to do."""
     vocab = models.vocab_size(model)
     tokens = min(tokens, vocab)
     if tokenizer is None or tokens < 1 or k < 1:
@@ -108,7 +107,8 @@ def _where(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Pa
         return None
     name = model_name(model)
     key = json.dumps([name, str(model.dtype), vocab, k, prefix, FORMAT])
-    return cache_dir / "priors" / f"{Path(name).name or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy", prefix, tokens
+    path = cache_dir / "priors" / f"{Path(name).name or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
+    return path, prefix, tokens, _held(path, k, vocab)
 
 
 def _held(path: Path, k: int, vocab: int) -> np.ndarray:
