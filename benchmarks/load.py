@@ -115,7 +115,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--first-runs", action="store_true",
-                        help="only a first generate from an empty cache and the warm one after it (a 7B-class file's loads and tune take many minutes)")
+                        help="only a first generate from an empty cache, the warm one and tune after it (a 7B-class file's loads take minutes)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/load-latest"))
     args = parser.parse_args(argv)
     user = models.default_cache_dir()
@@ -127,7 +127,7 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory(prefix="lookahead-load-") as base:
             first = empty_cache(Path(base) / "first", user)
             results = {"hardware": hardware(), "model": name, "file_gb": gguf.stat().st_size / 1e9, "first_run": cli_run(first, *generate),
-                       "warm_run": cli_run(first, *generate), "first_run_cache": cache_gb(first)}
+                       "warm_run": cli_run(first, *generate), "tune": cli_run(first, "tune", "--model", spec), "first_run_cache": cache_gb(first)}
         save(results, args.out)
         return
     with tempfile.TemporaryDirectory(prefix="lookahead-load-") as base:
