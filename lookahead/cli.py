@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from lookahead import models
-from lookahead.config import MAX_BODY_BYTES, PREFILL_CHUNK, LookaheadConfig
+from lookahead.config import HELD_KEYS_BYTES, MAX_BODY_BYTES, PREFILL_CHUNK, LookaheadConfig
 from lookahead.gguf_header import one_line
 from lookahead.terminal import Printer, chat_loop
 
@@ -356,12 +356,15 @@ def _check_plot(path: Path) -> None:
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=PREFILL_CHUNK, show_default=True,
               help="Prompt tokens a joining request prefills between two steps while others decode (smaller: steadier "
                    "streams, later first tokens).")
+@click.option("--held-keys-mb", type=click.IntRange(min=0), default=HELD_KEYS_BYTES >> 20, show_default=True,
+              help="Finished requests' keys kept for prompts that begin with them (a chat's next turn prefills only its new "
+                   "messages); 0 keeps none.")
 @click.option("--api-key", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (other users see it "
                                 "in the process list: prefer --api-key-file).")
 @click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Read the API key from this file (surrounding whitespace stripped).")
 def serve(model_spec, host, port, dtype, device, kernels, weights, cache_dir, state_dir, queue_limit, max_body_bytes, max_batch, prefill_chunk,
-          api_key, api_key_file) -> None:
+          held_keys_mb, api_key, api_key_file) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (needs the [serve] extra)."""
     try:
         from lookahead import server
@@ -378,7 +381,7 @@ def serve(model_spec, host, port, dtype, device, kernels, weights, cache_dir, st
             click.echo(f"[lookahead] warning: serving on {host} without an API key: anyone who can reach it can use it "
                        "(--api-key-file)", err=True)
         server.serve(gen, model_spec, host, port, state_dir, queue_limit, max_body_bytes, api_key=api_key, max_batch=max_batch,
-                     prefill_chunk=prefill_chunk)
+                     prefill_chunk=prefill_chunk, held_keys=held_keys_mb << 20)
     except (ValueError, OSError) as e:
         raise click.ClickException(one_line(e)) from None
 

@@ -11,6 +11,9 @@ MAX_TREE = 256
 MAX_RECYCLE = 64
 MAX_BODY_BYTES = 8 * 2**20  # the server's request body limit: far above a long context's text or token ids
 PREFILL_CHUNK = 128  # the server's prompt tokens a step while others decode (SmolLM2, 2 cores: ~0.1 s, a few decode steps)
+# the server's keys of finished requests kept for prompts that begin with them (a chat's next turn): the 1.5B's keys
+# take ~57 KB a token in fp32, so ~9,000 tokens of conversations
+HELD_KEYS_BYTES = 512 * 2**20
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

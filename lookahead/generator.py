@@ -19,7 +19,7 @@ from lookahead.config import LookaheadConfig
 from lookahead.curve import CostCurve
 from lookahead.rules import Rules
 from lookahead.drafting import DraftState
-from lookahead.kv import HeldKeys
+from lookahead.kv import HeldKeys, RecentKeys
 from lookahead.lane import Lane, shared_state
 from lookahead.loop import Batch
 from lookahead.model_forward import forward, prefill
@@ -206,10 +206,10 @@ class LookaheadGenerator:
         return [self.result(lane) for lane in lanes]
 
     def new_lane(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int | None = None, *, state: DraftState,
-                 streamer=None, lookahead: bool = True, keys: HeldKeys | None = None, keeps_keys: bool = False,
+                 streamer=None, lookahead: bool = True, keys: HeldKeys | RecentKeys | None = None, keeps_keys: bool = False,
                  **options) -> Lane:
         """One request, checked and ready to join a batch (``new_batch``); ``options`` as ``prepare`` takes them.
-        ``keys``: an earlier sequence's (``Lane.keys``), whose prefix in common with the prompt is not prefilled again
+        ``keys``: an earlier sequence's (``Lane.keys``) or a server's (``RecentKeys``), whose prefix in common with the prompt is not prefilled again
         where that gives the same bits (``reuses_keys``); ``keeps_keys``: the lane's own kept when it finishes."""
         state.check_fits(self.vocab_size, self.config)
         ids, rules = self.prepare(prompt, max_new_tokens, **options)

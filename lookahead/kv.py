@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import threading
 from dataclasses import dataclass
 from functools import cache as memoize
 
@@ -354,13 +355,56 @@ class HeldKeys:
     tokens: list[int]
     cache: BatchCache
 
-    def prefix_for(self, prompt: list[int]) -> BatchCache | None:
-        """The keys of ``prompt``'s longest common prefix with ``tokens`` as a cache of their own (at most all of the
-        prompt but its last token, whose logits a prefill must give), or None where they share none."""
+    def shared(self, prompt: list[int]) -> int:
+        """The length of ``prompt``'s longest common prefix with ``tokens`` (at most all of the prompt but its last
+        token, whose logits a prefill must give)."""
         n = min(len(self.tokens), len(prompt) - 1, self.cache.length)
         same = np.asarray(self.tokens[:n]) == np.asarray(prompt[:n])
-        shared = n if same.all() else int(np.argmin(same))
+        return n if same.all() else int(np.argmin(same))
+
+    def prefix_for(self, prompt: list[int]) -> BatchCache | None:
+        """The keys of ``prompt``'s longest common prefix with ``tokens`` as a cache of their own, or None where they
+        share none."""
+        shared = self.shared(prompt)
         return self.cache.sequence(0, shared) if shared else None
+
+    def nbytes(self) -> int:
+        return sum(states.nbytes for layer in self.cache._layers() for states in (layer.keys, layer.values))
+
+
+class RecentKeys:
+    """Finished requests' keys (``HeldKeys``), the most recently used first, within ``budget`` bytes: a server's chat
+    client sends the whole conversation each turn, and the prefix held of it is not prefilled again. Shared by the
+    request threads and the batch's (one lock)."""
+
+    def __init__(self, budget: int) -> None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ValueError(f"the keys' budget must be an integer number of bytes >= 0, got {budget!r}")
+        self.budget, self.held, self._lock = budget, [], threading.Lock()  # held: list[HeldKeys], newest first
+
+    def add(self, keys: HeldKeys) -> None:
+        """Hold ``keys`` first (those it begins with go: it holds theirs), then as many others as the budget keeps;
+        keys over the budget alone are not held."""
+        total = keys.nbytes()
+        with self._lock:
+            if total > self.budget:
+                return
+            held = [keys]
+            for other in self.held:
+                if other.shared(keys.tokens + [-1]) < len(other.tokens) and total + other.nbytes() <= self.budget:
+                    held.append(other)
+                    total += other.nbytes()
+            self.held = held
+
+    def prefix_for(self, prompt: list[int]) -> BatchCache | None:
+        """``HeldKeys.prefix_for`` of the held keys that share the longest prefix with ``prompt`` (then used first)."""
+        with self._lock:
+            shared, best = max(((keys.shared(prompt), keys) for keys in self.held), default=(0, None), key=lambda pair: pair[0])
+            if not shared:
+                return None
+            self.held.remove(best)
+            self.held.insert(0, best)
+        return best.cache.sequence(0, shared)
 
 
 @memoize

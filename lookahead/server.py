@@ -11,7 +11,10 @@ others decode), and leaves when done; more than ``queue_limit`` waiting or
 running get 429. A client that disconnects stops its generation at the next step. ``"lookahead": false``
 decodes a request plainly (one token per forward) inside the same batch. All requests share one drafting
 state (pools, recycling table, acceptance statistics), saved on shutdown and loaded at start with
-``--state``: later requests draft better.
+``--state``: later requests draft better. Finished requests' keys are kept (``held_keys`` bytes, the most recently
+used first) where reusing them gives the same bits (``LookaheadGenerator.reuses_keys``): a prompt that begins with
+one of them (a chat client sends the whole conversation each turn) prefills only the rest, and its usage says how
+many tokens it did not prefill (``prompt_tokens_details.cached_tokens``, as OpenAI's).
 Errors are OpenAI-style JSON bodies with a 4xx status, also for a streamed request (checked before its stream
 starts); request bodies past ``max_body_bytes`` get 413. The server keeps serving. With ``api_key`` set, every
 endpoint but ``/health`` needs ``Authorization: Bearer <key>`` (a 401 otherwise, before the body is read).
@@ -37,9 +40,10 @@ from starlette.exceptions import HTTPException
 
 from lookahead.api import APIError, BodyLimit, ChatRequest, CompletionRequest, check_request
 from lookahead.auth import RequireKey, check_api_key
-from lookahead.config import MAX_BODY_BYTES, PREFILL_CHUNK
+from lookahead.config import HELD_KEYS_BYTES, MAX_BODY_BYTES, PREFILL_CHUNK
 from lookahead.drafting import SOURCES, DraftState
-from lookahead.generator import LookaheadGenerator
+from lookahead.generator import GenerationResult, LookaheadGenerator
+from lookahead.kv import RecentKeys
 from lookahead.lane import Lane
 from lookahead.prompt import check_text
 from lookahead.scheduler import Scheduler
@@ -73,8 +77,10 @@ class Server:
 
     def __init__(self, gen: LookaheadGenerator, model_name: str, state: DraftState | None = None, queue_limit: int = 16,
                  state_path: Path | None = None, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
-                 max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK, held_keys: int = HELD_KEYS_BYTES) -> None:
         self.gen, self.model_name, self.queue_limit, self.state_path = gen, model_name, queue_limit, state_path
+        self.keys = RecentKeys(held_keys)  # a bad budget raises here
+        self.keeps_keys = held_keys > 0 and gen.reuses_keys  # (a probe: a few forwards, before any request runs)
         self.max_body_bytes = max_body_bytes
         self.api_key = None if api_key is None else check_api_key(api_key).encode()  # bytes: compared in constant time
         gen.own_state(state)  # a loaded one, else the generator's own as it is
@@ -106,7 +112,8 @@ class Server:
                     prompt = self.gen.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
                 except Exception as e:  # a template that rejects the conversation (roles, order)
                     raise ValueError(f"the chat template rejected the messages: {e}") from None
-            return self.gen.new_lane(prompt, state=self.gen.own_state(), streamer=streamer, **kwargs)
+            return self.gen.new_lane(prompt, state=self.gen.own_state(), streamer=streamer, keys=self.keys if self.keeps_keys else None,
+                                     keeps_keys=self.keeps_keys, **kwargs)
         except ValueError as e:
             message = str(e).strip().splitlines()[0]
             on_prompt = any(word in message for word in ("prompt", "token id", "chat template"))
@@ -119,6 +126,8 @@ class Server:
         future = loop.create_future()
 
         def done(finished: Lane | BaseException) -> None:  # in the worker thread
+            if isinstance(finished, Lane) and finished.keys is not None:
+                self.keys.add(finished.keys)
             result = finished if isinstance(finished, BaseException) else self.gen.result(finished)
             loop.call_soon_threadsafe(_settle, future, result)
 
@@ -246,9 +255,7 @@ def create_app(server: Server) -> FastAPI:
         if req.return_token_ids or server.gen.tokenizer is None:
             choice["token_ids"] = out.tokens
         return head | {"object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                       "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.tokens),
-                                 "total_tokens": len(ids) + len(out.tokens)},
-                       "lookahead": out.stats.as_dict()}
+                       "usage": usage(ids, out), "lookahead": out.stats.as_dict()}
 
     async def stream(head, lane: Lane, channel: _Channel, stops, chat, endpoint, with_ids):
         """Server-sent events: a chunk per accepted batch, the text held back while it could still become a stop string."""
@@ -288,8 +295,7 @@ def create_app(server: Server) -> FastAPI:
             text, stopped = server.text_of(tokens, stops)
             reason = "stop" if stopped or out.finish_reason == "stop" else "length"
             server.record(endpoint, out, started)
-            extra = {"usage": {"prompt_tokens": len(lane.prompt), "completion_tokens": len(out.tokens),
-                               "total_tokens": len(lane.prompt) + len(out.tokens)}, "lookahead": out.stats.as_dict()}
+            extra = {"usage": usage(lane.prompt, out), "lookahead": out.stats.as_dict()}
             yield chunk(text[sent:], [], reason, **extra)
             yield "[DONE]"
         finally:  # also when the client went away: the lane leaves the batch at its next step
@@ -301,6 +307,12 @@ def create_app(server: Server) -> FastAPI:
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: nothing to log
 
     return app
+
+
+def usage(prompt: list[int], out: GenerationResult) -> dict:
+    """A response's token counts, as OpenAI's: those of the prompt that came from held keys among them."""
+    return {"prompt_tokens": len(prompt), "completion_tokens": len(out.tokens), "total_tokens": len(prompt) + len(out.tokens),
+            "prompt_tokens_details": {"cached_tokens": out.stats.reused_tokens}}
 
 
 @contextlib.contextmanager
@@ -331,10 +343,11 @@ def background(server: Server, host: str = "127.0.0.1", port: int = 0):
 
 
 def serve(gen: LookaheadGenerator, model_name: str, host: str, port: int, state_path: Path | None, queue_limit: int,
-          max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> None:
+          max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK,
+          held_keys: int = HELD_KEYS_BYTES) -> None:
     import uvicorn
 
     state = gen.load_state(state_path)  # checked against the generator (ValueError)
     gen.grow_prior(state)  # before it listens: no request waits on it
-    app = create_app(Server(gen, model_name, state, queue_limit, state_path, max_body_bytes, api_key, max_batch, prefill_chunk))
+    app = create_app(Server(gen, model_name, state, queue_limit, state_path, max_body_bytes, api_key, max_batch, prefill_chunk, held_keys))
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -235,6 +235,34 @@ def test_a_sequences_first_keys_are_taken_whole_in_order_or_not_at_all():
     assert held.prefix_for([1, 8, 9]) is None and held.prefix_for([7]) is None
 
 
+def held_keys(tokens: list[int]) -> kv.HeldKeys:
+    """``tokens`` with keys of one layer, 2 heads of 3 (4 bytes each: 48 bytes a token)."""
+    cache = kv.BatchCache()
+    cache.cache.update(torch.zeros(1, 2, len(tokens), 3), torch.zeros(1, 2, len(tokens), 3), 0)
+    cache.positions = torch.arange(len(tokens))[None]
+    return kv.HeldKeys(tokens, cache)
+
+
+def test_recent_keys_give_the_longest_prefix_held_within_their_budget():
+    """``RecentKeys``: a server's finished requests' keys, the most recently used first within a budget of bytes;
+    a prompt gets the longest prefix any of them holds, and keys that a newer sequence begins with give way to it."""
+    recent = kv.RecentKeys(48 * 10)  # 10 tokens' keys
+    recent.add(held_keys([1, 2, 3]))
+    recent.add(held_keys([5, 6]))
+    assert recent.prefix_for([1, 2, 9, 9]).length == 2 and recent.prefix_for([5, 6, 7]).length == 2
+    assert recent.prefix_for([4, 4]) is None
+    recent.add(held_keys([1, 2, 3, 4, 5]))  # a chat's next turn: its first 3 tokens were held, and go
+    assert [keys.tokens for keys in recent.held] == [[1, 2, 3, 4, 5], [5, 6]]
+    assert recent.prefix_for([5, 6, 7]).length == 2  # used: now first
+    recent.add(held_keys([7, 7, 7, 7]))  # 4 + 2 + 5 tokens: the least recently used goes
+    assert [keys.tokens for keys in recent.held] == [[7, 7, 7, 7], [5, 6]]
+    recent.add(held_keys(list(range(20, 31))))  # alone over the budget: not held, nothing held goes
+    assert [keys.tokens for keys in recent.held] == [[7, 7, 7, 7], [5, 6]]
+    assert not kv.RecentKeys(0).prefix_for([1, 2])
+    with pytest.raises(ValueError, match="budget must be an integer number of bytes >= 0"):
+        kv.RecentKeys(-1)
+
+
 def test_spare_kept_across_compactions_is_what_the_positions_say():
     """``BatchCache.spare`` is kept through a compaction that gives every sequence as many keys, recomputed after one
     that leaves a sequence short: after every step it equals the count from the positions."""

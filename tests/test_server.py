@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from conftest import hf_greedy, tiny_llama, tiny_tokenizer
+from conftest import hf_greedy, on_fixed_cost, tiny_llama, tiny_tokenizer
 from lookahead import LookaheadConfig, LookaheadGenerator
 from lookahead.config import PREFILL_CHUNK
 from lookahead.drafting import DraftState
@@ -407,6 +407,35 @@ def test_smollm2_served_equals_hf_greedy(smollm2):
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     ref = tok.decode(hf_greedy(model, ids, 32), skip_special_tokens=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref
+
+
+@pytest.mark.slow
+def test_smollm2_chat_turns_served_on_our_kernels_prefill_only_what_the_last_request_did_not_hold(smollm2_packed):
+    """A chat client sends the whole conversation each turn: on our kernels the server prefills only what the keys
+    of a finished request do not hold (its usage says how much it did not: ``cached_tokens``), and answers what
+    ``generate`` gives for the whole conversation prefilled at once; streamed or not. With no budget, none."""
+    model, tok = smollm2_packed
+    gen = on_fixed_cost(model, tok, LookaheadConfig(auto=False, recycle_prior=0))
+    messages = [{"role": "system", "content": "Answer briefly."}]
+    with running(Server(gen, "smollm2-135m")) as url, running(Server(gen, "smollm2-135m", held_keys=0)) as none:
+        client, fresh = (openai.OpenAI(base_url=at + "/v1", api_key="none", max_retries=0) for at in (url, none))
+        for turn, user in enumerate(("Name three colors of the rainbow.", "Repeat your last answer word for word.", "One more?")):
+            messages.append({"role": "user", "content": user})
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            expected = gen.generate(ids, 24, lookahead=False, state=gen.new_state()).tokens
+            ask = {"model": "smollm2-135m", "messages": messages, "max_tokens": 24, "temperature": 0, "extra_body": {"return_token_ids": True}}
+            if turn == 1:  # streamed: its last chunk has the usage
+                chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ask))
+                tokens = [t for c in chunks for choice in c.choices for t in choice.model_extra["token_ids"]]
+                usage = chunks[-1].usage
+            else:
+                out = client.chat.completions.create(**ask)
+                tokens, usage = out.choices[0].model_extra["token_ids"], out.usage
+            assert tokens == expected, turn
+            assert (usage.prompt_tokens_details.cached_tokens > 0) == (turn > 0 and gen.reuses_keys), turn
+            assert usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens == len(ids)
+            assert fresh.chat.completions.create(**ask).usage.prompt_tokens_details.cached_tokens == 0
+            messages.append({"role": "assistant", "content": tok.decode(tokens, skip_special_tokens=True)})
 
 
 def series(metrics: str) -> set[str]:
