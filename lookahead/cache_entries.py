@@ -25,6 +25,19 @@ SETTLE_NS = 2 * 10 ** 9  # a file changed this close to its check is checked aga
 Progress = Callable[[str], None]
 
 
+def quiet(_: str) -> None:
+    """The ``Progress`` that says nothing, and shows no bars."""
+
+
+def bar(progress: Progress, total: float, what: str, unit: str = "B"):
+    """A progress bar of ``total`` (``unit``s) with tqdm's estimate of the time left, for a phase of a first run that
+    takes long (laying out a 7B-class file: a minute): on stderr where it is a terminal and ``progress`` is not
+    ``quiet``, gone when the phase ends."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=what, unit=unit, unit_scale=unit == "B", leave=False, disable=True if progress is quiet else None)
+
+
 @contextlib.contextmanager
 def held(target: Path, progress: Progress | None, shared: bool = False) -> Iterator[bool]:
     """``target``'s lock (``.<name>.lock`` beside it) for the block: shared by processes reading ``target``, or held

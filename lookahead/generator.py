@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from lookahead import capability, models, planner, prior
+from lookahead.cache_entries import quiet
 from lookahead.config import LookaheadConfig
 from lookahead.curve import CostCurve
 from lookahead.rules import Rules
@@ -44,7 +45,7 @@ class LookaheadGenerator:
     """Lossless lookahead decoding over any loaded Hugging Face causal LM (token ids in, token ids out)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, config: LookaheadConfig | None = None, *,
-                 cost: CostCurve | None = None, cache_dir: Path | None = None, progress: models.Progress = models._quiet) -> None:
+                 cost: CostCurve | None = None, cache_dir: Path | None = None, progress: models.Progress = quiet) -> None:
         """``cost``: this machine's forward-cost curve for ``config.auto`` (default: measured at first use and
         cached under ``cache_dir``, see ``probing.py``)."""
         self.model, self.tokenizer = model, tokenizer
@@ -91,7 +92,7 @@ class LookaheadGenerator:
         dtype: str = "auto",
         device: str = "cpu",
         cache_dir: Path | None = None,
-        progress: models.Progress = models._quiet,
+        progress: models.Progress = quiet,
         kernels: str = "packed",
         weights: str = "auto",
     ) -> "LookaheadGenerator":

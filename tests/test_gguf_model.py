@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import io
 import itertools
 import json
 import os
 import struct
+import sys
 import threading
 import time
 import tracemalloc
@@ -769,6 +771,23 @@ def killed(path: Path, cache: Path, where: str) -> None:
     import sys
 
     assert subprocess.run([sys.executable, "-c", KILLED, str(path), str(cache), where], capture_output=True).returncode == -9
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_laying_out_shows_a_bar_with_the_time_left_in_a_terminal(tmp_path, monkeypatch):
+    """A 7B-class file's layout takes a minute: in a terminal, a bar by its bytes with tqdm's estimate of the time
+    left, gone when it ends; none where the progress is quiet or stderr is not a terminal."""
+    path = tiny_gguf(tmp_path / "tiny.gguf")
+    for layout, progress, terminal in (("blocks", print, True), ("integer", cache_entries.quiet, True), ("integer", print, False)):
+        err = Terminal() if terminal else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        gguf_model.prepare(path, tmp_path / layout / "cache", progress, layout)
+        shown = err.getvalue()
+        assert ("laying out:" in shown and "[00:00<" in shown) == (terminal and progress is print), (layout, shown)  # [elapsed<left
 
 
 def test_what_a_killed_first_load_left_is_removed_by_the_next_load(tmp_path):
