@@ -97,12 +97,13 @@ def headline(results: dict) -> str:
                 + (f"; llama.cpp {llama['load_s']:.1f} s, {llama['peak_rss_gb']:.2f} GB" if llama else ""))
     if "first_run" in results:  # benchmarks.load --first-runs
         first, warm = results["first_run"], results["warm_run"]
+        tune = f"; tune {results['tune']['seconds']:.0f} s, {results['tune']['peak_rss_gb']:.2f} GB" if "tune" in results else ""
         return (f"a {results['file_gb']:.2f} GB GGUF's first run: first token at {first['first_byte_s']:.0f} s, peak "
-                f"{first['peak_rss_gb']:.2f} GB; the next at {warm['first_byte_s']:.0f} s, {warm['peak_rss_gb']:.2f} GB")
+                f"{first['peak_rss_gb']:.2f} GB; the next at {warm['first_byte_s']:.0f} s, {warm['peak_rss_gb']:.2f} GB{tune}")
     if "turns" in results:  # benchmarks.chat
-        last = results["turns"][-1]
-        return (f"{results['dtype']} chat, turn {len(results['turns'])} ({last['prompt_tokens']} tokens): first token at "
-                f"{last['reused_first_token_s']:.2f} s from the last turn's keys, {last['whole_first_token_s']:.2f} s prefilled whole")
+        last, kept = results["turns"][-1], "a finished request's" if results.get("served") else "the last turn's"
+        return (f"{results['dtype']} chat{' served' * bool(results.get('served'))}, turn {len(results['turns'])} ({last['prompt_tokens']} "
+                f"tokens): first token at {last['reused_first_token_s']:.2f} s from {kept} keys, {last['whole_first_token_s']:.2f} s prefilled whole")
     runs = results.get("runs", {})  # benchmarks.peers, benchmarks.window
     tps = {m: sum(count(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
     if "lookahead without the window" in runs:
