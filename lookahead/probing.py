@@ -88,17 +88,19 @@ def step_times(model: PreTrainedModel, sizes: tuple[int, ...], context: int, rou
     With ``seconds`` finite, a bounded probe: the first pass drops every size (and batch width) past the first T of
     at least ``DEAR_FROM`` rows that costs over T/2 one-row steps (it pays only where over half its rows are
     accepted tokens: the planner's linear extrapolation prices what lies beyond), and another pass starts only while
-    ``seconds`` have not passed since the first began. The first pass shows a bar by rows (a wide step costs about
-    its rows: the estimate of the time left); a 7B-class file's took ~45 s on a Zen 3."""
+    ``seconds`` have not passed since the first began. Where one pass could outlast ``seconds`` (each size at most
+    T/2 one-row steps, as the warm-up timed one: a 7B-class model), it skips the sizes past ``DEAR_FROM`` between
+    powers of two (12, 24, 48: interpolated). The first pass shows a bar by rows (a wide step costs about its rows:
+    the estimate of the time left)."""
     vocab = models.vocab_size(model)
     rng = torch.Generator().manual_seed(0)  # private: the global RNG (unseeded sampling) is the user's
     windows = capability.mask_windows(model.config.get_text_config(decoder=True))
     with torch.inference_mode():
         prompt = torch.randint(0, vocab, (context,), generator=rng).tolist()
         cache, _ = prefill(model, prompt)
-        batched = prefill(model, prompt)[0] if widths else None
-        for _ in range(BATCH - 1 if widths else 0):
-            batched.join(cache)  # a copy of the same prompt's keys: no prefill of its own
+        batched = cache.sequence(0, context) if widths else None  # copies of the same prompt's keys: no prefill of their
+        for _ in range(BATCH - 1 if widths else 0):  # own (a 7B-class model's 256 tokens took ~15 s on a Zen 3)
+            batched.join(cache)
         runs = [(1, size) for size in sizes] + [(BATCH, width) for width in widths]
         times: dict[tuple[int, int], float] = {}
 
@@ -112,8 +114,9 @@ def step_times(model: PreTrainedModel, sizes: tuple[int, ...], context: int, rou
             on.cache.crop(-size)  # back to the context (a negative count in transformers 5.x)
             return took
 
-        for _ in range(2):
-            timed(*runs[0])  # two warm-up forwards
+        one = [timed(*runs[0]) for _ in range(2)][-1]  # two warm-up forwards
+        if one * sum(max(1.0, t / 2) for s, t in runs if s == 1) > seconds:  # a pass could outlast the bound: fewer sizes
+            runs = [(s, t) for s, t in runs if s > 1 or t <= DEAR_FROM or t & (t - 1) == 0]
         began = time.perf_counter()
         for round_ in range(rounds):
             if round_ and time.perf_counter() - began > seconds:

@@ -193,7 +193,8 @@ def test_probe_curve_starts_at_one_and_never_decreases():
 
 def test_a_bounded_probe_measures_no_size_past_one_too_dear_and_no_round_past_its_seconds(monkeypatch):
     """A 7B-class model's probe took 54-151 s in four rounds over every size: a bounded one stops at the first size of
-    8+ rows costing over half a row's plain step a row, and starts no round once its seconds have passed."""
+    8+ rows costing over half a row's plain step a row, starts no round once its seconds have passed, and where one
+    pass could outlast them, measures the sizes past 8 at powers of two only."""
     from types import SimpleNamespace
 
     from lookahead import probing
@@ -207,11 +208,13 @@ def test_a_bounded_probe_measures_no_size_past_one_too_dear_and_no_round_past_it
 
     monkeypatch.setattr(probing, "forward", priced)
     monkeypatch.setattr(probing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    curve = probe(tiny_llama(), rounds=3, seconds=0.0)
-    assert curve.sizes == (1, 2, 3, 4, 5, 6, 8, 12) and curve.ratios[-2:] == pytest.approx((3.2, 7.2)) and curve.batch_ratios == ()
-    assert len(forwards) == 2 + 13 + 3  # two warm-ups and one whole first pass: no second round
+    curve = probe(tiny_llama(), rounds=3, seconds=1.0)  # a pass could take 1.1 s (the sizes' T/2 one-row steps)
+    assert curve.sizes == (1, 2, 3, 4, 5, 6, 8, 16) and curve.ratios[-2:] == pytest.approx((3.2, 12.8)) and curve.batch_ratios == ()
+    assert len(forwards) == 2 + 10 + 3  # two warm-ups and one first pass (12, 24 and 48 skipped) past which 1 s has passed
     forwards.clear()
-    assert probe(tiny_llama(), rounds=3, seconds=1e9).sizes == curve.sizes and len(forwards) == 2 + 16 + 2 * (8 + 1)
+    curve = probe(tiny_llama(), rounds=3, seconds=1e9)
+    assert curve.sizes == (1, 2, 3, 4, 5, 6, 8, 12) and curve.ratios[-2:] == pytest.approx((3.2, 7.2))
+    assert len(forwards) == 2 + 16 + 2 * (8 + 1)  # every size in the first pass, then those up to the dear one
     forwards.clear()
     assert probe(tiny_llama(), rounds=2, seconds=float("inf")).sizes == probing.PROBE_SIZES  # unbounded: every size
 
