@@ -1,17 +1,20 @@
 """A GGUF file's header and metadata, read only once they agree with the file's bytes and with each other:
 ``read_header`` reads the header as llama.cpp checks it (gguf-py's and transformers' readers trust it), and
 ``check_metadata`` bounds the metadata by the tensors it describes (the vocabulary against the embedding's rows,
-the heads against the projections), before a config is made from it. A file that lies is refused with
-``ModelLoadError``, one line naming the tensor or key and both values."""
+the heads against the projections), before a config is made from it (``config_of``, with its tokenizer:
+``tokenizer_of``). A file that lies is refused with ``ModelLoadError``, one line naming the tensor or key and both
+values."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import mmap
 import os
 import stat
 import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -285,3 +288,39 @@ def one_line(e: BaseException) -> str:
     """An exception's first line (its type where it says nothing)."""
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+def config_of(gguf: Path, header: Header):
+    """transformers' config of ``gguf``, made from a copy of its header without the vocabulary
+    (``without_vocabulary``: 11 -> 0.04 s for the 1.5B's); from the file itself where that config's vocabulary is not
+    the file's (an architecture whose vocab_size transformers takes only from the vocabulary)."""
+    from transformers import AutoConfig
+
+    log = logging.getLogger("transformers.modeling_gguf_pytorch_utils")  # it warns of the vocabulary the copy lacks
+    level = log.level
+    with tempfile.TemporaryDirectory(prefix="lookahead-header-") as tmp:
+        without_vocabulary(gguf, header, Path(tmp) / gguf.name)
+        try:
+            log.setLevel(logging.ERROR)
+            config = AutoConfig.from_pretrained(tmp, gguf_file=gguf.name)
+        finally:
+            log.setLevel(level)
+    config.name_or_path = str(gguf.parent)  # as read from the file itself
+    vocabulary = header.values.get(f"{header.architecture}.vocab_size", header.values.get("tokenizer.ggml.tokens"))
+    if vocabulary is not None and config.vocab_size != vocabulary:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return config
+
+
+def tokenizer_of(gguf: Path, model_type: str):
+    """``gguf``'s tokenizer, or None for a file without one (token ids only). Its class named by the config's model
+    type: untyped, transformers parses the whole file again (the vocabulary too) for a config that names it
+    (Qwen2.5-Coder-0.5B 9.7 -> 1.0 s, Gemma 3 15.0 -> 2.5 s, the same tokenizer); untyped where that type names none."""
+    from transformers import AutoTokenizer
+
+    for typed in ({"tokenizer_type": model_type}, {}):
+        try:
+            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **typed)
+        except Exception:  # a type that names no tokenizer class; then a file without a tokenizer
+            continue
+    return None

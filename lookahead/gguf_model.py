@@ -33,12 +33,11 @@ report says which).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
-import logging
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,7 @@ from torch import nn
 
 from lookahead import cpu, linear_kernels, quants
 from lookahead.cache_entries import Progress, bar, check_files, directory_whole, held, leftovers, sha256, sweep
-from lookahead.gguf_header import Header, ModelLoadError, _regular, check_metadata, one_line, read_header, without_vocabulary, wrong_shape
+from lookahead.gguf_header import Header, ModelLoadError, _regular, check_metadata, config_of, one_line, read_header, tokenizer_of, wrong_shape
 from lookahead.kernels import SIBLINGS
 from ngram_pool.files import written_whole
 
@@ -59,6 +58,7 @@ LAYOUTS = {"blocks": "fp32 and bf16", "integer": "int8"}  # the laid-out blocks 
 ALIGN = 64  # each laid-out weight starts at a multiple of this in its layout's file
 PLACED = ("bits", "group", "offsets", "integer", "supers", "halves")  # what a layout's index keeps of each QuantLayout
 CHUNK = 4096  # rows decoded and laid out at a time (a multiple of linear_kernels.BLOCK: blocks of rows are independent)
+LAYING_THREADS = 2  # chunks decoded and laid out at once (numpy and torch let go of the GIL in their loops)
 @dataclass(frozen=True)
 class Prepared:
     """A GGUF file's cache directory, ready to ``load``."""
@@ -116,20 +116,6 @@ def _sibling_order(name: str) -> tuple[str, int, str]:
     parent, _, leaf = name.rpartition(".")
     order = [leaf_name for names in SIBLINGS for leaf_name in names]
     return parent, order.index(leaf) if leaf in order else len(order), leaf
-
-
-def tokenizer_of(gguf: Path, model_type: str):
-    """``gguf``'s tokenizer, or None for a file without one (token ids only). Its class named by the config's model
-    type: untyped, transformers parses the whole file again (the vocabulary too) for a config that names it
-    (Qwen2.5-Coder-0.5B 9.7 -> 1.0 s, Gemma 3 15.0 -> 2.5 s, the same tokenizer); untyped where that type names none."""
-    from transformers import AutoTokenizer
-
-    for typed in ({"tokenizer_type": model_type}, {}):
-        try:
-            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **typed)
-        except Exception:  # a type that names no tokenizer class; then a file without a tokenizer
-            continue
-    return None
 
 
 def prepare(gguf: Path, cache_dir: Path, progress: Progress, layout: str | None = None) -> Prepared:
@@ -215,7 +201,7 @@ def _build(gguf: Path, status: os.stat_result, target: Path) -> dict:
     header = read_header(gguf)
     check_metadata(gguf, header)
     try:
-        config = _config(gguf, header)
+        config = config_of(gguf, header)
         model = _skeleton(config, torch.float32, meta=True)
     except Exception as e:  # transformers raises many types for an unsupported file
         raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
@@ -238,28 +224,6 @@ def _build(gguf: Path, status: os.stat_result, target: Path) -> dict:
         index["check"] = _index_check(index)
         (tmp / "index.json").write_text(json.dumps(index))
     return index
-
-
-def _config(gguf: Path, header: Header):
-    """transformers' config of ``gguf``, made from a copy of its header without the vocabulary
-    (``without_vocabulary``: 11 -> 0.04 s for the 1.5B's); from the file itself where that config's vocabulary is not
-    the file's (an architecture whose vocab_size transformers takes only from the vocabulary)."""
-    from transformers import AutoConfig
-
-    log = logging.getLogger("transformers.modeling_gguf_pytorch_utils")  # it warns of the vocabulary the copy lacks
-    level = log.level
-    with tempfile.TemporaryDirectory(prefix="lookahead-header-") as tmp:
-        without_vocabulary(gguf, header, Path(tmp) / gguf.name)
-        try:
-            log.setLevel(logging.ERROR)
-            config = AutoConfig.from_pretrained(tmp, gguf_file=gguf.name)
-        finally:
-            log.setLevel(level)
-    config.name_or_path = str(gguf.parent)  # as read from the file itself
-    vocabulary = header.values.get(f"{header.architecture}.vocab_size", header.values.get("tokenizer.ggml.tokens"))
-    if vocabulary is not None and config.vocab_size != vocabulary:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return config
 
 
 def _entries(gguf: Path, header: Header, model: nn.Module, processor, blocks: str | None) -> tuple[list[dict], list[str]]:
@@ -325,24 +289,24 @@ def _lay_out(gguf: Path, index: dict, directory: Path, layout: str, progress: Pr
         for left in leftovers(directory / f"{name}.bin") + leftovers(directory / f"{name}.json"):
             left.unlink(missing_ok=True)
     blocks = [e for e in index["tensors"] if e["role"] == "blocks"]
-    with written_whole(path) as out, bar(progress, sum(e["nbytes"] for e in blocks), "laying out") as done:
+    with written_whole(path) as out, bar(progress, sum(e["nbytes"] for e in blocks), "laying out") as done, \
+            ThreadPoolExecutor(LAYING_THREADS) as pool:
         def write(data) -> None:
             out.write(data)
             digest.update(data)
 
-        for entry in sorted(blocks, key=lambda e: _sibling_order(e["hf"][: -len(".weight")])):
-            n, k = entry["n"], entry["k"]
-            raw = _read(gguf, entry).reshape(n, -1)  # (n, bytes a row)
+        def order(entry: dict) -> np.ndarray | None:  # Llama's q and k rows as transformers' processor orders them
             leaf = entry["hf"].split(".")[-2]
-            if heads and leaf in counts and n % (2 * counts[leaf]) == 0:
-                raw = raw[quants.head_order(n, counts[leaf]).numpy()]
+            return quants.head_order(entry["n"], counts[leaf]).numpy() if heads and leaf in counts and entry["n"] % (2 * counts[leaf]) == 0 else None
+
+        ordered = sorted(blocks, key=lambda e: _sibling_order(e["hf"][: -len(".weight")]))
+        chunks = [(gguf, entry, start, order(entry), layout) for entry in ordered for start in range(0, entry["n"], CHUNK)]
+        laid_chunks = _in_order(pool, _laid_chunk, chunks, LAYING_THREADS + 1)
+        for entry in ordered:
             write(b"\0" * (-out.tell() % ALIGN))
             at = out.tell()
-            for q in _decoded(entry, raw):  # every chunk alike: the rows' scales are all the file's
-                _check_finite(gguf, entry, q.scale, q.offset)
-                laid = (linear_kernels.lay_out(q, torch.float32, integer=True)
-                        if layout == "integer" and linear_kernels.quant_fits(n, k, q.group, integer=True)
-                        else linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32))
+            for _ in range(0, entry["n"], CHUNK):  # every chunk alike: the rows' scales are all the file's
+                laid = next(laid_chunks)
                 write(laid.packed.numpy().data)
             placed[entry["hf"]] = {"at": at, "size": out.tell() - at} | {field: getattr(laid, field) for field in PLACED}
             done.update(entry["nbytes"])
@@ -352,6 +316,35 @@ def _lay_out(gguf: Path, index: dict, directory: Path, layout: str, progress: Pr
     with written_whole(directory / f"{layout}.json") as out:
         out.write(json.dumps(placed).encode())
     return placed
+
+
+def _laid_chunk(gguf: Path, entry: dict, start: int, order: np.ndarray | None, layout: str) -> linear_kernels.QuantLayout:
+    """Rows ``start`` .. ``start + CHUNK`` of a "blocks" entry's weight (in ``order`` where given) as ``layout``'s
+    kernels read them: the integer kernel's own where it takes the shape, else ``pack_quantized``'s blocks."""
+    n, k, row = entry["n"], entry["k"], entry["nbytes"] // entry["n"]
+    rows = min(CHUNK, n - start)
+    if order is None:  # its rows alone
+        raw = np.fromfile(gguf, dtype=np.uint8, count=rows * row, offset=entry["offset"] + start * row)
+        if raw.size != rows * row:
+            raise ModelLoadError(f"{gguf}: tensor {entry['gguf']} ends past the end of the file")
+    else:
+        raw = _read(gguf, entry).reshape(n, -1)[order[start:start + rows]]
+    q = quants.from_blocks(raw, entry["type"], rows, k)
+    _check_finite(gguf, entry, q.scale, q.offset)
+    if layout == "integer" and linear_kernels.quant_fits(n, k, q.group, integer=True):
+        return linear_kernels.lay_out(q, torch.float32, integer=True)
+    return linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, torch.float32)
+
+
+def _in_order(pool: ThreadPoolExecutor, function, calls: list[tuple], ahead: int) -> Iterator:
+    """``function(*call)`` for each call, run in ``pool`` at most ``ahead`` calls ahead of the one given back."""
+    pending: collections.deque = collections.deque()
+    for call in calls:
+        pending.append(pool.submit(function, *call))
+        if len(pending) > ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def _decoded(entry: dict, raw: np.ndarray):

@@ -533,7 +533,7 @@ def test_the_header_and_config_are_what_gguf_py_and_transformers_read_of_the_who
     import gguf as gguf_py
     from transformers import AutoConfig
 
-    from lookahead.gguf_header import read_header
+    from lookahead.gguf_header import config_of, read_header
 
     words = [f"w{i}" for i in range(300)]
     sizes = {"context_length": 64, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128, "head_count": 4}
@@ -543,7 +543,7 @@ def test_the_header_and_config_are_what_gguf_py_and_transformers_read_of_the_who
     reader = gguf_py.GGUFReader(path)
     assert [(t.name, t.kind, t.offset, t.nbytes, list(t.dims), t.stored()) for t in header.tensors] == [
         (t.name, t.tensor_type.name, t.data_offset, t.n_bytes, t.shape.tolist(), (str(t.data.dtype), list(t.data.shape))) for t in reader.tensors]
-    config = gguf_model._config(path, header)
+    config = config_of(path, header)
     assert config.to_dict() == AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     if architecture != "smollm2-135m":
         assert config.vocab_size == len(words)
