@@ -382,19 +382,20 @@ class RecentKeys:
             raise ValueError(f"the keys' budget must be an integer number of bytes >= 0, got {budget!r}")
         self.budget, self.held, self._lock = budget, [], threading.Lock()  # held: list[HeldKeys], newest first
 
-    def add(self, keys: HeldKeys) -> None:
+    def add(self, keys: HeldKeys) -> int:
         """Hold ``keys`` first (those it begins with go: it holds theirs), then as many others as the budget keeps;
-        keys over the budget alone are not held."""
+        keys over the budget alone are not held. The bytes held then."""
         total = keys.nbytes()
         with self._lock:
             if total > self.budget:
-                return
+                return sum(other.nbytes() for other in self.held)
             held = [keys]
             for other in self.held:
                 if other.shared(keys.tokens + [-1]) < len(other.tokens) and total + other.nbytes() <= self.budget:
                     held.append(other)
                     total += other.nbytes()
             self.held = held
+        return total
 
     def prefix_for(self, prompt: list[int]) -> BatchCache | None:
         """``HeldKeys.prefix_for`` of the held keys that share the longest prefix with ``prompt`` (then used first)."""

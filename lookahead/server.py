@@ -89,6 +89,8 @@ class Server:
         self.m_requests = Counter("lookahead_requests", "Requests by endpoint and status", ["endpoint", "status"], registry=r)
         self.m_tokens = Counter("lookahead_generated_tokens", "Tokens generated", registry=r)
         self.m_steps = Counter("lookahead_decode_steps", "Decode forwards (after the prefill)", registry=r)
+        self.m_reused = Counter("lookahead_reused_prompt_tokens", "Prompt tokens not prefilled: their keys were held", registry=r)
+        self.m_held = Gauge("lookahead_held_keys_bytes", "Bytes of finished requests' keys held for later prompts", registry=r)
         self.m_accepted = Counter("lookahead_accepted_draft_tokens", "Emitted draft tokens by source", ["source"], registry=r)
         self.m_queue = Gauge("lookahead_queue_length", "Requests waiting or running", registry=r)
         self.m_batch = Gauge("lookahead_batch_size", "Requests decoding together in the running batch", registry=r)
@@ -127,7 +129,7 @@ class Server:
 
         def done(finished: Lane | BaseException) -> None:  # in the worker thread
             if isinstance(finished, Lane) and finished.keys is not None:
-                self.keys.add(finished.keys)
+                self.m_held.set(self.keys.add(finished.keys))
             result = finished if isinstance(finished, BaseException) else self.gen.result(finished)
             loop.call_soon_threadsafe(_settle, future, result)
 
@@ -139,6 +141,7 @@ class Server:
         self.m_requests.labels(endpoint, "200").inc()
         self.m_tokens.inc(stats.new_tokens)
         self.m_steps.inc(stats.steps)
+        self.m_reused.inc(stats.reused_tokens)
         for source in SOURCES:
             self.m_accepted.labels(source).inc(stats.accepted_by_source.get(source, 0))
         self.m_latency.observe(time.perf_counter() - started)

@@ -254,9 +254,9 @@ def test_recent_keys_give_the_longest_prefix_held_within_their_budget():
     recent.add(held_keys([1, 2, 3, 4, 5]))  # a chat's next turn: its first 3 tokens were held, and go
     assert [keys.tokens for keys in recent.held] == [[1, 2, 3, 4, 5], [5, 6]]
     assert recent.prefix_for([5, 6, 7]).length == 2  # used: now first
-    recent.add(held_keys([7, 7, 7, 7]))  # 4 + 2 + 5 tokens: the least recently used goes
+    assert recent.add(held_keys([7, 7, 7, 7])) == 48 * 6  # 4 + 2 + 5 tokens: the least recently used goes
     assert [keys.tokens for keys in recent.held] == [[7, 7, 7, 7], [5, 6]]
-    recent.add(held_keys(list(range(20, 31))))  # alone over the budget: not held, nothing held goes
+    assert recent.add(held_keys(list(range(20, 31)))) == 48 * 6  # alone over the budget: not held, nothing held goes
     assert [keys.tokens for keys in recent.held] == [[7, 7, 7, 7], [5, 6]]
     assert not kv.RecentKeys(0).prefix_for([1, 2])
     with pytest.raises(ValueError, match="budget must be an integer number of bytes >= 0"):

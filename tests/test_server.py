@@ -436,6 +436,10 @@ def test_smollm2_chat_turns_served_on_our_kernels_prefill_only_what_the_last_req
             assert usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens == len(ids)
             assert fresh.chat.completions.create(**ask).usage.prompt_tokens_details.cached_tokens == 0
             messages.append({"role": "assistant", "content": tok.decode(tokens, skip_special_tokens=True)})
+        names = ("lookahead_reused_prompt_tokens_total", "lookahead_held_keys_bytes")  # what the metrics say of it
+        kept, not_kept = ([float(line.split()[1]) for line in httpx.get(at + "/metrics").text.splitlines() if line.split(" ")[0] in names]
+                          for at in (url, none))
+        assert [value > 0 for value in kept] == [gen.reuses_keys] * 2 and not_kept == [0.0, 0.0]
 
 
 def series(metrics: str) -> set[str]:
