@@ -790,6 +790,25 @@ def test_laying_out_shows_a_bar_with_the_time_left_in_a_terminal(tmp_path, monke
         assert ("laying out:" in shown and "[00:00<" in shown) == (terminal and progress is print), (layout, shown)  # [elapsed<left
 
 
+def test_an_entry_made_again_for_a_changed_file_removes_the_older_one(tmp_path):
+    """An upgrade (another ``LAYOUT``) or a modified file makes a new entry: the older entries of the same file go
+    (the user's cache had kept the 1.5B's 2.3 GB beside its new one), not another file's of the same name, nor one
+    another process reads."""
+    (tmp_path / "elsewhere").mkdir()
+    cache, other = tmp_path / "cache", tiny_gguf(tmp_path / "elsewhere" / "tiny.gguf", seed=1)
+    path = tiny_gguf(tmp_path / "tiny.gguf")
+    first, kept = (gguf_model.prepare(p, cache, print, "integer").directory for p in (path, other))
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10 ** 9))  # the same file, modified: another key
+    lines = []
+    second = gguf_model.prepare(path, cache, lines.append).directory
+    assert second != first and not first.exists() and kept.is_dir()
+    assert [line.split(" (")[0] for line in lines if line.startswith("removed")] == [f"removed {first}"]
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10 ** 9))
+    with cache_entries.held(second, None, shared=True):  # being read: it stays
+        third = gguf_model.prepare(path, cache, print).directory
+    assert second.is_dir() and third.is_dir() and kept.is_dir()
+
+
 def test_what_a_killed_first_load_left_is_removed_by_the_next_load(tmp_path):
     """A SIGKILL during ``prepare`` left ``blocks/.tmp-...`` (2.4 GB of the 1.5B's) for good: the next load removes
     it, and any other writer's that died (its lock is free), whichever file it loads; and a layout's file cut short
