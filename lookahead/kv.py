@@ -391,7 +391,7 @@ class RecentKeys:
                 return sum(other.nbytes() for other in self.held)
             held = [keys]
             for other in self.held:
-                if other.shared(keys.tokens + [-1]) < len(other.tokens) and total + other.nbytes() <= self.budget:
+                if keys.tokens[: len(other.tokens)] != other.tokens and total + other.nbytes() <= self.budget:
                     held.append(other)
                     total += other.nbytes()
             self.held = held
