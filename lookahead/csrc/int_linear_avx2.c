@@ -13,8 +13,10 @@
    take off; and up to 8 quads of nibbles (2 of 6-bit planes) are summed in int16 before one vpmaddwd widens them,
    still below 2^15. Integer sums are exact: the AVX-512 kernel's, whatever the instruction or order.
 
-   A tile is up to 4 rows x one half, or 1-2 rows x both halves, over all of K (`tile`): its integer sums, fp32 sums
-   and a unit of quads within the 16 registers, nothing stored between the groups. The threads split the blocks of
+   A tile is up to 4 rows x both halves (each row's broadcast bytes serve two products), or, for 6-bit planes (whose
+   unit of four quads a half fills four registers), 3-4 rows x one half, over all of K (`tile`): its integer sums and
+   a unit of quads within the 16 registers, the fp32 sums spilled once a group where they must (4 x 2 tiles: Q4_K and
+   int8 products at 4-16 rows ~8% faster than 4 x 1, 6-bit planes ~4% slower). The threads split the blocks of
    16 columns; each streams its blocks in order, the first tile of a block prefetching AHEAD bytes past what it reads
    (against the earlier kernel, one call an activation block and a half of 4 rows, whose prefetches gcc had left
    out: benchmarks.kernel_ab on a 2-core Zen 3, a forward's products streamed, SmolLM2 7.8 -> 5.3 ms at one row and
@@ -252,10 +254,10 @@ typedef void (*Tile)(const Blocks *, Rows, const char *, int, const float *, flo
         tile(KIND, QS, ROWS, HALVES, w, x, block, h0, bias, y, n, stream, l2);                                               \
     }
 #define TILES(KIND, QS) TILE(KIND, QS, 1, 1) TILE(KIND, QS, 2, 1) TILE(KIND, QS, 3, 1) TILE(KIND, QS, 4, 1) \
-    TILE(KIND, QS, 1, 2) TILE(KIND, QS, 2, 2)
+    TILE(KIND, QS, 1, 2) TILE(KIND, QS, 2, 2) TILE(KIND, QS, 3, 2) TILE(KIND, QS, 4, 2)
 TILES(NIBBLES, 4) TILES(NIBBLES, 8) TILES(INT8, 4) TILES(INT8, 8) TILES(SIX, 4) TILES(SIX, 8)
 #define TILES_OF(KIND, QS) {{tile_##KIND##_##QS##_1_1, tile_##KIND##_##QS##_2_1, tile_##KIND##_##QS##_3_1, tile_##KIND##_##QS##_4_1}, \
-    {tile_##KIND##_##QS##_1_2, tile_##KIND##_##QS##_2_2, 0, 0}}
+    {tile_##KIND##_##QS##_1_2, tile_##KIND##_##QS##_2_2, tile_##KIND##_##QS##_3_2, tile_##KIND##_##QS##_4_2}}
 static const Tile tiles[3][2][2][MAX_ROWS] = {{TILES_OF(NIBBLES, 4), TILES_OF(NIBBLES, 8)}, {TILES_OF(INT8, 4), TILES_OF(INT8, 8)},
                                               {TILES_OF(SIX, 4), TILES_OF(SIX, 8)}}; /* [kind][qs == 8][halves - 1][rows - 1] */
 
@@ -288,8 +290,8 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
             const char *at = packed + c * block;
             const float *b = bias ? bias + 16 * c : 0;
             float *out = (float *)y + 16 * c;
-            for (int r = 0; r < m;) { /* 4 rows at a time through one half, then the other; 1 or 2 rows through both at once */
-                const int rows = m - r < MAX_ROWS ? m - r : MAX_ROWS, halves = rows <= 2 ? 2 : 1;
+            for (int r = 0; r < m;) { /* 4 rows at a time through both halves (6-bit planes: 3-4 through one, then the other) */
+                const int rows = m - r < MAX_ROWS ? m - r : MAX_ROWS, halves = kind == SIX && rows > 2 ? 1 : 2;
                 for (int h = 0; h < 2; h += halves) /* the first tile streams the block; the others read it from cache */
                     tiles[kind][qs == 8][halves - 1][rows - 1](&w, from_row(part, r), at, h, b, out + (size_t)r * n, n, r == 0 && h == 0, l2);
                 r += rows;
