@@ -480,11 +480,11 @@ def _dequantized(gguf: Path, entry: dict) -> np.ndarray:
         _check_finite(gguf, entry, torch.from_numpy(np.asarray(weights)))
         return weights
     k, n = entry["shape"]
-    weights = np.empty((n, k), np.float32)
+    weights = torch.empty(n, k)
     for start, q in zip(range(0, n, CHUNK), _decoded(entry, raw)):
         _check_finite(gguf, entry, q.scale, q.offset)  # the values then are: q is small
-        weights[start: start + CHUNK] = q.dequantize().numpy()
-    return weights
+        q.dequantize(out=weights[start: start + CHUNK])
+    return weights.numpy()
 
 
 def _check_finite(gguf: Path, entry: dict, *tensors: torch.Tensor | None) -> None:
