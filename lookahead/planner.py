@@ -150,6 +150,8 @@ class LiveCurve:
 
     def ratio(self, tokens: int | np.ndarray, batch: int = 1) -> float | np.ndarray:
         """c(T rows over ``batch`` sequences) / c(1 row, one sequence), both corrected, never below 1."""
+        if type(tokens) is int and tokens >= 1:  # one width, what the loop asks most (numpy on a scalar: ~20 us a call)
+            return max(1.0, float(self._table(batch, tokens)[0][tokens - 1]) * math.exp(self._near(batch, tokens) - self._near(1, 1)))
         t = np.asarray(tokens)
         whole = t.dtype.kind in "iu" and t.size and t.min() >= 1  # what the loop asks: the table has it
         probed = self._table(batch, int(t.max()))[0][t - 1] if whole else self.curve.ratio(tokens, batch)
@@ -174,13 +176,20 @@ class LiveCurve:
             return 0.0
         if self._scales is None:
             self._scales = np.fromiter(self.log_scale.values(), float, len(self.log_scale))
+        if type(tokens) is int and tokens >= 1:  # one width: a Python float, without numpy's work on scalars
+            return float(self._scales[self._nearest_table(batch, tokens)[tokens - 1]])
         t = np.asarray(tokens)
         if t.dtype.kind not in "iu" or not t.size or t.min() < 1:  # not what the loop asks: computed afresh
             return self._scales[self._nearest_cells(batch, t)]
+        return self._scales[self._nearest_table(batch, int(t.max()))[t - 1]]
+
+    def _nearest_table(self, batch: int, rows: int) -> np.ndarray:
+        """The observed cell nearest 1, 2, ... (at least ``rows``) rows over ``batch`` sequences (its index), kept until
+        a cell is added."""
         nearest = self._nearest.get(batch)
-        if nearest is None or nearest.size < t.max():
-            nearest = self._nearest[batch] = self._nearest_cells(batch, np.arange(1, max(int(t.max()), 64) + 1))
-        return self._scales[nearest[t - 1]]
+        if nearest is None or nearest.size < rows:
+            nearest = self._nearest[batch] = self._nearest_cells(batch, np.arange(1, max(rows, 64) + 1))
+        return nearest
 
     def _nearest_cells(self, batch: int, tokens: np.ndarray) -> np.ndarray:
         """The index (in ``log_scale``'s order) of the observed cell nearest each of ``tokens`` rows over ``batch``
