@@ -89,7 +89,7 @@ class Quantized:
         given (no temporaries: a dense load of the 1.5B made and dropped ~30 GB of them)."""
         out = torch.empty(self.q.shape) if out is None else out
         w = out.view(self.q.shape[0], -1, self.group)
-        w.copy_(self.q.view(w.shape)).mul_(self.scale.unsqueeze(-1))  # (int8 times fp32 in one call: 2x slower)
+        w.copy_(self.q.reshape(w.shape)).mul_(self.scale.unsqueeze(-1))  # (int8 times fp32 in one call: 2x slower)
         return out if self.offset is None else w.add_(self.offset.unsqueeze(-1)).view(self.q.shape)
 
     def rows(self, index: torch.Tensor | slice) -> "Quantized":
