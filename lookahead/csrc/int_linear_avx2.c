@@ -13,10 +13,10 @@
    take off; and up to 8 quads of nibbles (2 of 6-bit planes) are summed in int16 before one vpmaddwd widens them,
    still below 2^15. Integer sums are exact: the AVX-512 kernel's, whatever the instruction or order.
 
-   A tile is up to 4 rows x both halves (each row's broadcast bytes serve two products), or, for 6-bit planes (whose
-   unit of four quads a half fills four registers), 3-4 rows x one half, over all of K (`tile`): its integer sums and
-   a unit of quads within the 16 registers, the fp32 sums spilled once a group where they must (4 x 2 tiles: Q4_K and
-   int8 products at 4-16 rows ~8% faster than 4 x 1, 6-bit planes ~4% slower). The threads split the blocks of
+   A tile is up to 4 rows x both halves (each row's broadcast bytes serve two products), or, for 6-bit planes,
+   3-4 rows x one half (`tile_halves`), over all of K (`tile`): its integer sums and a unit of quads within the 16
+   registers, the fp32 sums spilled once a group where they must (4 x 2 tiles: Q4_K and int8 products at 4-16 rows
+   ~8% faster than 4 x 1). The threads split the blocks of
    16 columns; each streams its blocks in order, the first tile of a block prefetching AHEAD bytes past what it reads
    (against the earlier kernel, one call an activation block and a half of 4 rows, whose prefetches gcc had left
    out: benchmarks.kernel_ab on a 2-core Zen 3, a forward's products streamed, SmolLM2 7.8 -> 5.3 ms at one row and
@@ -247,19 +247,21 @@ TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, co
             _mm256_storeu_ps(y + (size_t)r * n + 8 * h, v);
         }
 }
+/* the halves a tile of `rows` takes at once: both, but 3-4 rows of 6-bit planes one (their unit of four quads a half
+   fills four registers: both halves were 4% slower) */
+static inline int tile_halves(int kind, int rows) { return kind == SIX && rows > 2 ? 1 : 2; }
+
 typedef void (*Tile)(const Blocks *, Rows, const char *, int, const float *, float *, int, int, int);
-#define TILE(KIND, QS, ROWS, HALVES)                                                                                        \
-    TARGET static void tile_##KIND##_##QS##_##ROWS##_##HALVES(const Blocks *w, Rows x, const char *block, int h0,             \
-                                                              const float *bias, float *y, int n, int stream, int l2) {     \
-        tile(KIND, QS, ROWS, HALVES, w, x, block, h0, bias, y, n, stream, l2);                                               \
+#define TILE(KIND, QS, ROWS)                                                                                               \
+    TARGET static void tile_##KIND##_##QS##_##ROWS(const Blocks *w, Rows x, const char *block, int h0, const float *bias,   \
+                                                   float *y, int n, int stream, int l2) {                                   \
+        tile(KIND, QS, ROWS, tile_halves(KIND, ROWS), w, x, block, h0, bias, y, n, stream, l2);                            \
     }
-#define TILES(KIND, QS) TILE(KIND, QS, 1, 1) TILE(KIND, QS, 2, 1) TILE(KIND, QS, 3, 1) TILE(KIND, QS, 4, 1) \
-    TILE(KIND, QS, 1, 2) TILE(KIND, QS, 2, 2) TILE(KIND, QS, 3, 2) TILE(KIND, QS, 4, 2)
+#define TILES(KIND, QS) TILE(KIND, QS, 1) TILE(KIND, QS, 2) TILE(KIND, QS, 3) TILE(KIND, QS, 4)
 TILES(NIBBLES, 4) TILES(NIBBLES, 8) TILES(INT8, 4) TILES(INT8, 8) TILES(SIX, 4) TILES(SIX, 8)
-#define TILES_OF(KIND, QS) {{tile_##KIND##_##QS##_1_1, tile_##KIND##_##QS##_2_1, tile_##KIND##_##QS##_3_1, tile_##KIND##_##QS##_4_1}, \
-    {tile_##KIND##_##QS##_1_2, tile_##KIND##_##QS##_2_2, tile_##KIND##_##QS##_3_2, tile_##KIND##_##QS##_4_2}}
-static const Tile tiles[3][2][2][MAX_ROWS] = {{TILES_OF(NIBBLES, 4), TILES_OF(NIBBLES, 8)}, {TILES_OF(INT8, 4), TILES_OF(INT8, 8)},
-                                              {TILES_OF(SIX, 4), TILES_OF(SIX, 8)}}; /* [kind][qs == 8][halves - 1][rows - 1] */
+#define TILES_OF(KIND, QS) {tile_##KIND##_##QS##_1, tile_##KIND##_##QS##_2, tile_##KIND##_##QS##_3, tile_##KIND##_##QS##_4}
+static const Tile tiles[3][2][MAX_ROWS] = {{TILES_OF(NIBBLES, 4), TILES_OF(NIBBLES, 8)}, {TILES_OF(INT8, 4), TILES_OF(INT8, 8)},
+                                           {TILES_OF(SIX, 4), TILES_OF(SIX, 8)}}; /* [kind][qs == 8][rows - 1] */
 
 /* int_linear.c's int_linear, on fp32 x and y (bf16: 2); 1 where the buffers could not be allocated */
 TARGET int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits, int group,
@@ -291,9 +293,9 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
             const float *b = bias ? bias + 16 * c : 0;
             float *out = (float *)y + 16 * c;
             for (int r = 0; r < m;) { /* 4 rows at a time through both halves (6-bit planes: 3-4 through one, then the other) */
-                const int rows = m - r < MAX_ROWS ? m - r : MAX_ROWS, halves = kind == SIX && rows > 2 ? 1 : 2;
-                for (int h = 0; h < 2; h += halves) /* the first tile streams the block; the others read it from cache */
-                    tiles[kind][qs == 8][halves - 1][rows - 1](&w, from_row(part, r), at, h, b, out + (size_t)r * n, n, r == 0 && h == 0, l2);
+                const int rows = m - r < MAX_ROWS ? m - r : MAX_ROWS;
+                for (int h = 0; h < 2; h += tile_halves(kind, rows)) /* the first tile streams the block; the others read it from cache */
+                    tiles[kind][qs == 8][rows - 1](&w, from_row(part, r), at, h, b, out + (size_t)r * n, n, r == 0 && h == 0, l2);
                 r += rows;
             }
         }
