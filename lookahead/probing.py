@@ -73,7 +73,7 @@ def probe(model: PreTrainedModel, sizes: tuple[int, ...] = PROBE_SIZES, context:
     widths = tuple(w for w in widths if (BATCH, w) in times)
     widths = widths if len(widths) == len(BATCH_WIDTHS) else ()  # the batch axis whole, or not at all
     envelope = np.minimum.accumulate([times[1, s] for s in sizes][::-1])[::-1]  # non-decreasing in T
-    base = envelope[0]
+    base = float(envelope[0])
     wide = np.minimum.accumulate([times[BATCH, w] for w in widths][::-1])[::-1] / base if widths else ()  # likewise
     return CostCurve(tuple(sizes), tuple(float(t / base) for t in envelope), base * 1000, time.perf_counter() - start,
                      tuple(float(r) for r in wide))
