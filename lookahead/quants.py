@@ -90,7 +90,9 @@ class Quantized:
         out = torch.empty(self.q.shape) if out is None else out
         w = out.view(self.q.shape[0], -1, self.group)
         w.copy_(self.q.reshape(w.shape)).mul_(self.scale.unsqueeze(-1))  # (int8 times fp32 in one call: 2x slower)
-        return out if self.offset is None else w.add_(self.offset.unsqueeze(-1)).view(self.q.shape)
+        if self.offset is not None:
+            w.add_(self.offset.unsqueeze(-1))
+        return out
 
     def rows(self, index: torch.Tensor | slice) -> "Quantized":
         return Quantized(self.q[index], self.scale[index], None if self.offset is None else self.offset[index], self.group, self.bits,
