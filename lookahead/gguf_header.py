@@ -312,15 +312,39 @@ def config_of(gguf: Path, header: Header):
     return config
 
 
-def tokenizer_of(gguf: Path, model_type: str):
-    """``gguf``'s tokenizer, or None for a file without one (token ids only). Its class named by the config's model
-    type: untyped, transformers parses the whole file again (the vocabulary too) for a config that names it
-    (Qwen2.5-Coder-0.5B 9.7 -> 1.0 s, Gemma 3 15.0 -> 2.5 s, the same tokenizer); untyped where that type names none."""
-    from transformers import AutoTokenizer
+def tokenizer_of(gguf: Path, config):
+    """``gguf``'s tokenizer, or None for a file without one (token ids only). Its class is the one ``AutoTokenizer``
+    picks for ``config`` (a GGUF names none of its own): asked to pick, it parses the whole file again for the config
+    where transformers' fast reader does not cover the architecture (SmolLM2's Llama: ~4 s; Qwen2.5-Coder-0.5B once
+    9.7 s)."""
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-    for typed in ({"tokenizer_type": model_type}, {}):
-        try:
-            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **typed)
-        except Exception:  # a type that names no tokenizer class; then a file without a tokenizer
-            continue
-    return None
+    try:
+        return TOKENIZER_MAPPING.get(type(config), TokenizersBackend).from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception:  # a file without a tokenizer
+        return None
+
+
+def hf_names(model, processor, architecture: str) -> dict[str, str]:
+    """transformers' ``get_gguf_hf_weights_map`` (the file's tensor names -> ``model``'s parameters) with one gguf-py
+    name map for the whole model: transformers builds one for every module it recurses into, ~25 ms each (SmolLM2's
+    397 modules: 10 s of a first load)."""
+    import gguf as gguf_py
+
+    arch = next(a for a, name in gguf_py.MODEL_ARCH_NAMES.items() if name == architecture)
+    name_map = gguf_py.get_tensor_name_map(arch, model.config.num_hidden_layers)
+
+    def walk(module, qual: str) -> dict[str, str]:
+        found = {}
+        for hf in map(processor.preprocess_name, module.state_dict()):
+            name, dot, suffix = hf.rpartition(".") if hf.endswith((".weight", ".bias")) else (hf, "", "")
+            if (gguf_name := name_map.get_name(name)) is None:
+                processor.perform_fallback_tensor_mapping(found, dot + suffix, qual, hf)
+            else:
+                found[gguf_name + dot + suffix] = qual + hf
+        for name, child in module.named_children():  # Bloom-like files: converted from a submodule
+            found.update({k: v for k, v in walk(child, f"{qual}{name}.").items() if k not in found})
+        return found
+
+    return walk(model, "")

@@ -50,7 +50,7 @@ from torch import nn
 
 from lookahead import cpu, linear_kernels, quants
 from lookahead.cache_entries import Progress, bar, check_files, directory_whole, held, leftovers, sha256, sweep
-from lookahead.gguf_header import Header, ModelLoadError, _regular, check_metadata, config_of, one_line, read_header, tokenizer_of, wrong_shape
+from lookahead.gguf_header import Header, ModelLoadError, _regular, check_metadata, config_of, hf_names, one_line, read_header, tokenizer_of, wrong_shape
 from lookahead.kernels import SIBLINGS
 from ngram_pool.files import written_whole
 
@@ -221,7 +221,7 @@ def _build(gguf: Path, status: os.stat_result, target: Path) -> dict:
         model = _skeleton(config, torch.float32, meta=True)
     except Exception as e:  # transformers raises many types for an unsupported file
         raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
-    tokenizer = tokenizer_of(gguf, config.model_type)
+    tokenizer = tokenizer_of(gguf, config)
     processor, blocks = _processor(header.architecture, config)
     entries, left = _entries(gguf, header, model, processor, blocks)
     with directory_whole(target) as tmp:
@@ -248,9 +248,7 @@ def _entries(gguf: Path, header: Header, model: nn.Module, processor, blocks: st
     load); one line for each linear left dense, and why). Each tensor's shape is the one ``model``'s config gives its
     parameter (a ``ModelLoadError`` naming both: the bytes of a 512 x 128 tensor read as 256 x 256 ran scrambled),
     where the architecture's processor keeps shapes (else at load, once processed), and every parameter has one."""
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
-
-    mapping = get_gguf_hf_weights_map(model, processor)
+    mapping = hf_names(model, processor, header.architecture)
     embedding, output = _module_names(model)
     modules, parameters = dict(model.named_modules()), dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False) and all(t.name != "output.weight" for t in header.tensors)

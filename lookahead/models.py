@@ -264,7 +264,7 @@ def _convert(gguf: Path, target: Path, progress: Progress) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many types for an unreadable or unsupported GGUF
         raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
-    tokenizer = gguf_header.tokenizer_of(gguf, model.config.model_type)
+    tokenizer = gguf_header.tokenizer_of(gguf, model.config)
     if tokenizer is None:
         raise ModelLoadError(f"cannot read GGUF {gguf}: it holds no tokenizer transformers reads")
     # The weights are plain dequantized tensors now; only the GGUF quantizer's marker blocks saving.

