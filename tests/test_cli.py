@@ -221,7 +221,7 @@ def test_stock_kernels_run_no_c_of_ours():
     probe = ("import atexit, sys; atexit.register(lambda: sys.stderr.write('ours mapped: %s\\n' % any("
              "'/kernels/lookahead-' in line for line in open('/proc/self/maps')))); from lookahead.cli import main; main()")
     common = [sys.executable, "-c", probe, "generate", "--no-chat", "The capital of France is", "--max-new-tokens", "12", "--dtype", "float32",
-              "--recycle-prior", "0"]  # no prior: up to 20 s a first run, of no concern here
+              "--recycle-prior", "0", "--no-auto"]  # no prior, no probe (up to 20 s each a first run): of no concern here
     stock = subprocess.run([*common, "--kernels", "stock"], capture_output=True, text=True, timeout=600)
     assert stock.returncode == 0 and "Paris" in stock.stdout and "ours mapped: False" in stock.stderr, stock.stderr
     if native.best_tier():
