@@ -10,7 +10,7 @@ import importlib
 _HOMES = {"CostCurve": "curve", "DraftState": "drafting", "GenerationResult": "generator", "GenerationStats": "stats",
           "LookaheadConfig": "config", "LookaheadGenerator": "generator", "custom_generate": "hf"}
 
-__all__ = sorted(_HOMES)
+__all__ = ["CostCurve", "DraftState", "GenerationResult", "GenerationStats", "LookaheadConfig", "LookaheadGenerator", "custom_generate"]
 
 
 def __getattr__(name: str):
