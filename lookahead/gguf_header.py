@@ -326,13 +326,15 @@ def tokenizer_of(gguf: Path, config):
         return None
 
 
-def hf_names(model, processor, architecture: str) -> dict[str, str]:
+def hf_names(gguf: Path, model, processor, architecture: str) -> dict[str, str]:
     """transformers' ``get_gguf_hf_weights_map`` (the file's tensor names -> ``model``'s parameters) with one gguf-py
     name map for the whole model: transformers builds one for every module it recurses into, ~25 ms each (SmolLM2's
     397 modules: 10 s of a first load)."""
     import gguf as gguf_py
 
-    arch = next(a for a, name in gguf_py.MODEL_ARCH_NAMES.items() if name == architecture)
+    arch = next((a for a, name in gguf_py.MODEL_ARCH_NAMES.items() if name == architecture), None)
+    if arch is None:
+        raise ModelLoadError(f"cannot read GGUF {gguf}: gguf-py names no tensors of architecture {architecture!r}")
     name_map = gguf_py.get_tensor_name_map(arch, model.config.num_hidden_layers)
 
     def walk(module, qual: str) -> dict[str, str]:

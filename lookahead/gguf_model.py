@@ -248,7 +248,7 @@ def _entries(gguf: Path, header: Header, model: nn.Module, processor, blocks: st
     load); one line for each linear left dense, and why). Each tensor's shape is the one ``model``'s config gives its
     parameter (a ``ModelLoadError`` naming both: the bytes of a 512 x 128 tensor read as 256 x 256 ran scrambled),
     where the architecture's processor keeps shapes (else at load, once processed), and every parameter has one."""
-    mapping = hf_names(model, processor, header.architecture)
+    mapping = hf_names(gguf, model, processor, header.architecture)
     embedding, output = _module_names(model)
     modules, parameters = dict(model.named_modules()), dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False) and all(t.name != "output.weight" for t in header.tensors)
