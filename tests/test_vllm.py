@@ -200,7 +200,7 @@ def test_greedy_output_with_our_proposer_equals_vllm_plain_greedy():
     ]
     job = {"model": model, "dtype": "float32", "max_num_seqs": 4, "runs": runs, "kv_bytes": 1 << 27}  # 2,800 tokens' keys and values
     spec = {"method": "custom_class", "model": "lookahead.vllm.LookaheadProposer", "num_speculative_tokens": 8}
-    with ThreadPoolExecutor(2) as pool:  # both engines at once: their start-ups overlap (~95 -> 55 s; 2 x 2.2 GB)
+    with ThreadPoolExecutor(2) as pool:  # both engines at once: their start-ups overlap (~95 -> 55 s; 2 x 1.9 GB)
         plain, ours = pool.map(lambda job: vllm_cpu.run(job, in_process=True), [job, {**job, "spec": spec}])
     for run in runs:
         assert ours["runs"][run["name"]]["outputs"] == plain["runs"][run["name"]]["outputs"], run["name"]
