@@ -141,18 +141,13 @@ static inline Rows from_row(Rows x, int r) {
     return (Rows){x.qx + (size_t)r * x.k, x.dx + (size_t)r * (x.k / x.qblock), x.sums + groups, x.biases + groups, x.k, x.qblock, x.group};
 }
 
-/* one row's group g of two blocks: p += its integer sums (less the weights' bias where `biased`) times the group's
-   scales s (+ its offsets o times the group's sum of qx) */
-TARGET static inline ALWAYS void scale_group(Rows x, int r, int g, int biased, int offsets, __m512i sum0, __m512i sum1,
+/* one row's group g of two blocks: p += its integer sums times the group's scales s (+ its offsets o times the
+   group's sum of qx) */
+TARGET static inline ALWAYS void scale_group(Rows x, int r, int g, int offsets, __m512i sum0, __m512i sum1,
                                              const __m512 *s, const __m512 *o, __m512 *p0, __m512 *p1) {
-    const size_t at = (size_t)r * (x.k / x.group) + g;
-    if (biased) {
-        const __m512i bias = _mm512_set1_epi32(x.biases[at]);
-        sum0 = _mm512_sub_epi32(sum0, bias), sum1 = _mm512_sub_epi32(sum1, bias);
-    }
     *p0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum0), s[0], *p0), *p1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum1), s[1], *p1);
     if (offsets) {
-        const __m512 sum = _mm512_set1_ps(x.sums[at]);
+        const __m512 sum = _mm512_set1_ps(x.sums[(size_t)r * (x.k / x.group) + g]);
         *p0 = _mm512_fmadd_ps(o[0], sum, *p0), *p1 = _mm512_fmadd_ps(o[1], sum, *p1);
     }
 }
@@ -191,8 +186,11 @@ TARGET static inline ALWAYS void rows_block(int kind, int qs, int ROWS, Rows x, 
     for (int gl = 0; gl < groups; gl++) {
         const int g = block_index * groups + gl;
         const int8_t *xq = x.qx + g * x.group;
-        __m512i sum0[2 * MAX_ROWS], sum1[2 * MAX_ROWS];
-        _Pragma("GCC unroll 16") for (int c = 0; c < ROWS * chains; c++) sum0[c] = sum1[c] = _mm512_setzero_si512();
+        __m512i sum0[2 * MAX_ROWS], sum1[2 * MAX_ROWS]; /* a row's first chain starts at minus the weights' bias, exactly:
+                                                          no subtraction a group (Q6_K's products 6% faster at 8-16 rows) */
+        _Pragma("GCC unroll 16") for (int c = 0; c < ROWS * chains; c++)
+            sum0[c] = sum1[c] = kind != NIBBLES && c % chains == 0 ? _mm512_set1_epi32(-x.biases[(size_t)(c / chains) * (x.k / x.group) + g])
+                                                                   : _mm512_setzero_si512();
         _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
             if (next) prefetch_share(next, block, lines, (gl * qs + q) / unit, units, &line, l2);
             __m512i u0[4], u1[4];
@@ -207,7 +205,7 @@ TARGET static inline ALWAYS void rows_block(int kind, int qs, int ROWS, Rows x, 
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {
             __m512i s0 = sum0[r * chains], s1 = sum1[r * chains];
             if (chains == 2) s0 = _mm512_add_epi32(s0, sum0[r * chains + 1]), s1 = _mm512_add_epi32(s1, sum1[r * chains + 1]);
-            scale_group(x, r, g, kind != NIBBLES, offsets, s0, s1, scales + 2 * gl, offs + 2 * gl, &p0[r], &p1[r]);
+            scale_group(x, r, g, offsets, s0, s1, scales + 2 * gl, offs + 2 * gl, &p0[r], &p1[r]);
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) add_block(x, r, block_index, p0[r], p1[r], out + 32 * r);
