@@ -1,12 +1,17 @@
 """Every decoder-only causal LM transformers ships (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), built tiny in-process:
 each is refused when the generator is built, with a reason, or equal to ``generate()`` in fp32 up to the end of
-its 64-token context with trees of 1, 8 and 64 nodes (a divergence only at a top-2 tie, as everywhere)."""
+its 64-token context with trees of 1, 8 and 64 nodes (a divergence only at a top-2 tie, as everywhere). A type whose
+tiny model cannot be built (a new transformers release's config rules) is named and counted apart; one that builds
+and then differs from ``generate()`` fails, and a floor on the exact count keeps unbuildable types from hiding a
+regression."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
+import traceback
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 
@@ -20,6 +25,7 @@ from conftest import assert_greedy_equal, hf_greedy
 from lookahead import LookaheadConfig, LookaheadGenerator
 
 CONTEXT = 64
+EXACT_FLOOR = 100  # 109 walked exactly with transformers 5.25: slack for a release that makes a few unbuildable, none for a walk broken
 SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
 SHRINK = dict(vocab_size=48, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=CONTEXT, n_positions=CONTEXT, n_ctx=CONTEXT, max_seq_len=CONTEXT, seq_length=CONTEXT,
@@ -91,13 +97,29 @@ PROMPTS = {1: [3, 7, 3, 7, 3, 9], 8: [5, 17, 2, 5, 17, 2, 5, 17, 2, 11, 40, 1], 
 
 
 def walk(model_type: str) -> str:
-    """'exact' (alone and in a batch), 'exact, batches decoded in turn', or 'refused: <reason>'; fails on anything else."""
-    model, refs = build(model_type), {}
+    """'exact' (alone and in a batch), 'exact, batches decoded in turn', 'refused: <reason>', 'unbuildable: <reason>'
+    (its tiny model cannot be built), or 'differs: <why>' / 'failed: <traceback>': text, never an exception, since a
+    library's exception may not unpickle in the parent (huggingface_hub's validation errors do not)."""
+    try:
+        model = build(model_type)
+    except Exception as e:
+        return f"unbuildable: {type(e).__name__}: {e}"
+    try:
+        return _compare(model)
+    except AssertionError as e:
+        return f"differs: {e}"
+    except Exception:
+        return f"failed: {traceback.format_exc()}"
+
+
+def _compare(model) -> str:
+    """Lookahead against ``generate()`` on each tree size alone, then the prompts decoded together."""
+    refs = {}
     for budget, prompt in PROMPTS.items():
         try:
             gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False, tree_budget=budget))
         except ValueError as e:
-            assert str(e).strip(), model_type
+            assert str(e).strip(), "refused with an empty reason"
             return f"refused: {e}"
         refs[budget] = hf_greedy(model, prompt, CONTEXT - len(prompt))
         assert_greedy_equal(model, prompt, gen.generate(prompt, max_new_tokens=CONTEXT - len(prompt)).tokens, refs[budget])
@@ -125,12 +147,32 @@ def test_every_causal_lm_is_exact_or_refused():
         results = dict(zip(types, pool.map(walk, types)))
     exact = sorted(t for t, r in results.items() if r.startswith("exact"))
     in_turn = sorted(t for t, r in results.items() if r == "exact, batches decoded in turn")
-    refused = {t: r for t, r in results.items() if not r.startswith("exact")}
+    refused, unbuildable, wrong = ({t: r.split(": ", 1)[1] for t, r in results.items() if r.startswith(kind)}
+                                   for kind in ("refused: ", "unbuildable: ", ("differs: ", "failed: ")))
     print(f"\n{len(exact)} exact ({len(in_turn)} of them decode batches in turn: {', '.join(in_turn)}), {len(refused)} refused, "
-          f"{len(SKIPPED)} skipped in {time.perf_counter() - start:.0f} s")
-    for model_type, reason in sorted(refused.items()):
-        print(f"  {model_type}: {reason[:160]}")
+          f"{len(unbuildable)} unbuildable, {len(SKIPPED)} skipped in {time.perf_counter() - start:.0f} s")
+    for label, group in (("refused", refused), ("unbuildable", unbuildable)):
+        for model_type, reason in sorted(group.items()):
+            print(f"  {label} {model_type}: {' '.join(reason.split())[:160]}")
+    assert not wrong, "\n".join(f"{t}: {r}" for t, r in sorted(wrong.items()))
+    assert len(exact) >= EXACT_FLOOR, f"only {len(exact)} types walk exactly (at least {EXACT_FLOOR} did)"
     assert {"llama", "qwen2", "mistral", "gemma3_text", "gpt2", "phi3", "gpt_neo"} <= set(exact)
     assert {"llama", "qwen2", "mistral", "gemma3_text", "gpt2"}.isdisjoint(in_turn)
     assert "gpt_neo" in in_turn  # its local attention windows by cache slot, which holes and padding shift
     assert {"rwkv", "xlstm", "reformer", "bloom", "mpt", "mamba"} <= set(refused)
+
+
+def test_a_walk_says_what_went_wrong_as_text(monkeypatch):
+    """A config that cannot be built, a difference and a crash come back as text a parent process can read."""
+    def fail(error: Exception):
+        def raising(*_):
+            raise error
+        return raising
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "build", fail(ValueError("index_num_heads must be between 1 and 4")))
+    assert walk("llama") == "unbuildable: ValueError: index_num_heads must be between 1 and 4"
+    monkeypatch.setattr(module, "build", lambda _: None)
+    monkeypatch.setattr(module, "_compare", fail(AssertionError("token 3: 7 != 9")))
+    assert walk("llama") == "differs: token 3: 7 != 9"
+    monkeypatch.setattr(module, "_compare", fail(RuntimeError("boom")))
+    assert walk("llama").startswith("failed: Traceback") and "RuntimeError: boom" in walk("llama")
