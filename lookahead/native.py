@@ -53,7 +53,7 @@ TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
                         ("linear.c", "amx_linear.c", "quant_linear.c", "int_linear.c", "tree_attention.c", "tree_attention_avx2.c",
                          "rms_norm.c", "top_k.c", "move_columns.c", "rope.c", "decoder_layer.c", "decoder_layer_fp32.c"),
-                        BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
+                        BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8")),
     "avx512f": Tier(("avx512f", "avx512bw", "avx512vl", "f16c"),
                     ("linear.c", "quant_linear.c", "int_linear_avx2.c", "tree_attention_avx2.c", "rms_norm.c", "top_k.c", "move_columns.c",
                      "rope.c", "decoder_layer_fp32.c"), BASE_FLAGS),
@@ -205,6 +205,7 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
         "quant_bf16_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
         "amx_quant_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
         "int_linear": (linear + [ctypes.c_int] * 5, ctypes.c_int),  # ... offsets, scaling, threads, l2, bf16; 1: out of memory
+        "amx_int_linear": (linear + [ctypes.c_int] * 5, ctypes.c_int),  # the same; 2: no AMX-INT8 tiles here
         **{name: ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
                   + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int) for name in ATTENTIONS.values()},  # 1: out of memory
         "rms_norm": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),

@@ -223,6 +223,30 @@ def test_the_legacy_types_fp16_scales_give_the_integer_products_bit_for_bit(kind
         linear_kernels.pack_quantized(q.q, q.scale * (1 + 2 ** -20), q.offset, q.group, q.bits, dtype, integer=True, halves=True)
 
 
+TILES = INTEGER and native.has("amx_int_linear") and "amx_int8" in native.cpu.flags() and native.library().amx_init() == 1
+
+
+@pytest.mark.skipif(not TILES, reason="no AMX-INT8 tiles here (an Intel Sapphire Rapids or later, and Linux's leave)")
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q5_K", "Q3_K", "Q4_0", *NEW])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_amx_tiles_give_the_registers_bits_for_every_row_at_every_row_count(kind, dtype):
+    """AMX-INT8 tiles (``amx_int_linear``: every call on tiles; ``int_linear`` takes them from 9 rows) make the
+    integer sums vpdpbusd makes and scale them in the same fp32 chain: every row of an M-row product on tiles, M = 1
+    .. 40, equals that row alone on the registers' path, bit for bit (nibbles, int8 and 6-bit planes, groups of 16
+    and 32, an odd block of 16 columns at the end)."""
+    k = 576 if kind in ("Q8_0", "Q4_1") else 512
+    q = quants.from_blocks(random_blocks(kind, 80, k, seed=k), kind, 80, k)
+    bias = torch.randn(80, generator=torch.Generator().manual_seed(1))
+    linear = linear_kernels.Linear(linear_kernels.lay_out(q, dtype, integer=True), bias)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x[3, :7] = 0
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(40)])  # one row: never on tiles
+    for m in range(1, 41):
+        tiles = torch.empty(m, 80, dtype=dtype)
+        assert linear.into(x[:m].contiguous(), tiles, native.library().amx_int_linear) == 0
+        assert torch.equal(tiles, alone[:m]) and torch.equal(linear(x[:m]), alone[:m]), m
+
+
 @needs_integer
 def test_a_tiny_model_on_the_integer_kernel_drafts_exactly_its_own_plain_loop():
     model = tiny_llama(seed=3).to(torch.bfloat16 if OWN_BF16 else torch.float32)

@@ -37,6 +37,7 @@
    9-23% faster, and 8 rows at a time against 4 another 5-14% from 6 rows on; 12-row register tiles spill and gain
    nothing (DESIGN). */
 
+#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <stddef.h>
@@ -229,6 +230,90 @@ ROWS_BLOCKS(NIBBLES, 4) ROWS_BLOCKS(NIBBLES, 8) ROWS_BLOCKS(INT8, 4) ROWS_BLOCKS
 static const RowsBlock rows_blocks[3][2][MAX_ROWS] = {{ROWS_OF(NIBBLES, 4), ROWS_OF(NIBBLES, 8)}, {ROWS_OF(INT8, 4), ROWS_OF(INT8, 8)},
                                                       {ROWS_OF(SIX, 4), ROWS_OF(SIX, 8)}};
 
+/* Wide calls on AMX tiles (Intel Sapphire Rapids and later): tdpbsud multiplies a tile of 16 rows of x's signed bytes
+   by a tile of a group's quads (a quad is 64 bytes: 16 columns x 4 k's, exactly a B tile's row), 16 x 16 x group
+   multiply-adds an instruction. The integer sums are the same integers vpdpbusd makes, and each row's fp32 chain
+   below is rows_block's (a group's sums scaled in order, then the block's dx), so the tiles give rows_block's bits
+   for every row: a call may take either path by its rows. A pair's groups are unpacked once a call into L1 (int8
+   quads are loaded in place), however many rows read them. */
+
+#define TILES __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,amx-tile,amx-int8")))
+#define TILE_ROWS 9 /* int_linear runs calls of this many rows or more on tiles where they can */
+
+int amx_init(void); /* amx_linear.c: 1 where Linux lets this process use AMX tiles */
+
+/* 1 where this CPU has AMX-INT8 and this process may use its tiles: asked once a process */
+static int tiles_ready(void) {
+    static int ready = -1;
+    unsigned a, b, c, d;
+    if (ready < 0) ready = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) && amx_init();
+    return ready;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* tiles 0, 1: C (16 rows x 16 int32, one a block); 4: A (16 rows x a group's bytes); 6, 7: B (a group's quads) */
+TILES static void configure_tiles(int group) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = t >= 6 ? group / 4 : 16, cfg.colsb[t] = t == 4 ? group : 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* a group's qs quads of one block as a B tile's rows: in place (int8), or unpacked into `buffer` */
+TILES static inline const char *tile_rows(int kind, int qs, const char *w, char *buffer) {
+    if (kind == INT8) return w;
+    __m512i quads[8];
+    group_quads(kind, qs, w, quads);
+    for (int i = 0; i < qs; i++) _mm512_store_si512(buffer + 64 * i, quads[i]);
+    return buffer;
+}
+
+/* rows_block for all m rows at once on tiles: each group's quads of both blocks unpacked once (the next pair's
+   lines prefetched meanwhile), then per tile of 16 rows every group's integer sums into `sums` (a group's two C
+   tiles side by side), then each row's chain as rows_block's. x's rows are padded to a multiple of 16 (zeros). */
+TILES static void tiles_block(int kind, int qs, Rows x, int m, int block_index, const char *w0, const char *w1, size_t stride,
+                              const __m512 *scales, const __m512 *offs, int offsets, float *out, const char *next, size_t block,
+                              int lines, int l2, char *values, int32_t *sums) {
+    const int groups = x.qblock / x.group;
+    const char *b[2 * 256 / 16];
+    int line = 0;
+    for (int gl = 0; gl < groups; gl++) {
+        if (next) prefetch_share(next, block, lines, gl, groups, &line, l2);
+        b[2 * gl] = tile_rows(kind, qs, w0 + gl * stride, values + (2 * gl) * 64 * qs);
+        b[2 * gl + 1] = tile_rows(kind, qs, w1 + gl * stride, values + (2 * gl + 1) * 64 * qs);
+    }
+    for (int t = 0; t < m; t += 16) {
+        for (int gl = 0; gl < groups; gl++) {
+            _tile_loadd(4, x.qx + (size_t)t * x.k + (block_index * groups + gl) * x.group, x.k);
+            _tile_loadd(6, b[2 * gl], 64);
+            _tile_loadd(7, b[2 * gl + 1], 64);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_dpbsud(0, 4, 6);
+            _tile_dpbsud(1, 4, 7);
+            _tile_stored(0, sums + 512 * gl, 64);
+            _tile_stored(1, sums + 512 * gl + 256, 64);
+        }
+        for (int r = t; r < t + 16 && r < m; r++) {
+            __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
+            for (int gl = 0; gl < groups; gl++) {
+                const int g = block_index * groups + gl;
+                const __m512i start = kind != NIBBLES ? _mm512_set1_epi32(-x.biases[group_at(x, r, g)]) : _mm512_setzero_si512();
+                const __m512i s0 = _mm512_add_epi32(start, _mm512_load_si512(sums + 512 * gl + 16 * (r - t)));
+                const __m512i s1 = _mm512_add_epi32(start, _mm512_load_si512(sums + 512 * gl + 256 + 16 * (r - t)));
+                scale_group(x, r, g, offsets, s0, s1, scales + 2 * gl, offs + 2 * gl, &p0, &p1);
+            }
+            add_block(x, r, block_index, p0, p1, out + 32 * r);
+        }
+    }
+}
+
 /* 16 int8 (sc or m: one a column) as fp32 times a column's fp32 (d or dmin): one product, rounded as numpy rounds it */
 TARGET static inline __m512 times(__m512 d, const char *bytes) {
     const __m512 small = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bytes)));
@@ -242,18 +327,20 @@ enum { GROUPS, SUPERS, HALVES }; /* how the blocks hold their scales (native.SCA
    is SUPERS: see native.pack_supers; fp16 scales where HALVES); bias (n) fp32 or NULL -> y (m, n) fp32 or bf16; k a
    multiple of 32 (of 256 where SUPERS), group 16 or 32. One parallel region a call: the rows quantized, then each thread's pairs of
    blocks summed into its own (m, 32) fp32 sums, 8 rows at a time (rows_block), and written out (+ bias, rounded to
-   y's type). 1 where the buffers could not be allocated. */
-TARGET int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits,
-                      int group, int offsets, int scaling, int threads, int l2, int bf16) {
+   y's type); on tiles where `tiles` (tiles_block: the same bits). 1 where the buffers could not be allocated. */
+TILES static int integer_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits,
+                                int group, int offsets, int scaling, int threads, int l2, int bf16, int tiles) {
     const int qblock = qblock_of(k), supers = scaling == SUPERS, halves = scaling == HALVES;
+    const size_t padded = tiles ? (size_t)(m + 15) / 16 * 16 : (size_t)m; /* x's rows as the tiles read them */
     const size_t rows = (size_t)m, width = (size_t)k, groups = width / group;
     /* a thread's (m, 32) sums of its current pair: whole cache lines of its own, read and written at every step
        (sharing a line with the other thread's, as malloc's alignment of the moment decided, cost a third of a step) */
     const size_t own = (rows * 32 * 4 + 63) / 64 * 64;
-    char *buffer = malloc(rows * width + rows * (width / qblock) * 4 + rows * groups * 8 + (size_t)threads * own + 128);
+    char *buffer = malloc(padded * width + rows * (width / qblock) * 4 + rows * groups * 8 + (size_t)threads * own + 128);
     if (!buffer) return 1;
     int8_t *qx = (int8_t *)buffer;
-    float *dx = (float *)(buffer + (rows * width + 3) / 4 * 4), *sums = dx + rows * (width / qblock);
+    memset(qx + rows * width, 0, (padded - rows) * width);
+    float *dx = (float *)(buffer + (padded * width + 3) / 4 * 4), *sums = dx + rows * (width / qblock);
     int32_t *biases = (int32_t *)(sums + rows * groups);
     char *outs = (char *)(((uintptr_t)(biases + rows * groups) + 63) & ~(uintptr_t)63);
     const Rows part = {qx, dx, sums, biases, k, qblock, group};
@@ -275,6 +362,9 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                          qx + (size_t)r * k, dx + (size_t)r * (k / qblock), sums + (size_t)r * groups, biases + (size_t)r * groups);
         float *out = (float *)(outs + (size_t)omp_get_thread_num() * own);
         __m512 scales[2 * 256 / 16], offs[2 * 256 / 16];
+        char values[2 * 256 * 16] __attribute__((aligned(64)));     /* tiles: a pair's groups' quads, unpacked */
+        int32_t tile_sums[2 * 256 / 16 * 256] __attribute__((aligned(64))); /* tiles: 16 rows' sums of a pair's groups */
+        if (tiles) configure_tiles(group);
         _Pragma("omp for schedule(static)")
         for (int q = 0; q < pairs; q++) {
             const char *w0 = packed + 2 * q * block, *w1 = 2 * q + 1 < blocks ? w0 + block : w0;
@@ -303,10 +393,14 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                         }
                     }
                 }
-                for (int r = 0; r < m; r += MAX_ROWS) /* the first rows' pass prefetches; the others read the pair from cache */
-                    rows_blocks[kind][qs == 8][(m - r < MAX_ROWS ? m - r : MAX_ROWS) - 1](
-                        from_row(part, r), b, w0 + start + first, w1 + start + first, stride, scales, offs, offsets, out + 32 * r,
-                        r ? 0 : next ? next + start : 0, block, lines, l2);
+                if (tiles)
+                    tiles_block(kind, qs, part, m, b, w0 + start + first, w1 + start + first, stride, scales, offs, offsets, out,
+                                next ? next + start : 0, block, lines, l2, values, tile_sums);
+                else
+                    for (int r = 0; r < m; r += MAX_ROWS) /* the first rows' pass prefetches; the others read the pair from cache */
+                        rows_blocks[kind][qs == 8][(m - r < MAX_ROWS ? m - r : MAX_ROWS) - 1](
+                            from_row(part, r), b, w0 + start + first, w1 + start + first, stride, scales, offs, offsets, out + 32 * r,
+                            r ? 0 : next ? next + start : 0, block, lines, l2);
             }
             for (int r = 0; r < m; r++)
                 for (int c = 32 * q; c < 32 * q + 32 && c < n; c += 16) { /* a lone last block's twin is not written */
@@ -316,7 +410,22 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                     else _mm512_storeu_ps((float *)y + (size_t)r * n + c, v);
                 }
         }
+        if (tiles) _tile_release();
     }
     free(buffer);
     return 0;
+}
+
+/* x (m, k) W^T (+ b): calls of TILE_ROWS rows or more on AMX tiles where this process may use them, the rest 8 rows
+   at a time in registers: the same bits either way */
+int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits, int group,
+               int offsets, int scaling, int threads, int l2, int bf16) {
+    const int tiles = m >= TILE_ROWS && tiles_ready();
+    return integer_linear(x, packed, bias, y, m, n, k, bits, group, offsets, scaling, threads, l2, bf16, tiles);
+}
+
+/* int_linear on tiles whatever the rows (tests, benchmarks); 2 where this CPU or process has no AMX-INT8 tiles */
+int amx_int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits, int group,
+                   int offsets, int scaling, int threads, int l2, int bf16) {
+    return tiles_ready() ? integer_linear(x, packed, bias, y, m, n, k, bits, group, offsets, scaling, threads, l2, bf16, 1) : 2;
 }
