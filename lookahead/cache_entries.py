@@ -65,8 +65,17 @@ def held(target: Path, progress: Progress | None, shared: bool = False) -> Itera
             fcntl.flock(lock, mode)
         if not shared:
             for path in leftovers(target):
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+                _remove(path)
         yield True
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path``: a directory with all it holds, a file, or a link alone, never what it points to (rmtree
+    refuses a link: one to a directory left in the cache had failed every later load)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _owner(name: str) -> str | None:
@@ -110,12 +119,15 @@ def directory_whole(target: Path) -> Iterator[Path]:
     """A directory to fill that becomes ``target`` only when the block ends (a temporary one beside it, renamed):
     a cache entry a reader finds whole or not at all; on an exception the temporary one is removed. The caller holds
     ``target``'s lock (``held``): a damaged ``target`` is moved aside, then removed (a process that mapped its files
-    keeps them: they are unlinked, never written)."""
+    keeps them: they are unlinked, never written); a link there is removed, not what it points to (a directory
+    cannot be renamed over a link, nor a link over a directory)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}."))
     try:
         yield tmp
-        if target.exists():
+        if target.is_symlink():
+            target.unlink()
+        elif target.exists():
             stale = tempfile.mkdtemp(dir=target.parent, prefix=f".stale-{target.name}.")
             os.replace(target, stale)
             shutil.rmtree(stale, ignore_errors=True)

@@ -1,9 +1,9 @@
 """A GGUF file's header and metadata, read only once they agree with the file's bytes and with each other:
 ``read_header`` reads the header as llama.cpp checks it (gguf-py's and transformers' readers trust it), and
 ``check_metadata`` bounds the metadata by the tensors it describes (the vocabulary against the embedding's rows,
-the heads against the projections), before a config is made from it (``config_of``, with its tokenizer:
-``tokenizer_of``). A file that lies is refused with ``ModelLoadError``, one line naming the tensor or key and both
-values."""
+the heads against the projections) and by what a forward can run (an epsilon above 0), before a config is made from
+it (``config_of``, with its tokenizer: ``tokenizer_of``). A file that lies is refused with ``ModelLoadError``, one
+line naming the tensor or key and both values."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 STRING, ARRAY, UINT32 = 8, 9, 4  # the other GGUF value types, and general.alignment's
 CUT = ": the file is cut short, or its header lies"
 VALUES = {"F32": "float32", "F16": "float16", "F64": "float64", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64"}  # types of values, not blocks
+POSITIVE = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base",  # 0 or less: a NaN forward
+            "context_length", "attention.sliding_window")  # 0: no token has room, no key is in the window
+TOKEN_IDS = ("bos", "eos", "unknown", "padding")  # tokenizer.ggml.<name>_token_id: the special tokens transformers looks up
 
 
 class ModelLoadError(ValueError):
@@ -243,22 +246,38 @@ class _Header:
 
 def check_metadata(gguf: Path, header: Header) -> None:
     """A ``ModelLoadError`` naming the key, the tensor and both values where the metadata a config is made from
-    contradicts the tensors it describes, before anything is made from it: the vocabulary and width against the
-    embedding's rows and columns, the heads against the attention's projections, the blocks against those the file
-    holds (a ``vocab_size`` of 2e9 asked torch for 512 GB; ``head_count_kv`` 3 of 4 heads failed inside attention;
-    a ``block_count`` of 1e9 would build 1e9 layers). Every other size is checked tensor by tensor (``_entries``)."""
+    contradicts the tensors it describes, or is out of range, before anything is made from it: the vocabulary and
+    width against the embedding's rows and columns, the heads against the attention's projections, the blocks against
+    those the file holds, the special tokens against the vocabulary, ``POSITIVE``'s keys above 0 (a ``vocab_size`` of
+    2e9 asked torch for 512 GB; ``head_count_kv`` 3 of 4 heads failed inside attention; a ``block_count`` of 1e9
+    would build 1e9 layers, one of 1 ran the first of 2 blocks; a ``rope.freq_base`` of 0 made the logits NaN).
+    Every other size is checked tensor by tensor (``_entries``)."""
     architecture = header.architecture
 
+    def number(key: str) -> int | float | None:
+        value = header.values.get(key)
+        return value if isinstance(value, (int, float)) and key not in header.arrays else None
+
     def scalar(key: str) -> int | None:
-        value = header.values.get(f"{architecture}.{key}")
-        return int(value) if isinstance(value, (int, float)) and f"{architecture}.{key}" not in header.arrays else None
+        value = number(f"{architecture}.{key}")
+        return None if value is None else int(value)
+
+    def refused(what: str) -> ModelLoadError:
+        return ModelLoadError(f"cannot read GGUF {gguf}: {what}")
 
     def bad(what: str) -> ModelLoadError:
-        return ModelLoadError(f"cannot read GGUF {gguf}: {architecture}.{what}")
+        return refused(f"{architecture}.{what}")
 
+    for key in POSITIVE:
+        if (value := number(f"{architecture}.{key}")) is not None and not 0 < value < math.inf:
+            raise bad(f"{key} is {value:g}, not a finite number above 0")
+    tokens = header.values.get("tokenizer.ggml.tokens") if "tokenizer.ggml.tokens" in header.arrays else None
+    for name in TOKEN_IDS if tokens is not None else ():
+        if (token := number(f"tokenizer.ggml.{name}_token_id")) is not None and not 0 <= token < tokens:
+            raise refused(f"tokenizer.ggml.{name}_token_id is {token}, but tokenizer.ggml.tokens holds {tokens} tokens")
     rows = {t.name: t.rows for t in header.tensors}
     blocks = {int(name.split(".")[1]) for name in rows if name.startswith("blk.") and name.split(".")[1].isdigit()}
-    if (count := scalar("block_count")) is not None and count > len(blocks):
+    if (count := scalar("block_count")) is not None and count != len(blocks):
         raise bad(f"block_count is {count}, but the file holds tensors for {len(blocks)} blocks")
     embedding = rows.get("token_embd.weight")
     for key, value, found, what in (("vocab_size", scalar("vocab_size"), embedding and embedding[0], "rows"),
@@ -312,18 +331,31 @@ def config_of(gguf: Path, header: Header):
     return config
 
 
-def tokenizer_of(gguf: Path, config):
-    """``gguf``'s tokenizer, or None for a file without one (token ids only). Its class is the one ``AutoTokenizer``
-    picks for ``config`` (a GGUF names none of its own), made directly: asked to pick, ``AutoTokenizer`` parses the
-    whole file again for a config where transformers' fast reader does not cover the architecture (SmolLM2's Llama:
-    6.5 -> 0.5 s)."""
+def tokenizer_of(gguf: Path, header: Header, config):
+    """``gguf``'s tokenizer, or None for a file without one (no ``tokenizer.ggml.tokens``: token ids only); a
+    ``ModelLoadError`` saying why where transformers cannot read the one it has (dropped silently, it had left a text
+    prompt told the model had none). Its class is the one ``AutoTokenizer`` picks for ``config`` (a GGUF names none of
+    its own), made directly: asked to pick, ``AutoTokenizer`` parses the whole file again for a config where
+    transformers' fast reader does not cover the architecture (SmolLM2's Llama: 6.5 -> 0.5 s)."""
     from transformers import TokenizersBackend
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
+    if "tokenizer.ggml.tokens" not in header.values:
+        return None
     try:
         return TOKENIZER_MAPPING.get(type(config), TokenizersBackend).from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except Exception:  # a file without a tokenizer
-        return None
+    except Exception as e:  # transformers raises many types for a tokenizer it cannot read
+        raise ModelLoadError(f"cannot read GGUF {gguf}: its tokenizer cannot be read: {type(e).__name__}: {one_line(e)}") from None
+
+
+def save_tokenizer(tokenizer, directory: Path, entry: Path) -> None:
+    """``tokenizer`` saved into ``directory`` (the one ``entry`` is made in); an ``OSError`` naming ``entry`` where
+    that fails: the tokenizers library raises a bare ``Exception`` for a failed write ("No space left on device"),
+    which reached the user as a traceback."""
+    try:
+        tokenizer.save_pretrained(directory)
+    except Exception as e:
+        raise OSError(f"cannot write {entry}: {one_line(e)}") from None
 
 
 def hf_names(gguf: Path, model, processor, architecture: str) -> dict[str, str]:

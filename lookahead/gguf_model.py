@@ -16,8 +16,8 @@ file, through the processor (Gemma's norm offset). The file's metadata and the m
 
 A file is read only once what it says agrees with itself: its header with its bytes (``read_header``), its
 metadata with the tensors it describes (``check_metadata``: the vocabulary against the embedding's rows, the heads
-against the projections, before a config is made from it), and every tensor's shape with the one the config gives
-its parameter (``_entries``, on a model on the meta device: nothing is allocated from the metadata). The cache
+against the projections, before a config is made from it), and every tensor with the parameter the config gives it,
+shape for shape (``_entries``, on a model on the meta device: nothing is allocated from the metadata). The cache
 trusts nothing it did not check (``_checked``): its index holds a digest of itself, each file's size and sha256
 and the GGUF's; each load checks the sizes (a short file is never mapped) and hashes the files that changed since
 they were last found whole (``check_files``), and an entry that is not whole is made again, in one line saying
@@ -50,7 +50,8 @@ from torch import nn
 
 from lookahead import cpu, linear_kernels, quants
 from lookahead.cache_entries import Progress, bar, check_files, directory_whole, held, leftovers, sha256, sweep
-from lookahead.gguf_header import Header, ModelLoadError, _regular, check_metadata, config_of, hf_names, one_line, read_header, tokenizer_of, wrong_shape
+from lookahead.gguf_header import (Header, ModelLoadError, _regular, check_metadata, config_of, hf_names, one_line, read_header,
+                                    save_tokenizer, tokenizer_of, wrong_shape)
 from lookahead.kernels import SIBLINGS
 from ngram_pool.files import written_whole
 
@@ -60,6 +61,9 @@ ALIGN = 64  # each laid-out weight starts at a multiple of this in its layout's 
 PLACED = ("bits", "group", "offsets", "integer", "supers", "halves")  # what a layout's index keeps of each QuantLayout
 CHUNK = 4096  # rows decoded and laid out at a time (a multiple of linear_kernels.BLOCK: blocks of rows are independent)
 LAYING_THREADS = 2  # chunks decoded and laid out at once (numpy and torch let go of the GIL in their loops)
+DERIVED = ("rope_freqs.weight",)  # Llama 3.x files' RoPE factors, which transformers derives from the config: left unread, as ever
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A GGUF file's cache directory, ready to ``load``."""
@@ -221,13 +225,13 @@ def _build(gguf: Path, status: os.stat_result, target: Path) -> dict:
         model = _skeleton(config, torch.float32, meta=True)
     except Exception as e:  # transformers raises many types for an unsupported file
         raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
-    tokenizer = tokenizer_of(gguf, config)
+    tokenizer = tokenizer_of(gguf, header, config)
     processor, blocks = _processor(header.architecture, config)
     entries, left = _entries(gguf, header, model, processor, blocks)
     with directory_whole(target) as tmp:
         config.save_pretrained(tmp)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp, target)
         for entry in entries:  # the embedding's scales, checked once here (its rows are decoded as they are looked up)
             if entry["role"] == "embedding":
                 for q in _decoded(entry, _read(gguf, entry)):
@@ -247,15 +251,20 @@ def _entries(gguf: Path, header: Header, model: nn.Module, processor, blocks: st
     "blocks" (a linear on the file's blocks), "embedding" (looked up from them) or "dense" (dequantized at each
     load); one line for each linear left dense, and why). Each tensor's shape is the one ``model``'s config gives its
     parameter (a ``ModelLoadError`` naming both: the bytes of a 512 x 128 tensor read as 256 x 256 ran scrambled),
-    where the architecture's processor keeps shapes (else at load, once processed), and every parameter has one."""
+    where the architecture's processor keeps shapes (else at load, once processed), every parameter has one, and
+    every tensor has a parameter (transformers skips one it has no name for: a model without it runs, wrongly)."""
     mapping = hf_names(gguf, model, processor, header.architecture)
+    unused = [tensor.name for tensor in header.tensors if tensor.name not in mapping and tensor.name not in DERIVED]
+    if unused:
+        raise ModelLoadError(f"cannot read GGUF {gguf}: tensor {unused[0]}" + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
+                             + " is in the file, but the model its metadata makes has no parameter for it")
     embedding, output = _module_names(model)
     modules, parameters = dict(model.named_modules()), dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False) and all(t.name != "output.weight" for t in header.tensors)
     entries, left = [], []
     for tensor in header.tensors:
         hf = mapping.get(tensor.name)
-        if hf is None:
+        if hf is None:  # DERIVED
             continue
         if blocks is not None and hf in parameters and tensor.rows != list(parameters[hf].shape):
             raise wrong_shape(gguf, tensor.name, tensor.rows, hf, parameters[hf].shape)

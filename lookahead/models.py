@@ -259,20 +259,20 @@ def _convert(gguf: Path, target: Path, progress: Progress) -> Path:
     from transformers import AutoModelForCausalLM
 
     progress(f"converting {gguf.name} to safetensors (once; cached in {target})")
-    gguf_header.read_header(gguf)
+    header = gguf_header.read_header(gguf)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many types for an unreadable or unsupported GGUF
         raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
-    tokenizer = gguf_header.tokenizer_of(gguf, model.config)
+    tokenizer = gguf_header.tokenizer_of(gguf, header, model.config)
     if tokenizer is None:
-        raise ModelLoadError(f"cannot read GGUF {gguf}: it holds no tokenizer transformers reads")
+        raise ModelLoadError(f"cannot read GGUF {gguf}: it holds no tokenizer")
     # The weights are plain dequantized tensors now; only the GGUF quantizer's marker blocks saving.
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
     with cache_entries.directory_whole(target) as tmp:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        gguf_header.save_tokenizer(tokenizer, tmp, target)
     return target
 
 

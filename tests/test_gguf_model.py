@@ -335,17 +335,23 @@ def test_weights_are_a_choice_only_where_they_fit_in_memory_beside_the_file(tmp_
 
 
 def tiny_gguf(path: Path, embedding: str = "Q8_0", linears: str = "Q8_0", hidden: int = 64, metadata: dict | None = None,
-              shapes: dict[str, tuple[int, ...]] | None = None, seed: int = 0) -> Path:
+              shapes: dict[str, tuple[int, ...]] | None = None, seed: int = 0, tokenizer: str | None = None) -> Path:
     """A small valid GGUF (~90 KB): a two-layer Llama of width ``hidden`` on Q8_0 blocks, its embedding tied (no
     output.weight), with an array of strings among its keys and an alignment of its own (64), written with gguf-py
     as llama.cpp's converter writes files. ``embedding``, ``linears``: other types (random blocks where gguf-py does
-    not quantize to them); ``metadata``: keys written other than they should be; ``shapes``: tensors stored so."""
+    not quantize to them); ``metadata``: keys written other than they should be; ``shapes``: tensors stored so (or
+    added); ``tokenizer``: a tokenizer of this ``tokenizer.ggml.model`` over the 96 tokens (none: token ids only)."""
     import gguf as gguf_py
 
     ffn, vocab = 2 * hidden, 96
     writer = gguf_py.GGUFWriter(str(path), "llama")
     writer.add_tags(["tiny", "test"])
     writer.add_custom_alignment(64)
+    if tokenizer is not None:
+        writer.add_tokenizer_model(tokenizer)
+        writer.add_token_list([f"w{i}" for i in range(vocab)])
+        writer.add_token_scores([0.0] * vocab)
+        writer.add_token_types([gguf_py.TokenType.NORMAL] * vocab)
     values = {"context_length": 64, "embedding_length": hidden, "block_count": 2, "feed_forward_length": ffn, "head_count": 4,
               "head_count_kv": 2, "rope_dimension_count": hidden // 4, "layer_norm_rms_eps": 1e-5, "vocab_size": vocab} | (metadata or {})
     for key, value in values.items():
@@ -357,6 +363,7 @@ def tiny_gguf(path: Path, embedding: str = "Q8_0", linears: str = "Q8_0", hidden
                     (b + "attn_k.weight", (hidden // 2, hidden)), (b + "attn_v.weight", (hidden // 2, hidden)),
                     (b + "attn_output.weight", (hidden, hidden)), (b + "ffn_gate.weight", (ffn, hidden)), (b + "ffn_up.weight", (ffn, hidden)),
                     (b + "ffn_down.weight", (hidden, ffn))]
+    tensors += [(name, shape) for name, shape in (shapes or {}).items() if name not in dict(tensors)]
     for name, shape in tensors:
         shape = (shapes or {}).get(name, shape)
         kind = embedding if name == "token_embd.weight" else linears
@@ -554,7 +561,7 @@ def test_the_header_and_config_are_what_gguf_py_and_transformers_read_of_the_who
         assert hf_names(path, model, processor, header.architecture) == get_gguf_hf_weights_map(model, processor)
         with pytest.raises(models.ModelLoadError, match=f"cannot read GGUF {path}: gguf-py names no tensors of architecture 'nothing'"):
             hf_names(path, model, processor, "nothing")
-        ours, auto = tokenizer_of(path, config), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        ours, auto = tokenizer_of(path, header, config), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         assert type(ours) is type(auto) and ours.init_kwargs == auto.init_kwargs
         assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str() and ours("w1 w2").input_ids == auto("w1 w2").input_ids
 
@@ -612,14 +619,24 @@ SHAPES = {  # how a file lies about its tensors: (its tensors stored so, or its 
                                 "tensor blk.0.ffn_gate.weight is 128 x 64 in the file, but the config makes model.layers.0.mlp.gate_proj.weight 2000000000 x 64"),
     "block_count 1e9": ({"metadata": {"block_count": 10 ** 9}}, "llama.block_count is 1000000000, but the file holds tensors for 2 blocks"),
     "block_count 3": ({"metadata": {"block_count": 3}}, "llama.block_count is 3, but the file holds tensors for 2 blocks"),
+    "block_count 1": ({"metadata": {"block_count": 1}}, "llama.block_count is 1, but the file holds tensors for 2 blocks"),  # ran 1 block
+    "a tensor no parameter takes": ({"shapes": {"blk.0.extra.weight": (8,)}},  # was ignored
+                                    "tensor blk.0.extra.weight is in the file, but the model its metadata makes has no parameter for it"),
+    "layer_norm_rms_eps -1e-5": ({"metadata": {"layer_norm_rms_eps": -1e-5}},  # a traceback at load
+                                 "llama.attention.layer_norm_rms_epsilon is -1e-05, not a finite number above 0"),
+    "rope_freq_base 0": ({"metadata": {"rope_freq_base": 0.0}}, "llama.rope.freq_base is 0, not a finite number above 0"),  # NaN logits
+    "rope_freq_base nan": ({"metadata": {"rope_freq_base": float("nan")}}, "llama.rope.freq_base is nan, not a finite number above 0"),
+    "context_length 0": ({"metadata": {"context_length": 0}}, "llama.context_length is 0, not a finite number above 0"),
 }
 
 
 @pytest.mark.parametrize("kind", SHAPES)
 def test_a_file_whose_shapes_or_metadata_lie_is_refused_in_one_line(kind, tmp_path):
     """A tensor stored in another shape of as many elements ran on scrambled weights; metadata that contradicts the
-    tensors asked torch for 512 GB, failed inside attention, or in a reshape. Each is refused before anything is
-    allocated from it, naming the tensor or key and both values, by the loader and by the CLI (no traceback)."""
+    tensors asked torch for 512 GB, failed inside attention, or in a reshape; a block_count short of the blocks ran a
+    shallower model, its other blocks ignored; an epsilon or a RoPE base out of range made the forward NaN. Each is
+    refused before anything is allocated from it, naming the tensor or key and both values, by the loader and by the
+    CLI (no traceback)."""
     from click.testing import CliRunner
 
     from lookahead.cli import main
@@ -636,6 +653,35 @@ def test_a_file_whose_shapes_or_metadata_lie_is_refused_in_one_line(kind, tmp_pa
     result = CliRunner().invoke(main, ["generate", "--model", str(path), "--ids", "1,2", "--dtype", "float32", "--kernels", "packed",
                                        "--weights", "auto", "--cache-dir", str(tmp_path / "cache")])
     assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: {message}" and "Traceback" not in result.output
+
+
+TOKENIZERS = {  # a tokenizer transformers cannot read: (how the file writes it, what the refusal says)
+    "eos_token_id 1e6": ({"tokenizer": "llama", "metadata": {"eos_token_id": 10 ** 6}},  # transformers' IndexError
+                         "tokenizer.ggml.eos_token_id is 1000000, but tokenizer.ggml.tokens holds 96 tokens"),
+    "a tokenizer.ggml.model transformers has no builder for": ({"tokenizer": "nonesuch"}, "its tokenizer cannot be read: ValueError: "
+                                                               "Cannot build a tokenizer from a GGUF file stating tokenizer 'nonesuch'"),
+}
+
+
+@pytest.mark.parametrize("kind", TOKENIZERS)
+def test_a_tokenizer_that_cannot_be_read_is_refused_saying_why(kind, tmp_path):
+    """A file's tokenizer that transformers failed on was dropped silently: a text prompt was told "a text prompt
+    needs a tokenizer; this model has none". The file is refused in one line saying why, by the loader and by the
+    CLI; a file without a tokenizer still loads (token ids only), and one transformers reads loads with it."""
+    from click.testing import CliRunner
+
+    from lookahead.cli import main
+
+    changes, said = TOKENIZERS[kind]
+    path, cache = tiny_gguf(tmp_path / "tokenizer.gguf", **changes), tmp_path / "cache"
+    message = refusal(lambda: gguf_model.load(path, torch.float32, cache, print, dense=True))
+    assert message.startswith(f"cannot read GGUF {path}: {said}") and "\n" not in message
+    result = CliRunner().invoke(main, ["generate", "--model", str(path), "hello", "--dtype", "float32", "--kernels", "stock", "--no-auto",
+                                       "--cache-dir", str(cache)])
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: {message}" and "Traceback" not in result.output
+    for tokenizer in (None, "llama"):
+        _, loaded, *_ = gguf_model.load(tiny_gguf(tmp_path / f"{tokenizer}.gguf", tokenizer=tokenizer), torch.float32, cache, print, dense=True)
+        assert (loaded is None) == (tokenizer is None)
 
 
 # -- a cache that trusts nothing it did not check ------------------------------------------------------------------
@@ -835,6 +881,48 @@ def test_what_a_killed_first_load_left_is_removed_by_the_next_load(tmp_path):
     gguf_model.prepare(a, cache, print, "integer")
     assert [p.name for p in (cache / "blocks").iterdir() if not p.name.endswith(".lock")] == [entry.name]
     assert not [p for p in entry.iterdir() if p.name.startswith(".")]
+
+
+def test_a_full_disk_while_an_entry_is_first_made_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """With a 3 MB tmpfs as the cache, the tokenizer's save raised the tokenizers library's bare ``Exception: No space
+    left on device``: a traceback, where the later stages' ``OSError`` was one line. It is an ``OSError`` naming the
+    entry, one line in the CLI; nothing of the entry is left, and the next load makes it whole."""
+    from click.testing import CliRunner
+    from transformers import TokenizersBackend
+
+    from lookahead.cli import main
+
+    path, cache = tiny_gguf(tmp_path / "tiny.gguf", tokenizer="llama"), tmp_path / "cache"
+    entry = cache / "blocks" / gguf_model.cache_key(path, path.stat())
+
+    def full(*args, **kwargs):
+        raise Exception("No space left on device")  # as tokenizers' own writer raises it
+
+    monkeypatch.setattr(TokenizersBackend, "_save_pretrained", full)
+    with pytest.raises(OSError, match=f"^cannot write {entry}: No space left on device$"):
+        gguf_model.prepare(path, cache, print)
+    result = CliRunner().invoke(main, ["generate", "--model", str(path), "--ids", "1,2", "--dtype", "float32", "--kernels", "stock",
+                                       "--cache-dir", str(cache)])
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: cannot write {entry}: No space left on device"
+    assert "Traceback" not in result.output and [p for p in entry.parent.iterdir() if not p.name.endswith(".lock")] == []
+    monkeypatch.undo()
+    assert gguf_model.prepare(path, cache, print).directory == entry and (entry / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("link", ["a writer's leftover", "the entry"])
+def test_a_link_to_a_directory_in_the_cache_is_removed_never_what_it_points_to(link, tmp_path):
+    """A leftover in the blocks cache that was a link to a directory failed every later load ("Cannot call rmtree on
+    a symbolic link", no path named), and an entry that was one could not be made again ("Is a directory"). The
+    link is removed, never what it points to, and the load goes on."""
+    path, cache, outside = tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "cache", tmp_path / "outside"
+    entry = cache / "blocks" / gguf_model.cache_key(path, path.stat())
+    outside.mkdir()
+    (outside / "kept.txt").write_text("not the cache's")
+    entry.parent.mkdir(parents=True)
+    (entry.parent / (f".tmp-{entry.name}.x1y2z3" if link == "a writer's leftover" else entry.name)).symlink_to(outside, target_is_directory=True)
+    assert gguf_model.prepare(path, cache, print, "blocks").directory == entry and not entry.is_symlink()
+    assert [p.name for p in entry.parent.iterdir() if not p.name.endswith(".lock")] == [entry.name]
+    assert [(p.name, p.read_text()) for p in outside.iterdir()] == [("kept.txt", "not the cache's")]
 
 
 def test_an_assembled_gguf_is_checked_before_use_and_a_dead_writers_partial_is_removed(tmp_path, monkeypatch):
