@@ -40,6 +40,17 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+class UserPath(click.Path):
+    """A path option's value, ``~`` expanded to the home directory as a shell expands it: a shell leaves
+    ``--state=~/x`` (or a quoted ``~``) as it is, and it would be a directory named ``~`` in the working one."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(path_type=Path, **kwargs)
+
+    def convert(self, value, param, ctx) -> Path:
+        return super().convert(os.path.expanduser(value), param, ctx)
+
+
 KERNELS_OPTION = click.option("--kernels", type=click.Choice(["packed", "stock"]), default="packed", show_default=True,
                               help="CPU linears on weights packed once (cheap wide steps), or PyTorch's stock kernels.")
 WEIGHTS_OPTION = click.option("--weights", type=click.Choice(models.WEIGHTS), default="auto", show_default=True,
@@ -73,7 +84,7 @@ MODEL_OPTIONS = _options(
     click.option("--device", default="cpu", show_default=True),
     KERNELS_OPTION,
     WEIGHTS_OPTION,
-    click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live."),
+    click.option("--cache-dir", type=UserPath(file_okay=False), help="Where converted models live."),
     click.option("-W", "--window", type=int, help=f"Jacobi window width W [default: {LookaheadConfig.window}]."),
     click.option("-N", "--ngram", type=int, help=f"N-gram size N [default: {LookaheadConfig.ngram}]."),
     click.option("-G", "--guess", type=int, help=f"Pool n-grams offered to the tree G [default: {LookaheadConfig.guess}]."),
@@ -86,7 +97,7 @@ MODEL_OPTIONS = _options(
                       f"[default: {LookaheadConfig.recycle_prior}]."),
     click.option("--auto/--no-auto", default=None,
                  help="Let the measured cost model size each step within the shape (default: on unless a shape option is given)."),
-    click.option("--state", "state_dir", type=click.Path(file_okay=False, path_type=Path),
+    click.option("--state", "state_dir", type=UserPath(file_okay=False),
                  help="Drafting state directory: loaded if it exists, saved at the end (of the run, or of the chat) (warm pools and tables)."),
 )
 # how each answer is decoded: the options ``generate`` and ``chat`` share (``_decoding`` takes them)
@@ -136,7 +147,7 @@ def _load(model_spec: str, dtype: str, device: str, kernels: str, weights: str, 
 
 @main.command(context_settings=CONTEXT)
 @click.argument("prompt", required=False)
-@click.option("--file", "prompt_file", type=click.Path(dir_okay=False, path_type=Path), help="Read the prompt from a file.")
+@click.option("--file", "prompt_file", type=UserPath(dir_okay=False), help="Read the prompt from a file.")
 @click.option("--chat/--no-chat", default=None, help="Apply the model's chat template (default: when it has one).")
 @MODEL_OPTIONS
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
@@ -262,8 +273,8 @@ def _read_requests(prompt: str | None, prompt_file: Path | None, ids_mode: bool)
 @click.option("--device", default="cpu", show_default=True)
 @KERNELS_OPTION
 @WEIGHTS_OPTION
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models and curves live.")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Also draw the curves into this PNG.")
+@click.option("--cache-dir", type=UserPath(file_okay=False), help="Where converted models and curves live.")
+@click.option("--plot", type=UserPath(dir_okay=False), help="Also draw the curves into this PNG.")
 def tune(model_spec, dtype, device, kernels, weights, cache_dir, plot) -> None:
     """Measure this machine's forward cost r(T) = c(T)/c(1) anew, cache it, and print what it implies."""
     from lookahead import planner, probing
@@ -344,8 +355,8 @@ def _check_plot(path: Path) -> None:
 @click.option("--device", default="cpu", show_default=True)
 @KERNELS_OPTION
 @WEIGHTS_OPTION
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
-@click.option("--state", "state_dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--cache-dir", type=UserPath(file_okay=False), help="Where converted models live.")
+@click.option("--state", "state_dir", type=UserPath(file_okay=False),
               help="Warm drafting state directory: loaded at start if it exists, saved on shutdown.")
 @click.option("--queue-limit", type=click.IntRange(min=1), default=16, show_default=True,
               help="Requests waiting or running beyond which the server answers 429.")
@@ -361,7 +372,7 @@ def _check_plot(path: Path) -> None:
                    "messages); 0 keeps none.")
 @click.option("--api-key", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (other users see it "
                                 "in the process list: prefer --api-key-file).")
-@click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--api-key-file", type=UserPath(dir_okay=False),
               help="Read the API key from this file (surrounding whitespace stripped).")
 def serve(model_spec, host, port, dtype, device, kernels, weights, cache_dir, state_dir, queue_limit, max_body_bytes, max_batch, prefill_chunk,
           held_keys_mb, api_key, api_key_file) -> None:
@@ -402,7 +413,7 @@ def _read_api_key(key: str | None, key_file: Path | None) -> str | None:
 
 
 @main.group("models", context_settings=CONTEXT, invoke_without_command=True)
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="Where converted models live.")
+@click.option("--cache-dir", type=UserPath(file_okay=False), help="Where converted models live.")
 @click.pass_context
 def models_(ctx: click.Context, cache_dir: Path | None) -> None:
     """List the embedded models and whether they are fetched."""

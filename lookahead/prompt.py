@@ -34,13 +34,16 @@ def prompt_ids(prompt: str | list[int] | torch.Tensor, tokenizer, vocab_size: in
 
 def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """``messages`` (role and content) through the tokenizer's chat template, up to where the assistant's answer
-    starts; a ValueError if there is no template or it rejects them."""
+    starts; a ValueError if there is no template, or it rejects them or fails on them (the template's fault, said in
+    one line, as every caller says a bad request: the CLI's commands, the chat's turns, the server's 400)."""
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; generate without chat")
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     except TemplateError as e:  # raised from inside the template (e.g. "no system role")
         raise ValueError(f"the chat template rejected the messages: {e}") from None
+    except Exception as e:  # the template's own bug: {{ 1 // 0 }}, {{ 'a' + 1 }}, a macro that calls itself
+        raise ValueError(f"the chat template failed on the messages: {type(e).__name__}: {e}") from None
 
 
 def check_text(what: str, text: str) -> None:

@@ -45,7 +45,7 @@ from lookahead.drafting import SOURCES, DraftState
 from lookahead.generator import GenerationResult, LookaheadGenerator
 from lookahead.kv import RecentKeys
 from lookahead.lane import Lane
-from lookahead.prompt import check_text
+from lookahead.prompt import chat_ids, check_text
 from lookahead.scheduler import Scheduler
 
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
@@ -110,10 +110,7 @@ class Server:
             if chat:
                 for i, m in enumerate(prompt):
                     check_text(f"message {i} of the prompt", m["content"])
-                try:
-                    prompt = self.gen.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
-                except Exception as e:  # a template that rejects the conversation (roles, order)
-                    raise ValueError(f"the chat template rejected the messages: {e}") from None
+                prompt = chat_ids(self.gen.tokenizer, prompt)
             return self.gen.new_lane(prompt, state=self.gen.own_state(), streamer=streamer, keys=self.keys if self.keeps_keys else None,
                                      keeps_keys=self.keeps_keys, **kwargs)
         except ValueError as e:

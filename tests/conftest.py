@@ -83,6 +83,16 @@ def tiny_tokenizer(chat_template: str | None = None):
     return tok
 
 
+# chat templates that fail on the messages (not by ``raise_exception``, whose TemplateError is a rejection): an expression
+# that fails when the template evaluates it (after ``RECURSIVE_MACRO``), and the error it gives
+RECURSIVE_MACRO = "{% macro f() %}{{ f() }}{% endmacro %}"
+FAILING_EXPRESSIONS = [
+    ("1 // 0", "ZeroDivisionError: integer division or modulo by zero"),
+    ("'a' + 1", 'TypeError: can only concatenate str (not "int") to str'),
+    ("f()", "RecursionError: maximum recursion depth exceeded"),
+]
+
+
 def tiny_gemma3(seed: int = 0, sliding_window: int = 8) -> Gemma3ForCausalLM:
     """Alternating sliding/full layers with a tiny window, so short prompts already exceed it."""
     torch.manual_seed(seed)

@@ -1,8 +1,9 @@
 """``lookahead chat``: the session's bookkeeping on a tiny model in-process, the command with piped input, and the
-real command in a pseudo-terminal on the embedded SmolLM2 (typed lines, Ctrl-C, Ctrl-D)."""
+real command in a pseudo-terminal on the embedded SmolLM2 (typed lines, Ctrl-C, Ctrl-D) and the tiny model (signals)."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -11,13 +12,14 @@ import sys
 import pexpect
 import pytest
 from click.testing import CliRunner
-from conftest import on_fixed_cost, tiny_llama, tiny_tokenizer
+from conftest import FAILING_EXPRESSIONS, RECURSIVE_MACRO, on_fixed_cost, tiny_llama, tiny_tokenizer
 
 from lookahead import LookaheadConfig, LookaheadGenerator, kernels
 from lookahead.chat import ChatSession
 from lookahead.cli import main
 from lookahead.drafting import DraftState
 from lookahead.prompt import chat_ids
+from lookahead.terminal import Printer
 
 SUMMARY = re.compile(r"(\d+) tokens, (\d+) steps, compression ([\d.]+), [\d.]+ tokens/s, time to first token \d+ ms")
 # the embedded SmolLM2 as the tests run it: fp32 (no dtype probe), the fixed shape (no cost probe), no prior for the
@@ -113,7 +115,7 @@ def test_what_cannot_chat_is_refused_before_the_first_turn():
         ChatSession(gen, gen.new_state(), 600)
 
 
-def run(*args: str, input: str | None = None):
+def run(*args: str, input: str | bytes | None = None):
     return CliRunner().invoke(main, ["chat", "--dtype", "float32", *args], input=input)
 
 
@@ -135,6 +137,55 @@ def test_the_command_with_piped_lines(chat_dir, tmp_path):
     # the end of the input leaves as /exit does; --state is loaded at the start and saved at the end
     ended = run("--model", chat_dir, "--max-new-tokens", "4", "--state", str(state), input="hello world\n")
     assert ended.exit_code == 0 and len(SUMMARY.findall(ended.stderr)) == 1, ended.output
+
+
+def test_a_piped_line_that_is_not_utf8_is_named_and_every_other_is_answered(chat_dir):
+    result = run("--model", chat_dir, "--max-new-tokens", "4", input=b"hello world\nw5 \xffw6\nw7\nworld hello\n")
+    assert result.exit_code == 0 and len(SUMMARY.findall(result.stderr)) == 3, result.output
+    assert "\nError: input line 2 is not utf-8 text (byte 0xff at character 4); skipped\n" in result.stderr
+
+
+def test_paths_that_start_with_a_tilde_are_in_the_home_directory(chat_dir, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    result = run("--model", chat_dir, "--max-new-tokens", "4", "--state", "~/state", input="hello world\n/save ~/saved\n")
+    assert result.exit_code == 0, result.output
+    assert f"drafting state saved to {home / 'saved'}\n" in result.stderr and (home / "saved" / "pool.npz").is_file()
+    assert (home / "state" / "pool.npz").is_file() and not (tmp_path / "~").exists()
+
+
+def test_a_signal_during_an_answer_stops_it_and_the_state_is_saved(chat_dir, tmp_path, monkeypatch):
+    """SIGTERM while an answer streams: the answer stops at its next step, as Ctrl-C stops it (the drafting state
+    whole), the state is saved and the chat ends; the next line is not answered."""
+    put, sent = Printer.put, []
+
+    def put_then_terminate(printer: Printer, ids) -> None:
+        put(printer, ids)
+        if printer.tokens and not sent:  # the answer's first tokens are out
+            sent.append(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Printer, "put", put_then_terminate)
+    received = []  # the suite's own handler, which the chat's replaces: without it the signal would end the suite
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        result = run("--model", chat_dir, "--max-new-tokens", "64", "--state", str(tmp_path / "state"), input="hello world\nw5\n")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert result.exit_code == 128 + signal.SIGTERM and sent and not received, result.output
+    [(tokens, _, _)] = SUMMARY.findall(result.stderr)
+    assert int(tokens) < 64 and (tmp_path / "state" / "pool.npz").is_file()
+
+
+@pytest.mark.parametrize("expression, error", FAILING_EXPRESSIONS)
+def test_a_chat_template_that_fails_on_a_message_is_one_line_and_the_chat_goes_on(tmp_path, expression, error):
+    tiny_llama().save_pretrained(tmp_path)
+    tiny_tokenizer(RECURSIVE_MACRO + "{% for m in messages %}{{ m['content'] }} {% if m['content'] == 'w5' %}{{ " + expression +
+                   " }}{% endif %}{% endfor %}").save_pretrained(tmp_path)
+    result = run("--model", str(tmp_path), "--max-new-tokens", "4", *SMOLLM2, input="hello world\nw5\nw6\n")
+    assert result.exit_code == 0 and len(SUMMARY.findall(result.stderr)) == 2, result.output
+    assert f"\nError: the chat template failed on the messages: {error}\n" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -202,7 +253,8 @@ def default_interrupt() -> None:
 
 
 def spawn(*args: str):
-    """``lookahead chat`` on the embedded SmolLM2 in a pseudo-terminal, at its first prompt."""
+    """``lookahead chat`` in a pseudo-terminal, at its first prompt: on the embedded SmolLM2 unless ``args`` name a
+    ``--model``."""
     child = pexpect.spawn(sys.executable, ["-m", "lookahead.cli", "chat", *SMOLLM2, *args], encoding="utf-8", timeout=120,
                           dimensions=(24, 200), preexec_fn=default_interrupt)
     child.expect_exact("> ")
@@ -270,3 +322,14 @@ def test_ctrl_c_stops_an_answer_and_twice_at_the_prompt_leaves():
     child.expect_exact("(Ctrl-C again, Ctrl-D or /exit to leave)")
     child.expect_exact("> ")
     leave(child, "\x03")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_at_the_prompt_ends_the_chat_and_the_state_is_saved(chat_dir, tmp_path, signum):
+    child = spawn("--model", chat_dir, "--max-new-tokens", "4", "--state", str(tmp_path / "state"))
+    turn(child, "hello world")
+    child.kill(signum)
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 128 + signum and "Traceback" not in child.before
+    assert (tmp_path / "state" / "pool.npz").is_file()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import tiny_llama
+from conftest import FAILING_EXPRESSIONS, RECURSIVE_MACRO, tiny_llama, tiny_tokenizer
 from lookahead import native
 from lookahead.cli import main
 from lookahead.config import PREFILL_CHUNK
@@ -254,6 +254,16 @@ def test_a_chat_template_that_rejects_the_system_role_is_one_error_line(tmp_path
     bad = run("generate", "--model", str(tmp_path), "hello world", "--system", "Be brief.", "--max-new-tokens", "3")
     assert bad.exit_code == 1 and "Error: the chat template rejected the messages: System role not supported" in bad.output
     assert "Traceback" not in bad.output
+
+
+@pytest.mark.parametrize("expression, message", FAILING_EXPRESSIONS)
+def test_a_chat_template_that_fails_is_one_error_line(tmp_path, expression, message):
+    tiny_llama().save_pretrained(tmp_path)
+    tiny_tokenizer(RECURSIVE_MACRO + "{{ " + expression + " }}").save_pretrained(tmp_path)
+    bad = run("generate", "--model", str(tmp_path), "hello world", "--max-new-tokens", "3", "--dtype", "float32", "--no-auto",
+              "--recycle-prior", "0")
+    assert bad.exit_code == 1, bad.output
+    assert bad.stderr.splitlines()[-1] == f"Error: the chat template failed on the messages: {message}"
 
 
 def test_a_system_message_without_chat_is_an_error(tmp_path):
