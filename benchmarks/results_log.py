@@ -106,6 +106,11 @@ def headline(results: dict) -> str:
                 f"tokens): first token at {last['reused_first_token_s']:.2f} s from {kept} keys, {last['whole_first_token_s']:.2f} s prefilled whole")
     runs = results.get("runs", {})  # benchmarks.peers, benchmarks.window
     tps = {m: sum(count(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
+    if "curve" in results:  # benchmarks.step_cost
+        forward = {m: sum(r["forward_s"] for r in rs) / sum(r["steps"] for r in rs) for m, rs in runs.items()}
+        shapes = ", ".join(f"{m.removeprefix('up to ')} {forward[m] / forward['our plain loop']:.2f}" for m in runs if m.startswith("up to "))
+        return (f"{results['dtype']} on {results.get('isa', '?')}: a step's forward over the plain one, {shapes}; the planner "
+                f"{tps['the planner'] / tps['our plain loop']:.2f}x our plain loop")
     if "lookahead without the window" in runs:
         ran, steps = (sum(r[key] for r in runs["lookahead"]) for key in ("window_steps", "steps"))
         return (f"{results['dtype']}: the window ran on {ran} of {steps} steps; lookahead {tps['lookahead']:.1f} tok/s, "

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from benchmarks import arithmetic_floor, kernel_ab, peers, pool_bench, results_log, run, window
+from benchmarks import arithmetic_floor, kernel_ab, peers, pool_bench, results_log, run, step_cost, window
 from lookahead import cpu
 
 
@@ -164,6 +164,24 @@ def test_the_window_report_says_what_the_window_ran_and_earned_and_the_slowest_p
     written = json.loads((tmp_path / "results.json").read_text())
     assert written["runs"]["lookahead"][0]["tokens"] == results_log.digest([1, 2, 3] * 20)
     assert results_log.headline(written) == "int8: the window ran on 10 of 80 steps; lookahead 22.5 tok/s, 0.90x without it"
+
+
+def test_the_step_cost_report_prices_each_shape_against_the_plain_forward(tmp_path):
+    def rows(steps: int, nodes: int, forward_ms: float, tokens: list[int]) -> list[dict]:
+        return [{"set": "a", "prompt": str(i), "tokens": tokens, "seconds": steps * forward_ms / 1e3 * 1.25, "steps": steps,
+                 "tree_nodes": steps * nodes, "forward_s": steps * forward_ms / 1e3} for i in range(2)]
+    runs = {step_cost.PLAIN: rows(59, 0, 20.0, [1, 2, 3] * 20), "up to 8 nodes": rows(29, 8, 30.0, [1, 2, 3] * 20),
+            step_cost.PLANNER: rows(39, 3, 24.0, [1, 2, 3] * 19 + [4, 4, 4])}
+    results = {"hardware": run.hardware(), "isa": "avx2", "model": "m", "dtype": "int8", "weights": "gguf", "max_new_tokens": 60,
+               "runs": runs, "curve": {"sizes": [1, 4, 16], "ratios": [1.0, 1.2, 2.4]},
+               "peak": {"what": "vpdpbusd", "macs_a_s": 1e12, "macs_a_row": 1.5e9, "one_row_ms": 20.0}}
+    step_cost.write_report(results, tmp_path)
+    text = (tmp_path / "results.md").read_text()
+    assert "| our plain loop | 1.00 | 20.0 | 1.00 | 1.00 | 1.00 | 1.00 | 1.00x | 100% |" in text
+    # 9 rows: r(9) on the curve 1.2 + 5 x 0.1; 13.5 ms of multiply-adds over 20; 60 tokens in 30 forwards; 2.95 s against 2.175
+    assert "| up to 8 nodes | 9.00 | 30.0 | 1.50 | 1.70 | 1.00 | 2.00 | 1.36x | 100% |" in text
+    assert "| the planner | 4.00 | 24.0 | 1.20 | 1.20 | 1.00 | 1.50 | 1.26x | 0% |" in text
+    assert results_log.headline(results) == "int8 on avx2: a step's forward over the plain one, 8 nodes 1.50; the planner 1.26x our plain loop"
 
 
 @pytest.mark.slow
