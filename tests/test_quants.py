@@ -230,7 +230,7 @@ TILES = INTEGER and native.has("amx_int_linear") and "amx_int8" in native.cpu.fl
 @pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q5_K", "Q3_K", "Q4_0", *NEW])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_amx_tiles_give_the_registers_bits_for_every_row_at_every_row_count(kind, dtype):
-    """AMX-INT8 tiles (``amx_int_linear``: every call on tiles; ``int_linear`` takes them from 9 rows) make the
+    """AMX-INT8 tiles (``amx_int_linear``: every call on tiles; ``int_linear`` takes them from 192 rows) make the
     integer sums vpdpbusd makes and scale them in the same fp32 chain: every row of an M-row product on tiles, M = 1
     .. 40, equals that row alone on the registers' path, bit for bit (nibbles, int8 and 6-bit planes, groups of 16
     and 32, an odd block of 16 columns at the end)."""

@@ -230,15 +230,17 @@ ROWS_BLOCKS(NIBBLES, 4) ROWS_BLOCKS(NIBBLES, 8) ROWS_BLOCKS(INT8, 4) ROWS_BLOCKS
 static const RowsBlock rows_blocks[3][2][MAX_ROWS] = {{ROWS_OF(NIBBLES, 4), ROWS_OF(NIBBLES, 8)}, {ROWS_OF(INT8, 4), ROWS_OF(INT8, 8)},
                                                       {ROWS_OF(SIX, 4), ROWS_OF(SIX, 8)}};
 
-/* Wide calls on AMX tiles (Intel Sapphire Rapids and later): tdpbsud multiplies a tile of 16 rows of x's signed bytes
+/* Wide calls on AMX tiles (Intel Sapphire Rapids and later): tdpbssd multiplies a tile of 16 rows of x's signed bytes
    by a tile of a group's quads (a quad is 64 bytes: 16 columns x 4 k's, exactly a B tile's row), 16 x 16 x group
-   multiply-adds an instruction. The integer sums are the same integers vpdpbusd makes, and each row's fp32 chain
+   multiply-adds an instruction. The integer sums are the integers vpdpbusd makes (less the weights' bias), and each row's fp32 chain
    below is rows_block's (a group's sums scaled in order, then the block's dx), so the tiles give rows_block's bits
-   for every row: a call may take either path by its rows. A pair's groups are unpacked once a call into L1 (int8
-   quads are loaded in place), however many rows read them. */
+   for every row: a call may take either path by its rows. A pair's groups are unpacked once a call into L1 (signed:
+   the bias taken off), however many rows read them. */
 
 #define TILES __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,amx-tile,amx-int8")))
-#define TILE_ROWS 9 /* int_linear runs calls of this many rows or more on tiles where they can */
+#define TILE_ROWS 192 /* int_linear runs calls of this many rows or more (long prefills) on tiles where they can: the
+                          1.5B's products on the 2-core Xeon (Emerald Rapids), tiles against registers, 16 rows 201 / 158 ms,
+                          128 rows 1116 / 1058, 192 rows 960 / 1054, 256 rows 1283 / 1363 */
 
 int amx_init(void); /* amx_linear.c: 1 where Linux lets this process use AMX tiles */
 
@@ -265,13 +267,13 @@ TILES static void configure_tiles(int group) {
     _tile_loadconfig(&cfg);
 }
 
-/* a group's qs quads of one block as a B tile's rows: in place (int8), or unpacked into `buffer` */
-TILES static inline const char *tile_rows(int kind, int qs, const char *w, char *buffer) {
-    if (kind == INT8) return w;
+/* a group's qs quads of one block as a B tile's rows in `buffer`, as signed bytes: the weights' bias (128 for int8,
+   32 for 6-bit planes) taken off each, so tdpbssd's sums need no correction a row */
+TILES static inline void tile_rows(int kind, int qs, const char *w, char *buffer) {
     __m512i quads[8];
     group_quads(kind, qs, w, quads);
-    for (int i = 0; i < qs; i++) _mm512_store_si512(buffer + 64 * i, quads[i]);
-    return buffer;
+    const __m512i bias = _mm512_set1_epi8(kind == INT8 ? (char)128 : kind == SIX ? 32 : 0);
+    for (int i = 0; i < qs; i++) _mm512_store_si512(buffer + 64 * i, _mm512_sub_epi8(quads[i], bias));
 }
 
 /* rows_block for all m rows at once on tiles: each group's quads of both blocks unpacked once (the next pair's
@@ -281,33 +283,29 @@ TILES static void tiles_block(int kind, int qs, Rows x, int m, int block_index, 
                               const __m512 *scales, const __m512 *offs, int offsets, float *out, const char *next, size_t block,
                               int lines, int l2, char *values, int32_t *sums) {
     const int groups = x.qblock / x.group;
-    const char *b[2 * 256 / 16];
+    const size_t tile = 64 * (size_t)qs; /* a B tile's bytes */
     int line = 0;
     for (int gl = 0; gl < groups; gl++) {
         if (next) prefetch_share(next, block, lines, gl, groups, &line, l2);
-        b[2 * gl] = tile_rows(kind, qs, w0 + gl * stride, values + (2 * gl) * 64 * qs);
-        b[2 * gl + 1] = tile_rows(kind, qs, w1 + gl * stride, values + (2 * gl + 1) * 64 * qs);
+        tile_rows(kind, qs, w0 + gl * stride, values + 2 * gl * tile), tile_rows(kind, qs, w1 + gl * stride, values + (2 * gl + 1) * tile);
     }
     for (int t = 0; t < m; t += 16) {
         for (int gl = 0; gl < groups; gl++) {
             _tile_loadd(4, x.qx + (size_t)t * x.k + (block_index * groups + gl) * x.group, x.k);
-            _tile_loadd(6, b[2 * gl], 64);
-            _tile_loadd(7, b[2 * gl + 1], 64);
+            _tile_loadd(6, values + 2 * gl * tile, 64);
+            _tile_loadd(7, values + (2 * gl + 1) * tile, 64);
             _tile_zero(0);
             _tile_zero(1);
-            _tile_dpbsud(0, 4, 6);
-            _tile_dpbsud(1, 4, 7);
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 4, 7);
             _tile_stored(0, sums + 512 * gl, 64);
             _tile_stored(1, sums + 512 * gl + 256, 64);
         }
         for (int r = t; r < t + 16 && r < m; r++) {
             __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
             for (int gl = 0; gl < groups; gl++) {
-                const int g = block_index * groups + gl;
-                const __m512i start = kind != NIBBLES ? _mm512_set1_epi32(-x.biases[group_at(x, r, g)]) : _mm512_setzero_si512();
-                const __m512i s0 = _mm512_add_epi32(start, _mm512_load_si512(sums + 512 * gl + 16 * (r - t)));
-                const __m512i s1 = _mm512_add_epi32(start, _mm512_load_si512(sums + 512 * gl + 256 + 16 * (r - t)));
-                scale_group(x, r, g, offsets, s0, s1, scales + 2 * gl, offs + 2 * gl, &p0, &p1);
+                const __m512i s0 = _mm512_load_si512(sums + 512 * gl + 16 * (r - t)), s1 = _mm512_load_si512(sums + 512 * gl + 256 + 16 * (r - t));
+                scale_group(x, r, block_index * groups + gl, offsets, s0, s1, scales + 2 * gl, offs + 2 * gl, &p0, &p1);
             }
             add_block(x, r, block_index, p0, p1, out + 32 * r);
         }
