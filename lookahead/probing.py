@@ -30,7 +30,10 @@ from lookahead.native import INTEGER
 from lookahead.planner import chain_tree, choose
 from lookahead.tree import TokenTree
 
-PROBE_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # every width of the small trees CPUs run
+# every width of the small trees CPUs run, and one past each of the int8 kernels' passes of 8 rows (AVX-512) and of
+# 4 (AVX2): the 1.5B int8 on a Xeon, r(8) 1.58, r(9) 1.90-2.07 (a second pass), r(16) 2.93-2.99, r(17) 3.06-3.24, where
+# sizes 8 and 12 alone priced 9 rows across that cliff
+PROBE_SIZES = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64)
 PROBE_CONTEXT = 256
 # a probe's time after its first pass over the sizes: four rounds for an embedded model (SmolLM2 int8 on a Zen 3: ~6 s),
 # one or two for a 7B-class one (its four rounds took 54 s in int8 and 151 s in fp32 on a Zen 4)
@@ -90,7 +93,7 @@ def step_times(model: PreTrainedModel, sizes: tuple[int, ...], context: int, rou
     accepted tokens: the planner's linear extrapolation prices what lies beyond), and another pass starts only while
     ``seconds`` have not passed since the first began. Where one pass could outlast ``seconds`` (each size at most
     T/2 one-row steps, as the warm-up timed one: a 7B-class model), it skips the sizes past ``DEAR_FROM`` between
-    powers of two (12, 24, 48: interpolated). The first pass shows a bar by rows (a wide step costs about its rows:
+    powers of two (9, 12, 17, 24, 48: interpolated). The first pass shows a bar by rows (a wide step costs about its rows:
     the estimate of the time left)."""
     vocab = models.vocab_size(model)
     rng = torch.Generator().manual_seed(0)  # private: the global RNG (unseeded sampling) is the user's

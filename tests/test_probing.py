@@ -210,11 +210,11 @@ def test_a_bounded_probe_measures_no_size_past_one_too_dear_and_no_round_past_it
     monkeypatch.setattr(probing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     curve = probe(tiny_llama(), rounds=3, seconds=1.0)  # a pass could take 1.1 s (the sizes' T/2 one-row steps)
     assert curve.sizes == (1, 2, 3, 4, 5, 6, 8, 16) and curve.ratios[-2:] == pytest.approx((3.2, 12.8)) and curve.batch_ratios == ()
-    assert len(forwards) == 2 + 10 + 3  # two warm-ups and one first pass (12, 24 and 48 skipped) past which 1 s has passed
+    assert len(forwards) == 2 + 10 + 3  # two warm-ups and one first pass (9, 12, 17, 24 and 48 skipped) past which 1 s has passed
     forwards.clear()
     curve = probe(tiny_llama(), rounds=3, seconds=1e9)
-    assert curve.sizes == (1, 2, 3, 4, 5, 6, 8, 12) and curve.ratios[-2:] == pytest.approx((3.2, 7.2))
-    assert len(forwards) == 2 + 16 + 2 * (8 + 1)  # every size in the first pass, then those up to the dear one
+    assert curve.sizes == (1, 2, 3, 4, 5, 6, 8, 9, 12) and curve.ratios[-3:] == pytest.approx((3.2, 4.05, 7.2))
+    assert len(forwards) == 2 + 18 + 2 * (9 + 1)  # every size in the first pass, then those up to the dear one
     forwards.clear()
     assert probe(tiny_llama(), rounds=2, seconds=float("inf")).sizes == probing.PROBE_SIZES  # unbounded: every size
 
