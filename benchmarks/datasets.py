@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,3 +75,22 @@ def add_arguments(parser: argparse.ArgumentParser, limit: int) -> None:
     parser.add_argument("--limit", type=int, default=limit, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--cache-dir", type=Path)
+
+
+def interleaved(gens: dict, lookahead: dict[str, bool], prompts: list[Prompt], ids: list[list[int]], max_new_tokens: int,
+                record: Callable, show: Callable[[dict], str]) -> dict[str, list[dict]]:
+    """Each prompt through every generator in turn (``lookahead[name]``: drafting or its plain loop), after a warm-up
+    of each in a state of its own: a slow spell of the machine lands on all of them, and each prompt runs once per
+    drafting state (run twice, it would teach the state its own answer). Runs by name: each prompt's set, id, tokens
+    and seconds, and what ``record(stats)`` adds; a line a prompt, ``show(run)`` for each generator."""
+    for name, gen in gens.items():
+        gen.generate(ids[0][:16], 4, lookahead=lookahead[name], state=gen.new_state())
+    runs: dict[str, list[dict]] = {name: [] for name in gens}
+    for p, prompt in zip(prompts, ids):
+        for name, gen in gens.items():
+            start = time.perf_counter()
+            out = gen.generate(prompt, max_new_tokens, lookahead=lookahead[name])
+            runs[name].append({"set": p.set, "prompt": p.id, "tokens": out.tokens, "seconds": time.perf_counter() - start,
+                               **record(out.stats)})
+        print(f"{p.set} {p.id}: " + ", ".join(f"{name} {show(rs[-1])}" for name, rs in runs.items()), flush=True)
+    return runs

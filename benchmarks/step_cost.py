@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 from pathlib import Path
 
 import torch
@@ -45,18 +44,9 @@ def run_all(args) -> dict:
     ids = [prompt_ids(tok, p.text, p.chat) for p in prompts]
     shapes = configs(args.budgets)
     gens = {name: LookaheadGenerator(model, tok, config or LookaheadConfig(), cache_dir=cache_dir) for name, config in shapes.items()}
-    for name, gen in gens.items():  # warm-up, in a state of its own
-        gen.generate(ids[0][:16], 4, lookahead=shapes[name] is not None, state=gen.new_state())
-    runs: dict[str, list[dict]] = {name: [] for name in shapes}
-    for p, prompt in zip(prompts, ids):
-        for name, gen in gens.items():
-            start = time.perf_counter()
-            out = gen.generate(prompt, args.max_new_tokens, lookahead=shapes[name] is not None)
-            runs[name].append({"set": p.set, "prompt": p.id, "tokens": out.tokens, "seconds": time.perf_counter() - start,
-                               "steps": out.stats.steps, "tree_nodes": out.stats.tree_nodes,
-                               "forward_s": out.stats.phase_s["forward"]})
-        print(f"{p.set} {p.id}: " + ", ".join(f"{name} {rs[-1]['forward_s'] / max(rs[-1]['steps'], 1) * 1e3:.1f} ms"
-                                              for name, rs in runs.items()), flush=True)
+    runs = datasets.interleaved(gens, {name: config is not None for name, config in shapes.items()}, prompts, ids, args.max_new_tokens,
+                                lambda stats: {"steps": stats.steps, "tree_nodes": stats.tree_nodes, "forward_s": stats.phase_s["forward"]},
+                                lambda run: f"{run['forward_s'] / max(run['steps'], 1) * 1e3:.1f} ms a forward")
     what, peak = dot_peak(torch.get_num_threads())
     curve = gens[PLANNER].cost
     return {"hardware": hardware(), "isa": native.isa(), "model": args.model, "dtype": args.dtype, "weights": args.weights,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 from pathlib import Path
 
 from benchmarks import datasets
@@ -32,17 +31,10 @@ def run_all(args) -> dict:
     prompts = datasets.load(args.sets, args.limit, cache_dir)
     ids = [prompt_ids(tok, p.text, p.chat) for p in prompts]
     gens = {name: LookaheadGenerator(model, tok, config or WHOLE_PRIOR, cache_dir=cache_dir) for name, config in CONFIGS.items()}
-    for name, gen in gens.items():  # warm-up, in a state of its own
-        gen.generate(ids[0][:16], 4, lookahead=CONFIGS[name] is not None, state=gen.new_state())
-    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
-    for p, prompt in zip(prompts, ids):
-        for name, gen in gens.items():
-            start = time.perf_counter()
-            out = gen.generate(prompt, args.max_new_tokens, lookahead=CONFIGS[name] is not None)
-            runs[name].append({"set": p.set, "prompt": p.id, "tokens": out.tokens, "seconds": time.perf_counter() - start,
-                               "steps": out.stats.steps, "window_steps": out.stats.window_steps, "rested_steps": out.stats.rested_steps,
-                               "trajectory_tokens": out.stats.accepted_by_source.get("trajectory", 0)})
-        print(f"{p.set} {p.id}: " + ", ".join(f"{name} {len(rs[-1]['tokens']) / rs[-1]['seconds']:.1f} tok/s" for name, rs in runs.items()), flush=True)
+    runs = datasets.interleaved(gens, {name: config is not None for name, config in CONFIGS.items()}, prompts, ids, args.max_new_tokens,
+                                lambda stats: {"steps": stats.steps, "window_steps": stats.window_steps, "rested_steps": stats.rested_steps,
+                                               "trajectory_tokens": stats.accepted_by_source.get("trajectory", 0)},
+                                lambda run: f"{len(run['tokens']) / run['seconds']:.1f} tok/s")
     return {"hardware": hardware(), "model": args.model, "dtype": args.dtype, "weights": args.weights,
             "max_new_tokens": args.max_new_tokens, "runs": runs}
 
