@@ -106,6 +106,10 @@ def headline(results: dict) -> str:
                 f"tokens): first token at {last['reused_first_token_s']:.2f} s from {kept} keys, {last['whole_first_token_s']:.2f} s prefilled whole")
     runs = results.get("runs", {})  # benchmarks.peers, benchmarks.window
     tps = {m: sum(count(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for m, rs in runs.items()}
+    if "counts" in results:  # benchmarks.drafting_counts
+        counts = [c for c in results["counts"].values() if c["sources"] == "all"]
+        return f"{results['dtype']}, all sources: " + ", ".join(
+            f"{c['rows']} rows {sum(p['tokens'] for p in c['prompts']) / sum(p['forwards'] for p in c['prompts']):.2f}" for c in counts) + " tokens a forward"
     if "curve" in results:  # benchmarks.step_cost
         forward = {m: sum(r["forward_s"] for r in rs) / sum(r["steps"] for r in rs) for m, rs in runs.items()}
         shapes = ", ".join(f"{m.removeprefix('up to ')} {forward[m] / forward['our plain loop']:.2f}" for m in runs if m.startswith("up to "))

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from benchmarks import arithmetic_floor, kernel_ab, peers, pool_bench, results_log, run, step_cost, window
+from benchmarks import arithmetic_floor, drafting_counts, kernel_ab, peers, pool_bench, results_log, run, step_cost, window
 from lookahead import cpu
 
 
@@ -164,6 +164,23 @@ def test_the_window_report_says_what_the_window_ran_and_earned_and_the_slowest_p
     written = json.loads((tmp_path / "results.json").read_text())
     assert written["runs"]["lookahead"][0]["tokens"] == results_log.digest([1, 2, 3] * 20)
     assert results_log.headline(written) == "int8: the window ran on 10 of 80 steps; lookahead 22.5 tok/s, 0.90x without it"
+
+
+def test_the_drafting_counts_report_gives_tokens_a_forward_by_rows_source_and_set(tmp_path):
+    def cell(name: str, rows: int, per_set: dict[str, tuple[int, int]], same: bool = True) -> dict:
+        return {"sources": name, "rows": rows, "window_rows": 6 * (name == "all + window"),
+                "prompts": [{"set": s, "prompt": "0", "tokens": t, "forwards": f, "same": same} for s, (t, f) in per_set.items()]}
+    counts = {"all @ 5": cell("all", 5, {"own": (64, 40), "gsm8k": (64, 56)}), "all @ 9": cell("all", 9, {"own": (64, 32), "gsm8k": (64, 48)}),
+              "all + window @ 5": cell("all + window", 5, {"own": (64, 32), "gsm8k": (64, 32)}, same=False),
+              "all + window @ 9": cell("all + window", 9, {"own": (64, 32), "gsm8k": (64, 32)})}
+    assert set(drafting_counts.configs([5, 9])) >= {("all", 5), ("recycling", 9)}
+    assert drafting_counts.configs([9])["suffix", 9].tree_budget == 8 and drafting_counts.configs([9])["all, no prior", 9].recycle_prior == 0
+    results = {"hardware": run.hardware(), "isa": "avx2", "model": "m", "dtype": "int8", "weights": "gguf", "max_new_tokens": 64, "counts": counts}
+    drafting_counts.write_report(results, tmp_path)
+    text = (tmp_path / "results.md").read_text()
+    assert "| all | 1.33 | 1.60 | 100% |" in text and "| all + window (+6 window rows) | 2.00 | 2.00 | 50% |" in text
+    assert "| own | 1.60 | 2.00 |" in text and "| gsm8k | 1.14 | 1.33 |" in text
+    assert results_log.headline(results) == "int8, all sources: 5 rows 1.33, 9 rows 1.60 tokens a forward"
 
 
 def test_the_step_cost_report_prices_each_shape_against_the_plain_forward(tmp_path):
