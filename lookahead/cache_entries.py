@@ -65,11 +65,11 @@ def held(target: Path, progress: Progress | None, shared: bool = False) -> Itera
             fcntl.flock(lock, mode)
         if not shared:
             for path in leftovers(target):
-                _remove(path)
+                remove(path)
         yield True
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
     """Remove ``path``: a directory with all it holds, a file, or a link alone, never what it points to (rmtree
     refuses a link: one to a directory left in the cache had failed every later load)."""
     if path.is_dir() and not path.is_symlink():

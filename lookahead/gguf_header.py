@@ -331,21 +331,22 @@ def config_of(gguf: Path, header: Header):
     return config
 
 
-def tokenizer_of(gguf: Path, header: Header, config):
-    """``gguf``'s tokenizer, or None for a file without one (no ``tokenizer.ggml.tokens``: token ids only); a
-    ``ModelLoadError`` saying why where transformers cannot read the one it has (dropped silently, it had left a text
-    prompt told the model had none). Its class is the one ``AutoTokenizer`` picks for ``config`` (a GGUF names none of
-    its own), made directly: asked to pick, ``AutoTokenizer`` parses the whole file again for a config where
-    transformers' fast reader does not cover the architecture (SmolLM2's Llama: 6.5 -> 0.5 s)."""
+def tokenizer_of(gguf: Path, header: Header, config) -> tuple[object | None, str]:
+    """(``gguf``'s tokenizer, ""), or (None, "") for a file without one (no ``tokenizer.ggml.tokens``: token ids only),
+    or (None, why) where transformers cannot read the one it has (said, so that a text prompt's refusal is not all a
+    user learns: dropped silently, it had been told the model had none). Its class is the one ``AutoTokenizer`` picks
+    for ``config`` (a GGUF names none of its own), made directly: asked to pick, ``AutoTokenizer`` parses the whole
+    file again for a config where transformers' fast reader does not cover the architecture (SmolLM2's Llama: 6.5 ->
+    0.5 s)."""
     from transformers import TokenizersBackend
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     if "tokenizer.ggml.tokens" not in header.values:
-        return None
+        return None, ""
     try:
-        return TOKENIZER_MAPPING.get(type(config), TokenizersBackend).from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return TOKENIZER_MAPPING.get(type(config), TokenizersBackend).from_pretrained(gguf.parent, gguf_file=gguf.name), ""
     except Exception as e:  # transformers raises many types for a tokenizer it cannot read
-        raise ModelLoadError(f"cannot read GGUF {gguf}: its tokenizer cannot be read: {type(e).__name__}: {one_line(e)}") from None
+        return None, f"{gguf.name}'s tokenizer cannot be read ({type(e).__name__}: {one_line(e)})"
 
 
 def save_tokenizer(tokenizer, directory: Path, entry: Path) -> None:

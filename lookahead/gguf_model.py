@@ -38,7 +38,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ import torch
 from torch import nn
 
 from lookahead import cpu, linear_kernels, quants
-from lookahead.cache_entries import Progress, bar, check_files, directory_whole, held, leftovers, sha256, sweep
+from lookahead.cache_entries import Progress, bar, check_files, directory_whole, held, leftovers, remove, sha256, sweep
 from lookahead.gguf_header import (Header, ModelLoadError, _regular, check_metadata, config_of, hf_names, one_line, read_header,
                                     save_tokenizer, tokenizer_of, wrong_shape)
 from lookahead.kernels import SIBLINGS
@@ -161,13 +160,18 @@ def _entry(gguf: Path, cache_dir: Path, progress: Progress, layout: str | None) 
 def _remove_older(target: Path, source: str) -> list[tuple[Path, int]]:
     """Remove the entries made before ``target`` for the same file (``source``: an older size, modification time or
     ``LAYOUT``; an upgrade had left the 1.5B's 2.3 GB beside its new entry), each under its lock, not waited for: one
-    another process reads stays. (entry, bytes) removed."""
+    another process reads stays; a link alone, never what it points to. (entry, bytes freed) removed; one that could
+    not be removed is not said to be."""
     removed = []
     for older in (entry for entry in target.parent.glob(f"{Path(source).stem}-*") if entry != target):
         with held(older, None) as mine:
             if mine and (_read_index(older / "index.json")[0] or {}).get("gguf") == source:
-                removed.append((older, sum(f.stat().st_size for f in older.iterdir() if f.is_file())))
-                shutil.rmtree(older, ignore_errors=True)
+                size = 0 if older.is_symlink() else sum(f.stat().st_size for f in older.iterdir() if f.is_file())
+                try:
+                    remove(older)
+                except OSError:
+                    continue
+                removed.append((older, size))
     return removed
 
 
@@ -225,7 +229,7 @@ def _build(gguf: Path, status: os.stat_result, target: Path) -> dict:
         model = _skeleton(config, torch.float32, meta=True)
     except Exception as e:  # transformers raises many types for an unsupported file
         raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
-    tokenizer = tokenizer_of(gguf, header, config)
+    tokenizer, unreadable = tokenizer_of(gguf, header, config)
     processor, blocks = _processor(header.architecture, config)
     entries, left = _entries(gguf, header, model, processor, blocks)
     with directory_whole(target) as tmp:
@@ -239,7 +243,7 @@ def _build(gguf: Path, status: os.stat_result, target: Path) -> dict:
         paths = sorted(tmp.iterdir())
         with ThreadPoolExecutor() as pool:
             digests = list(pool.map(sha256, [gguf, *paths]))
-        index = {"gguf": str(gguf.resolve()), "architecture": header.architecture, "tensors": entries, "left": left,
+        index = {"gguf": str(gguf.resolve()), "architecture": header.architecture, "tensors": entries, "left": left, "unreadable": unreadable,
                  "source": [status.st_size, digests[0]], "files": {p.name: [p.stat().st_size, d] for p, d in zip(paths, digests[1:])}}
         index["check"] = _index_check(index)
         (tmp / "index.json").write_text(json.dumps(index))
@@ -428,6 +432,8 @@ def load(gguf: Path, dtype: torch.dtype, cache_dir: Path, progress: Progress, de
     straight from the file: the model holds its dense weights once, and nothing dense is written anywhere.
     ``integer``: for the integer kernel, the blocks as it reads them where it has a layout of its own (``integer.bin``)."""
     with _entry(gguf, cache_dir, progress, None if dense else layout_for(integer)) as prepared:  # mapped while no one makes it again
+        if prepared.index.get("unreadable"):
+            progress(f"{prepared.index['unreadable']}: token ids only (--ids)")
         return _built(gguf, prepared, dtype)
 
 

@@ -264,9 +264,9 @@ def _convert(gguf: Path, target: Path, progress: Progress) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many types for an unreadable or unsupported GGUF
         raise ModelLoadError(f"cannot read GGUF {gguf}: {one_line(e)}") from None
-    tokenizer = gguf_header.tokenizer_of(gguf, header, model.config)
+    tokenizer, why = gguf_header.tokenizer_of(gguf, header, model.config)
     if tokenizer is None:
-        raise ModelLoadError(f"cannot read GGUF {gguf}: it holds no tokenizer")
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {why or 'it holds no tokenizer'}")
     # The weights are plain dequantized tensors now; only the GGUF quantizer's marker blocks saving.
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)

@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import struct
 import sys
 import threading
@@ -655,30 +656,31 @@ def test_a_file_whose_shapes_or_metadata_lie_is_refused_in_one_line(kind, tmp_pa
     assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: {message}" and "Traceback" not in result.output
 
 
-TOKENIZERS = {  # a tokenizer transformers cannot read: (how the file writes it, what the refusal says)
-    "eos_token_id 1e6": ({"tokenizer": "llama", "metadata": {"eos_token_id": 10 ** 6}},  # transformers' IndexError
-                         "tokenizer.ggml.eos_token_id is 1000000, but tokenizer.ggml.tokens holds 96 tokens"),
-    "a tokenizer.ggml.model transformers has no builder for": ({"tokenizer": "nonesuch"}, "its tokenizer cannot be read: ValueError: "
-                                                               "Cannot build a tokenizer from a GGUF file stating tokenizer 'nonesuch'"),
-}
-
-
-@pytest.mark.parametrize("kind", TOKENIZERS)
-def test_a_tokenizer_that_cannot_be_read_is_refused_saying_why(kind, tmp_path):
-    """A file's tokenizer that transformers failed on was dropped silently: a text prompt was told "a text prompt
-    needs a tokenizer; this model has none". The file is refused in one line saying why, by the loader and by the
-    CLI; a file without a tokenizer still loads (token ids only), and one transformers reads loads with it."""
+def test_a_tokenizer_that_cannot_be_read_is_said_and_token_ids_still_run(tmp_path):
+    """A file's tokenizer that transformers fails on was dropped silently: a text prompt was told "a text prompt needs a
+    tokenizer; this model has none", with no word of why. Then it was refused outright, token ids too. Now the load
+    says why in one line (at every load: the entry remembers), a text prompt is refused, and token ids run; a file
+    whose special token ids lie is refused; one without a tokenizer loads (token ids only), one transformers reads
+    loads with it."""
     from click.testing import CliRunner
 
     from lookahead.cli import main
 
-    changes, said = TOKENIZERS[kind]
-    path, cache = tiny_gguf(tmp_path / "tokenizer.gguf", **changes), tmp_path / "cache"
-    message = refusal(lambda: gguf_model.load(path, torch.float32, cache, print, dense=True))
-    assert message.startswith(f"cannot read GGUF {path}: {said}") and "\n" not in message
-    result = CliRunner().invoke(main, ["generate", "--model", str(path), "hello", "--dtype", "float32", "--kernels", "stock", "--no-auto",
-                                       "--cache-dir", str(cache)])
-    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: {message}" and "Traceback" not in result.output
+    path, cache = tiny_gguf(tmp_path / "tokenizer.gguf", tokenizer="nonesuch"), tmp_path / "cache"
+    said = "tokenizer.gguf's tokenizer cannot be read (ValueError: Cannot build a tokenizer from a GGUF file stating tokenizer 'nonesuch'"
+    for _ in range(2):  # the entry made, then read
+        lines = []
+        _, loaded, *_ = gguf_model.load(path, torch.float32, cache, lines.append, dense=True)
+        assert loaded is None and [line for line in lines if line.startswith(said) and line.endswith("): token ids only (--ids)")]
+    options = ["--model", str(path), "--dtype", "float32", "--kernels", "stock", "--no-auto", "--cache-dir", str(cache)]
+    text = CliRunner().invoke(main, ["generate", *options, "hello"])
+    assert text.exit_code == 1 and said in text.output and "Traceback" not in text.output
+    assert text.output.strip().splitlines()[-1] == "Error: a text prompt needs a tokenizer; this model has none, so pass token ids"
+    ids = CliRunner().invoke(main, ["generate", *options, "--ids", "1,2", "--max-new-tokens", "3"])
+    assert ids.exit_code == 0 and len(ids.stdout.strip().split(",")) == 3, ids.output
+    lying = tiny_gguf(tmp_path / "lying.gguf", tokenizer="llama", metadata={"eos_token_id": 10 ** 6})  # transformers' IndexError
+    assert refusal(lambda: gguf_model.load(lying, torch.float32, cache, print, dense=True)) == (
+        f"cannot read GGUF {lying}: tokenizer.ggml.eos_token_id is 1000000, but tokenizer.ggml.tokens holds 96 tokens")
     for tokenizer in (None, "llama"):
         _, loaded, *_ = gguf_model.load(tiny_gguf(tmp_path / f"{tokenizer}.gguf", tokenizer=tokenizer), torch.float32, cache, print, dense=True)
         assert (loaded is None) == (tokenizer is None)
@@ -863,6 +865,15 @@ def test_an_entry_made_again_for_a_changed_file_removes_the_older_one(tmp_path):
     with cache_entries.held(second, None, shared=True):  # being read: it stays
         third = gguf_model.prepare(path, cache, print).directory
     assert second.is_dir() and third.is_dir() and kept.is_dir()
+    # an older entry that is a link (to a copy of an entry elsewhere): the link goes, never what it points to
+    shutil.copytree(second, tmp_path / "copy")
+    shutil.rmtree(second)
+    second.symlink_to(tmp_path / "copy")
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 3 * 10 ** 9))
+    lines.clear()
+    gguf_model.prepare(path, cache, lines.append)
+    assert not second.is_symlink() and (tmp_path / "copy" / "index.json").is_file()
+    assert f"removed {second} (0.00 GB)" in " ".join(lines)
 
 
 def test_what_a_killed_first_load_left_is_removed_by_the_next_load(tmp_path):
