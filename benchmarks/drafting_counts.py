@@ -16,7 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from benchmarks import datasets
-from benchmarks.prompts import PROMPTS, prompt_ids
+from benchmarks.prompts import PROMPTS
 from benchmarks.results_log import same, write_json
 from benchmarks.run import hardware
 from lookahead import LookaheadConfig, LookaheadGenerator, models, native
@@ -28,21 +28,21 @@ SOURCES = {  # what drafts: the sources' own switches
 }
 
 
-def configs(rows: list[int]) -> dict[tuple[str, int], LookaheadConfig]:
+def configs(rows: list[int], sources: list[str] = list(SOURCES)) -> dict[tuple[str, int], LookaheadConfig]:
     """(sources, rows) -> the fixed shape: rows - 1 tree nodes, the prior whole unless the sources say none."""
-    return {(name, r): dataclasses.replace(FIXED, tree_budget=r - 1, recycle_prior_s=float("inf"), **switches)
-            for name, switches in SOURCES.items() for r in rows}
+    return {(name, r): dataclasses.replace(FIXED, tree_budget=r - 1, recycle_prior_s=float("inf"), **SOURCES[name])
+            for name in sources for r in rows}
 
 
 def run_all(args) -> dict:
     cache_dir = args.cache_dir or models.default_cache_dir()
     model, tok = models.load(args.model, dtype=args.dtype, cache_dir=cache_dir, kernels="packed", weights=args.weights)
     prompts = [datasets.Prompt("own", name, text, chat) for name, text, chat in PROMPTS] + datasets.load(args.sets, args.limit, cache_dir)
-    ids = [prompt_ids(tok, p.text, p.chat) for p in prompts]
+    ids = [p.ids(tok) for p in prompts]
     plain_gen = LookaheadGenerator(model, tok, FIXED, cache_dir=cache_dir)
     plain = [plain_gen.generate(prompt, args.max_new_tokens, lookahead=False).tokens for prompt in ids]
     counts: dict[str, dict] = {}
-    for (name, rows), config in configs(args.rows).items():
+    for (name, rows), config in configs(args.rows, args.sources).items():
         gen = LookaheadGenerator(model, tok, config, cache_dir=cache_dir)
         runs = [gen.generate(prompt, args.max_new_tokens) for prompt in ids]
         counts[f"{name} @ {rows}"] = {"sources": name, "rows": rows, "window_rows": config.window * (config.ngram - 1), "prompts": [
@@ -77,9 +77,10 @@ def write_report(results: dict, out: Path) -> None:
         extra = f" (+{cells[0]['window_rows']} window rows)" if cells[0]["window_rows"] else ""
         alike = sum(p["same"] for c in cells for p in c["prompts"]) / sum(len(c["prompts"]) for c in cells)
         lines.append(f"| {name}{extra} | " + " | ".join(f"{rate(c):.2f}" for c in cells) + f" | {alike:.0%} |")
-    lines += ["", "By prompt set, all sources:", "", "| set | " + " | ".join(f"{r} rows" for r in rows) + " |", "|---|" + "---|" * len(rows)]
-    for s in sets:
-        lines.append(f"| {s} | " + " | ".join(f"{rate(counts[f'all @ {r}'], lambda p: p['set'] == s):.2f}" for r in rows) + " |")
+    if f"all @ {rows[0]}" in counts:
+        lines += ["", "By prompt set, all sources:", "", "| set | " + " | ".join(f"{r} rows" for r in rows) + " |", "|---|" + "---|" * len(rows)]
+        for s in sets:
+            lines.append(f"| {s} | " + " | ".join(f"{rate(counts[f'all @ {r}'], lambda p: p['set'] == s):.2f}" for r in rows) + " |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
@@ -89,7 +90,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default=native.INTEGER, choices=sorted(models.DTYPES))
     parser.add_argument("--weights", default="auto", choices=models.WEIGHTS)
     parser.add_argument("--rows", default=[5, 9, 17, 33], type=lambda text: [int(r) for r in text.split(",")], help="rows a step, comma-separated")
-    datasets.add_arguments(parser, limit=1)
+    parser.add_argument("--sources", default=list(SOURCES), type=lambda text: text.split(";"),
+                        help=f"which of {'; '.join(SOURCES)}, semicolon-separated (default all of them)")
+    datasets.add_arguments(parser, limit=1, sets=tuple(datasets.SETS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/drafting-counts-latest"))
     args = parser.parse_args(argv)
     write_report(run_all(args), args.out)

@@ -36,7 +36,6 @@ import torch
 
 from benchmarks import datasets
 from benchmarks.profile_step import linear_bytes, stream_rate
-from benchmarks.prompts import prompt_ids
 from benchmarks.results_log import count, same, write_json
 from benchmarks.run import hardware, hf_generate
 from lookahead import LookaheadConfig, LookaheadGenerator, models, native
@@ -162,7 +161,7 @@ def run_all(args) -> dict:
         calls = {f"HF greedy {dtype}": lambda p, k: (*hf_generate(model, p, k), None)}
         if dtype == "bfloat16":  # the first engine opened: it tokenizes the prompts for every engine
             sizes["weights"] = linear_bytes(model)
-            ids[:] = ids or [prompt_ids(tokenizer, p.text, p.chat) for p in prompts]
+            ids[:] = ids or [p.ids(tokenizer) for p in prompts]
             calls["HF prompt lookup bfloat16"] = lambda p, k: (*hf_generate(model, p, k, prompt_lookup_num_tokens=10), None)
         yield calls
 

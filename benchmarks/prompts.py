@@ -24,8 +24,11 @@ PROMPTS = [
 ]
 
 
-def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
+def prompt_ids(tokenizer, text: str, chat: bool, earlier: tuple[str, ...] = ()) -> list[int]:
+    """The ids of ``text`` (after the ``earlier`` turns of a conversation: user, assistant, user, ...), through the chat
+    template where ``chat`` and the tokenizer has one, else the turns as plain text a blank line apart."""
     if chat and tokenizer.chat_template:
-        messages = [{"role": "user", "content": text}]
+        roles = ("user", "assistant")
+        messages = [{"role": roles[i % 2], "content": turn} for i, turn in enumerate(earlier + (text,))]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-    return tokenizer(text)["input_ids"]
+    return tokenizer("\n\n".join(earlier + (text,)))["input_ids"]

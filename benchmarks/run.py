@@ -152,7 +152,7 @@ def run_all(args) -> dict:
     runs: list[Run] = []
     start = time.perf_counter()
     for i, p in enumerate(prompts):
-        ids = prompt_ids(tokenizer, p.text, p.chat)
+        ids = p.ids(tokenizer)
         for dtype, (model, _) in loaded.items():
             ref, secs = hf_generate(model, ids, args.max_new_tokens)
             runs.append(Run(p.set, p.id, dtype, GREEDY, secs, ref, equal=True, equal_or_tie=True))
@@ -303,7 +303,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="every prompt, 128 new tokens (default: quick)")
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
-    parser.add_argument("--sets", default=",".join(datasets.SETS), help="comma-separated prompt sets")
+    parser.add_argument("--sets", default=",".join(datasets.TIMED_SETS), help=f"comma-separated prompt sets of {', '.join(datasets.SETS)}")
     parser.add_argument("--limit", type=int, help="prompts per set (quick: 2, full: all)")
     parser.add_argument("--max-new-tokens", type=int, help="quick: 64, full: 128")
     parser.add_argument("--dtypes", default="float32,bfloat16")

@@ -22,7 +22,6 @@ import time
 import httpx
 
 from benchmarks import datasets
-from benchmarks.prompts import prompt_ids
 from benchmarks.run import hardware
 from lookahead import LookaheadGenerator, models
 from lookahead.config import PREFILL_CHUNK
@@ -132,7 +131,7 @@ def main(argv=None) -> None:
               f"p95 {r['p95_s']:.2f} s, {r['tokens_per_s']:.1f} generated tokens/s; failures: {len(r['failures'])}; "
               f"queue after: {r['queue_after']}; peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
         failures += r["failures"]
-    summaries = [prompt_ids(gen.tokenizer, p.text, p.chat) for p in datasets.load(["summarisation"], None, models.default_cache_dir())]
+    summaries = [p.ids(gen.tokenizer) for p in datasets.load(["summarisation"], None, models.default_cache_dir())]
     if args.warm_tokens:
         first, second = warm_passes(gen, summaries, args.warm_tokens)
         print(f"warm state, summarisation set ({len(summaries)} prompts) twice: {first:.2f} then {second:.2f} tokens per forward")

@@ -21,7 +21,6 @@ import torch
 from benchmarks import datasets
 from benchmarks.arithmetic_floor import dot_peak
 from benchmarks.profile_step import linear_flops
-from benchmarks.prompts import prompt_ids
 from benchmarks.results_log import count, same, write_json
 from benchmarks.run import hardware
 from lookahead import LookaheadConfig, LookaheadGenerator, models, native
@@ -41,7 +40,7 @@ def run_all(args) -> dict:
     cache_dir = args.cache_dir or models.default_cache_dir()
     model, tok = models.load(args.model, dtype=args.dtype, cache_dir=cache_dir, kernels="packed", weights=args.weights)
     prompts = datasets.load(args.sets, args.limit, cache_dir)
-    ids = [prompt_ids(tok, p.text, p.chat) for p in prompts]
+    ids = [p.ids(tok) for p in prompts]
     shapes = configs(args.budgets)
     gens = {name: LookaheadGenerator(model, tok, config or LookaheadConfig(), cache_dir=cache_dir) for name, config in shapes.items()}
     runs = datasets.interleaved(gens, {name: config is not None for name, config in shapes.items()}, prompts, ids, args.max_new_tokens,

@@ -16,7 +16,6 @@ import argparse
 from pathlib import Path
 
 from benchmarks import datasets
-from benchmarks.prompts import prompt_ids
 from benchmarks.results_log import same, write_json
 from benchmarks.run import hardware
 from lookahead import models
@@ -41,7 +40,7 @@ def run_all(args) -> dict:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = datasets.load(args.sets, args.limit, cache_dir)
-    ids = [prompt_ids(tokenizer, p.text, p.chat) for p in prompts]
+    ids = [p.ids(tokenizer) for p in prompts]
     n = args.max_new_tokens
     results = {}
     for method, spec in METHODS.items():

@@ -16,7 +16,6 @@ import dataclasses
 from pathlib import Path
 
 from benchmarks import datasets
-from benchmarks.prompts import prompt_ids
 from benchmarks.results_log import count, same, write_json
 from benchmarks.run import hardware
 from lookahead import LookaheadConfig, LookaheadGenerator, models
@@ -29,7 +28,7 @@ def run_all(args) -> dict:
     cache_dir = args.cache_dir or models.default_cache_dir()
     model, tok = models.load(args.model, dtype=args.dtype, cache_dir=cache_dir, kernels="packed", weights=args.weights)
     prompts = datasets.load(args.sets, args.limit, cache_dir)
-    ids = [prompt_ids(tok, p.text, p.chat) for p in prompts]
+    ids = [p.ids(tok) for p in prompts]
     gens = {name: LookaheadGenerator(model, tok, config or WHOLE_PRIOR, cache_dir=cache_dir) for name, config in CONFIGS.items()}
     runs = datasets.interleaved(gens, {name: config is not None for name, config in CONFIGS.items()}, prompts, ids, args.max_new_tokens,
                                 lambda stats: {"steps": stats.steps, "window_steps": stats.window_steps, "rested_steps": stats.rested_steps,

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from benchmarks import arithmetic_floor, drafting_counts, kernel_ab, peers, pool_bench, results_log, run, step_cost, window
-from lookahead import cpu
+from benchmarks import arithmetic_floor, datasets, drafting_counts, kernel_ab, peers, pool_bench, results_log, run, step_cost, window
+from lookahead import cpu, models
 
 
 def test_config_specs_parse_presets_and_fields():
@@ -175,12 +175,34 @@ def test_the_drafting_counts_report_gives_tokens_a_forward_by_rows_source_and_se
               "all + window @ 9": cell("all + window", 9, {"own": (64, 32), "gsm8k": (64, 32)})}
     assert set(drafting_counts.configs([5, 9])) >= {("all", 5), ("recycling", 9)}
     assert drafting_counts.configs([9])["suffix", 9].tree_budget == 8 and drafting_counts.configs([9])["all, no prior", 9].recycle_prior == 0
+    assert set(drafting_counts.configs([9, 17], ["all", "pool"])) == {("all", 9), ("all", 17), ("pool", 9), ("pool", 17)}
     results = {"hardware": run.hardware(), "isa": "avx2", "model": "m", "dtype": "int8", "weights": "gguf", "max_new_tokens": 64, "counts": counts}
     drafting_counts.write_report(results, tmp_path)
     text = (tmp_path / "results.md").read_text()
     assert "| all | 1.33 | 1.60 | 100% |" in text and "| all + window (+6 window rows) | 2.00 | 2.00 | 50% |" in text
     assert "| own | 1.60 | 2.00 |" in text and "| gsm8k | 1.14 | 1.33 |" in text
     assert results_log.headline(results) == "int8, all sources: 5 rows 1.33, 9 rows 1.60 tokens a forward"
+
+
+def test_the_copy_edit_and_multi_turn_sets_are_conversations_the_answer_can_copy_from():
+    cache_dir = models.default_cache_dir()
+    edits, turns = datasets.load(["copy_edit"], None, cache_dir), datasets.load(["multi_turn"], None, cache_dir)
+    assert len(edits) == 20 and len(turns) == 30 and all(p.chat for p in edits + turns)
+    assert datasets.misspelt("one two three seven eight nine ten eleven twelve thirteen") == "one two three sveen eight nine ten eleven twelve tihrteen"
+    passage = datasets.summarisation(cache_dir)[0].text.split("\n\n", 1)[1]
+    wrong = edits[0].text.split("\n\n", 1)[1]
+    assert wrong != passage and len(wrong.split()) == len(passage.split()) and sorted(wrong) == sorted(passage)
+
+    class Template:  # a tokenizer with a chat template: what it is given
+        chat_template = "..."
+
+        def apply_chat_template(self, messages, **options):
+            self.messages = messages
+            return [1, 2]
+
+    tok = Template()
+    assert turns[0].ids(tok) == [1, 2] and [m["role"] for m in tok.messages] == ["user", "assistant", "user"]
+    assert [m["content"] for m in tok.messages] == [*turns[0].earlier, turns[0].text]
 
 
 def test_the_step_cost_report_prices_each_shape_against_the_plain_forward(tmp_path):
