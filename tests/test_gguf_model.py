@@ -562,8 +562,8 @@ def test_the_header_and_config_are_what_gguf_py_and_transformers_read_of_the_who
         assert hf_names(path, model, processor, header.architecture) == get_gguf_hf_weights_map(model, processor)
         with pytest.raises(models.ModelLoadError, match=f"cannot read GGUF {path}: gguf-py names no tensors of architecture 'nothing'"):
             hf_names(path, model, processor, "nothing")
-        ours, auto = tokenizer_of(path, header, config), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        assert type(ours) is type(auto) and ours.init_kwargs == auto.init_kwargs
+        (ours, why), auto = tokenizer_of(path, header, config), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        assert type(ours) is type(auto) and ours.init_kwargs == auto.init_kwargs and why == ""
         assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str() and ours("w1 w2").input_ids == auto("w1 w2").input_ids
 
 
