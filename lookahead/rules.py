@@ -58,6 +58,10 @@ class Rules:
                 raise ValueError(f"{name} must be a finite number, got {value}")
         if config.do_sample and config.temperature is not None and config.temperature <= 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {config.temperature}")
+        for name in ("top_p", "typical_p", "min_p"):  # generate() skips a top_p or typical_p of 1 or more without a word
+            value = getattr(config, name, None)
+            if config.do_sample and value is not None and not 0 <= value <= 1:
+                raise ValueError(f"{name} is a probability mass, in [0, 1], got {value}")
         self.max_new_tokens = self._length(model, config, prompt_len, generation_config, options)
         config.max_length = prompt_len + self.max_new_tokens
         config.max_new_tokens = self.max_new_tokens

@@ -168,6 +168,9 @@ def test_bad_seed_is_a_value_error(seed):
         (dict(do_sample=True, top_p=float("nan")), "top_p must be a finite number, got nan"),
         (dict(do_sample=True, min_p=float("nan")), "min_p must be a finite number"),
         (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
+        (dict(do_sample=True, top_p=1.5), r"top_p is a probability mass, in \[0, 1\], got 1.5"),  # generate() ignores it
+        (dict(do_sample=True, typical_p=-0.5), "typical_p is a probability mass"),
+        (dict(do_sample=True, min_p=2.0), "min_p is a probability mass"),
     ],
 )
 def test_unsupported_options_are_named(options, message):
