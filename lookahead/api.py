@@ -68,9 +68,9 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
     if chat:
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        if not req.messages or any(not isinstance(m.get("content"), str) for m in req.messages):
+        if not req.messages:
             raise APIError(400, "messages must be a non-empty list of {role, content} with text content", "messages")
-        prompt = req.messages
+        prompt = [m | {"content": _text(m.get("content"), i)} for i, m in enumerate(req.messages)]
     else:
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -96,6 +96,20 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
         options["stop_strings"] = stops
     max_tokens = req.max_completion_tokens or req.max_tokens or 16
     return prompt, dict(max_new_tokens=max_tokens, seed=req.seed, lookahead=req.lookahead, **options), stops
+
+
+def _text(content: Any, index: int) -> str:
+    """A message's content as text: a string, or OpenAI's content parts of type "text", joined by newlines (as vLLM
+    joins them: clients such as LangChain's send parts even for text alone); any other part is a 400 naming it."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(isinstance(part, dict) for part in content):
+        other = next((part.get("type") for part in content if part.get("type") != "text"), "text")
+        if other != "text":
+            raise APIError(400, f"message {index} has a content part of type {other!r}: this server takes text alone", "messages")
+        if all(isinstance(part.get("text"), str) for part in content):
+            return "\n".join(part["text"] for part in content)
+    raise APIError(400, "messages must be a non-empty list of {role, content} with text content", "messages")
 
 
 class BodyLimit:

@@ -69,6 +69,22 @@ def test_chat_completion_uses_the_chat_template(text_server):
     assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
 
 
+def test_chat_content_parts_of_text_are_the_text_they_join(text_server):
+    """OpenAI's content parts (LangChain sends them for text alone): text parts joined by newlines, as vLLM joins them;
+    a part of another type, or a message without text, is a 400 naming the messages."""
+    _, url, _ = text_server
+    chat = lambda content: httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                                         "max_tokens": 8, "temperature": 0})
+    parts = [{"type": "text", "text": "hello w9"}, {"type": "text", "text": "w9 w10"}]
+    assert chat(parts).json()["choices"][0]["message"] == chat("hello w9\nw9 w10").json()["choices"][0]["message"]
+    image = chat(parts + [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
+    assert image.status_code == 400 and image.json()["error"]["param"] == "messages"
+    assert image.json()["error"]["message"] == "message 0 has a content part of type 'image_url': this server takes text alone"
+    for bad in ([{"type": "text"}], [], None, 5):
+        reply = chat(bad)
+        assert reply.status_code == 400 and "with text content" in reply.json()["error"]["message"]
+
+
 def test_streaming_concatenates_to_the_non_streamed_output(text_server):
     _, _, client = text_server
     kwargs = dict(model="tiny", prompt="w10 w11 w12 w10 w11", max_tokens=30, temperature=0)
