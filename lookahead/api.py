@@ -94,7 +94,7 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
         options["repetition_penalty"] = req.repetition_penalty
     if stops:
         options["stop_strings"] = stops
-    max_tokens = req.max_completion_tokens or req.max_tokens or 16
+    max_tokens = req.max_completion_tokens or req.max_tokens or (None if chat else 16)  # OpenAI's: a chat's, the rest of the context
     return prompt, dict(max_new_tokens=max_tokens, seed=req.seed, lookahead=req.lookahead, **options), stops
 
 

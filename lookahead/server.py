@@ -111,6 +111,9 @@ class Server:
                 for i, m in enumerate(prompt):
                     check_text(f"message {i} of the prompt", m["content"])
                 prompt = chat_ids(self.gen.tokenizer, prompt)
+                context = self.gen.reach.context
+                if kwargs["max_new_tokens"] is None and context is not None:  # a reply without a bound: up to the context's end
+                    kwargs = kwargs | {"max_new_tokens": max(context - len(prompt), 1)}
             return self.gen.new_lane(prompt, state=self.gen.own_state(), streamer=streamer, keys=self.keys if self.keeps_keys else None,
                                      keeps_keys=self.keeps_keys, **kwargs)
         except ValueError as e:

@@ -85,6 +85,18 @@ def test_chat_content_parts_of_text_are_the_text_they_join(text_server):
         assert reply.status_code == 400 and "with text content" in reply.json()["error"]["message"]
 
 
+def test_a_chat_reply_without_a_bound_runs_to_the_context_and_a_completion_to_16_tokens(text_server):
+    """OpenAI's defaults: a chat completion without max_tokens answers up to the end of the context (a client that sends
+    none got 16 tokens, a reply cut short), a legacy completion 16 tokens."""
+    server, url, _ = text_server
+    messages = [{"role": "user", "content": "hello w9 w9"}]
+    reply = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "temperature": 0}).json()
+    ids = server.gen.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert reply["usage"]["prompt_tokens"] == len(ids) and reply["usage"]["completion_tokens"] == 512 - len(ids)  # no EOS here
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert httpx.post(url + "/v1/completions", json={"prompt": "hello", "temperature": 0}).json()["usage"]["completion_tokens"] == 16
+
+
 def test_streaming_concatenates_to_the_non_streamed_output(text_server):
     _, _, client = text_server
     kwargs = dict(model="tiny", prompt="w10 w11 w12 w10 w11", max_tokens=30, temperature=0)
