@@ -50,6 +50,7 @@ class ChatRequest(_Common):
 
 
 IGNORED = {"user", "stream_options"}  # accepted and without effect on the output
+NOT_TEXT = "messages must be a non-empty list of {role, content} with text content"
 
 
 def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple[Any, dict, list[str]]:
@@ -69,7 +70,7 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         if not req.messages:
-            raise APIError(400, "messages must be a non-empty list of {role, content} with text content", "messages")
+            raise APIError(400, NOT_TEXT, "messages")
         prompt = [m | {"content": _text(m.get("content"), i)} for i, m in enumerate(req.messages)]
     else:
         prompt = req.prompt
@@ -104,12 +105,13 @@ def _text(content: Any, index: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content and all(isinstance(part, dict) for part in content):
-        other = next((part.get("type") for part in content if part.get("type") != "text"), "text")
-        if other != "text":
-            raise APIError(400, f"message {index} has a content part of type {other!r}: this server takes text alone", "messages")
+        for part in content:
+            if part.get("type") != "text":
+                raise APIError(400, f"message {index} has a content part of type {part.get('type')!r}: this server takes text alone",
+                               "messages")
         if all(isinstance(part.get("text"), str) for part in content):
             return "\n".join(part["text"] for part in content)
-    raise APIError(400, "messages must be a non-empty list of {role, content} with text content", "messages")
+    raise APIError(400, NOT_TEXT, "messages")
 
 
 class BodyLimit:
