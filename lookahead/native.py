@@ -60,6 +60,9 @@ TIERS = {
     "avx-vnni": Tier(("avx2", "fma", "f16c", "avx_vnni"), AVX2_SOURCES, AVX2_FLAGS + ("-mavxvnni",)),
     "avx2": Tier(("avx2", "fma", "f16c"), AVX2_SOURCES, AVX2_FLAGS),
 }
+SUB_SCALES = frozenset({"avx2", "avx512f"})  # tiers whose integer linear puts the K types' sub-block scales on the
+# integer sums (vpmaddwd by sc, one fp32 step a super-block: int_linear_avx2.c without VNNI), so bits of their own for
+# those blocks; every other tier scales each group in fp32, as int_linear.c does
 INTEGER = "int8"  # the --dtype whose quantized linears round their activations to 8 bits and multiply integers
 Longs = ctypes.c_long * 3
 PRODUCTS = ("bf16_linear", "amx_bf16_linear", "quant_bf16_linear", "amx_quant_linear", "int_linear", "fp32_linear",

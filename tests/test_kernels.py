@@ -382,8 +382,10 @@ def test_the_integer_linear_and_the_fp32_attention_give_the_same_bits_on_every_t
     """int_linear_avx2.c (the AVX2, AVX-VNNI and AVX-512F tiers') gives int_linear.c's bits for every layout kind (int8
     quads, nibbles, 6-bit planes; fp32, fp16 and the K types' scales) at every M up to 40, and so does its vpdpbusd
     path, built here EVEX-encoded (AVX512-VNNI with VL: the instruction the AVX-VNNI tier runs, VEX-encoded, which
-    gcc is shown to build); tree_attention_avx2.c and decoder_layer_fp32.c's activations are one code on every tier,
-    so one bits."""
+    gcc is shown to build); but for the K types' scales on the tiers without VNNI (``native.SUB_SCALES``), which put
+    the sub-block scales on the integer sums: bits of their own, row-invariant, one set on every such tier, within
+    fp32 rounding of the others'. tree_attention_avx2.c and decoder_layer_fp32.c's activations are one code on every
+    tier, so one bits."""
     import ctypes
     import subprocess
 
@@ -433,9 +435,17 @@ def test_the_integer_linear_and_the_fp32_attention_give_the_same_bits_on_every_t
                 out[f"gated {act}"] = torch.empty(3, 64)
                 lib.gated_fp32(both.data_ptr(), out[f"gated {act}"].data_ptr(), 3, 64, act)
     assert {t for t in outputs if "attention" in outputs[t] and "gated 2" in outputs[t]} == set(tiers) - {"avx2 with avx512-vnni"}
+    supers = {f"int {i} {m}" for i, layout in enumerate(layouts) if layout.supers for m in (1, 2, 3, 4, 5, 9, 16, 21, 40)}
+    assert [layout.supers for layout in layouts] == [False, False, True, True, False, False]  # Q4_K's and Q6_K's
     first = outputs[tiers[0]]
-    for t, out in outputs.items():
-        assert all(torch.equal(out[name], first[name]) for name in out), t
+    for sub_scales in (False, True):
+        same = [t for t in tiers if (t in native.SUB_SCALES) == sub_scales]
+        for t in same:
+            assert all(torch.equal(outputs[t][name], (first if name not in supers else outputs[same[0]])[name]) for name in outputs[t]), t
+    for t in set(tiers) & native.SUB_SCALES:
+        for name in supers:
+            want = first[name]
+            assert (outputs[t][name] - want).abs().max() <= 1e-5 * want.abs().max(), (t, name)
 
 
 def test_tiles_are_refused_where_amx_cannot_run(monkeypatch):

@@ -189,7 +189,9 @@ def test_one_row_gives_the_bits_of_eight_at_a_time_for_every_kind_the_integer_ke
 @pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q5_K", "Q3_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_k_types_own_scales_give_the_integer_products_bit_for_bit(kind, dtype):
-    """pack_supers' scales are made in the kernel as the decoders make them, so both layouts give one product."""
+    """pack_supers' scales are made in the kernel as the decoders make them, so both layouts give one product; but on
+    a tier that puts them on the integer sums (``native.SUB_SCALES``), where the supers' product is its own, within
+    fp32 rounding."""
     if dtype == torch.bfloat16 and not OWN_BF16:
         pytest.skip("no AVX-512 BF16 here")
     q = quants.from_blocks(random_blocks(kind, 48, 768, seed=7), kind, 48, 768)
@@ -198,7 +200,11 @@ def test_the_k_types_own_scales_give_the_integer_products_bit_for_bit(kind, dtyp
     groups = linear_kernels.Linear(linear_kernels.pack_quantized(q.q, q.scale, q.offset, q.group, q.bits, dtype, integer=True), bias)
     supers = linear_kernels.Linear(linear_kernels.pack_supers(q, dtype), bias)
     for m in (1, 4, 19):
-        assert torch.equal(supers(x[:m]), groups(x[:m])), m
+        if native.tier() in native.SUB_SCALES:
+            want = groups(x[:m])
+            assert (supers(x[:m]) - want).abs().max() <= 1e-5 * want.abs().max() and torch.equal(supers(x[:m]), supers(x)[:m]), m
+        else:
+            assert torch.equal(supers(x[:m]), groups(x[:m])), m
 
 
 @needs_integer
