@@ -6,8 +6,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from lookahead.drafting import SOURCES
 from lookahead.tree import TokenTree
 
@@ -25,6 +23,17 @@ class Clock:
 
     def total(self) -> float:
         return time.perf_counter() - self.start
+
+
+def _count_bits(counter: Counter, sources: list[int], names: tuple[str | None, ...]) -> None:
+    """counter[name] += 1 for every set bit of every node's ``sources`` that ``names`` names (not None)."""
+    for bits in sources:
+        while bits:
+            low = bits & -bits
+            at = low.bit_length() - 1
+            if at < len(names) and names[at] is not None:
+                counter[names[at]] += 1
+            bits ^= low
 
 
 @dataclass
@@ -62,11 +71,9 @@ class GenerationStats:
         self.accepted_hist[emitted] += 1
         if not len(tree):
             return
-        bits = np.arange(len(names))
-        for counter, nodes in ((self.drafted_by_source, tree.sources), (self.accepted_by_source, tree.sources[path[:emitted]])):
-            for name, count in zip(names, ((nodes[:, None] >> bits) & 1).sum(0).tolist()):  # nodes a bit, in three ops
-                if name is not None and count:
-                    counter[name] += count
+        sources = tree.sources.tolist()  # a few nodes of a few bits: Python's ints, not numpy's (~14 -> ~4 us a step)
+        _count_bits(self.drafted_by_source, sources, names)
+        _count_bits(self.accepted_by_source, [sources[node] for node in path[:emitted]], names)
 
     @property
     def compression(self) -> float:
