@@ -48,9 +48,13 @@ VARIANTS = {  # CPU flag -> (what it is, the loop's 12 dot products, multiply-ad
 }
 
 
-def dot_peak(threads: int, seconds: float = 0.5) -> tuple[str, float]:
-    """(the instruction, multiply-adds a second on ``threads`` threads at once: the fastest of 5 runs)."""
-    flag = next((f for f in VARIANTS if f in cpu.flags()), None)
+TIER_DOTS = {"avx-vnni": "avx_vnni", "avx512f": "avx2", "avx2": "avx2"}  # a tier held below the CPU's best -> its dot product
+
+
+def dot_peak(threads: int, seconds: float = 0.5, tier: str | None = None) -> tuple[str, float]:
+    """(the instruction, multiply-adds a second on ``threads`` threads at once: the fastest of 5 runs), the best the
+    CPU has, or the one the kernels of ``tier`` multiply with."""
+    flag = TIER_DOTS.get(tier) or next((f for f in VARIANTS if f in cpu.flags()), None)
     if flag is None:
         raise SystemExit("this CPU has no AVX2: the integer path does not run here")
     what, dots, macs = VARIANTS[flag]

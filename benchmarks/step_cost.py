@@ -2,13 +2,14 @@
 off, no Jacobi window: a step is its tree's nodes + the current token), each step's forward timed, beside our plain
 loop's, the planner's own choice, ``lookahead tune``'s r(T) at the same rows and the arithmetic floor there.
 
-    python -m benchmarks.step_cost --model qwen2.5-coder-1.5b --dtype int8 --weights gguf --budgets 4,8,16,32 --limit 1
+    python -m benchmarks.step_cost --model qwen2.5-coder-1.5b --dtype int8 --weights gguf --budgets 4,8,16,32 --limit 1 [--isa avx2]
 
 All as ratios to the plain loop's forward in the same run: the configurations interleaved prompt by prompt (each
 prompt once per configuration, each its own generator and drafting state), so a slow spell of the VM lands on all of
 them. r(T) is the probe's forward over a 256-token cache at T rows (``probing``: what the planner prices a step by);
 a real step's rows vary, so it is read at the mean. The floor: T rows' multiply-adds of every linear at the CPU's
-8-bit dot-product peak (``benchmarks.arithmetic_floor``; AMX tiles not counted), over the one-row forward."""
+8-bit dot-product peak (``benchmarks.arithmetic_floor``; AMX tiles not counted), over the one-row forward. ``--isa``
+holds our kernels to a tier below the CPU's best (an AVX-512 CPU measuring its AVX2 kernels), the floor its dot product's."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def run_all(args) -> dict:
     runs = datasets.interleaved(gens, {name: config is not None for name, config in shapes.items()}, prompts, ids, args.max_new_tokens,
                                 lambda stats: {"steps": stats.steps, "tree_nodes": stats.tree_nodes, "forward_s": stats.phase_s["forward"]},
                                 lambda run: f"{run['forward_s'] / max(run['steps'], 1) * 1e3:.1f} ms a forward")
-    what, peak = dot_peak(torch.get_num_threads())
+    what, peak = dot_peak(torch.get_num_threads(), tier=args.isa)
     curve = gens[PLANNER].cost
     return {"hardware": hardware(), "isa": native.isa(), "model": args.model, "dtype": args.dtype, "weights": args.weights,
             "max_new_tokens": args.max_new_tokens, "runs": runs, "curve": {"sizes": curve.sizes, "ratios": curve.ratios},
@@ -90,8 +91,11 @@ def main(argv=None) -> None:
     parser.add_argument("--budgets", default=[4, 8, 16, 32], type=lambda text: [int(b) for b in text.split(",")],
                         help="the trees' most nodes, comma-separated")
     datasets.add_arguments(parser, limit=1)
+    parser.add_argument("--isa", choices=list(native.TIERS), help="hold our kernels to this tier (default: the CPU's best)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step-cost-latest"))
     args = parser.parse_args(argv)
+    if args.isa:
+        native.library(tier=args.isa)  # before the model loads them
     write_report(run_all(args), args.out)
     print((args.out / "results.md").read_text())
 
