@@ -237,6 +237,7 @@ def test_kernel_ab_builds_a_revisions_kernels_beside_the_working_trees(capsys):
 def test_the_arithmetic_floor_measures_the_dot_product_peak_and_bounds_the_steps_by_it(capsys):
     what, peak = arithmetic_floor.dot_peak(threads=1, seconds=0.1)
     assert ("vpdpbusd" in what or "vpmaddubsw" in what) and 8e9 <= peak <= 6e9 * 128  # 8 to 128 multiply-adds a cycle, at up to 6 GHz
+    assert "vpmaddubsw" in arithmetic_floor.dot_peak(threads=1, seconds=0.01, tier="avx2")[0]  # a tier held: its own instruction
     arithmetic_floor.main(["--model", "smollm2-135m", "--weights", "q8", "--sizes", "2,64", "--reps", "1"])
     out = capsys.readouterr().out
     assert "G multiply-adds a row" in out and "peak" in out
