@@ -11,7 +11,7 @@
    super-block, d sum - dmin sum_m, times dx. Row-invariant as ever (integers, then one chain the same at any width),
    and within fp32 rounding of the other tiers; no fp32 chain a group (Qwen2.5-Coder-1.5B's products on the Xeon's
    AVX2 tier, interleaved, hot: 8-9% faster at 1-16 rows). VNNI's vpdpbusd leaves no vpmaddwd to carry the scales
-   (an integer multiply a group costs what the fp32 chain does), so the VNNI tiers keep it.
+   (a vpmulld a group instead, tried on the Xeon: 11-20% slower at 1-9 rows), so the VNNI tiers keep the fp32 chain.
 
    Each block of 16 columns is taken as two halves of 8: a quad's first 32 bytes hold columns 0-7 (byte 4c + j),
    its last 32 columns 8-15, so every unpacking of int_linear.c works on a half as it is. The integer sums:
