@@ -26,7 +26,9 @@
    A tile is up to 4 rows x both halves (each row's broadcast bytes serve two products), or, for 6-bit planes,
    3-4 rows x one half (`tile_halves`), over all of K (`tile`): its integer sums and a unit of quads within the 16
    registers, the fp32 sums spilled once a group where they must (4 x 2 tiles: Q4_K and int8 products at 4-16 rows
-   ~8% faster than 4 x 1). The threads split the blocks of
+   ~8% faster than 4 x 1). The K types on integer sub-scales keep no fp32 sums in the group loop, and take up to 6 rows
+   a tile, in as few tiles as hold a call's rows, as even as they go (the 1.5B's AVX2 products on the Xeon, hot, 5 / 9
+   / 12 rows -15 / -3 / -11%, 4, 8 and 16 equal; tiles of 2 rows were 25% slower). The threads split the blocks of
    16 columns; each streams its blocks in order, the first tile of a block prefetching AHEAD bytes past what it reads
    (against the earlier kernel, one call an activation block and a half of 4 rows, whose prefetches gcc had left
    out: benchmarks.kernel_ab on a 2-core Zen 3, a forward's products streamed, SmolLM2 7.8 -> 5.3 ms at one row and
@@ -195,9 +197,9 @@ TARGET static inline ALWAYS __m256i total_pairs(const int16_t *totals) {
     return _mm256_set1_epi32(both);
 }
 
-#define MAX_ROWS 4
+#define MAX_ROWS 6
 
-/* ROWS (1 .. 4) rows x HALVES (1 or 2) halves of one block (from half h0), over all of K: each unit of quads unpacked
+/* ROWS (1 .. 6; 4 but for the K types' integer path) rows x HALVES (1 or 2) halves of one block (from half h0), over all of K: each unit of quads unpacked
    once and multiplied by every row (a row's four bytes broadcast once for both halves); without VNNI, `span` quads'
    vpmaddubsw pairs summed in int16, then widened by one vpmaddwd; each group's integer sums scaled (less the 6-bit
    planes' bias; + offsets times the group's sum of qx), each activation block's by its dx, in int_linear.c's order
@@ -211,7 +213,7 @@ TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, in
     const int span = pairs_span(kind) < qs ? pairs_span(kind) : qs;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 out[MAX_ROWS * 2];
-    _Pragma("GCC unroll 8") for (int t = 0; t < tiles; t++) out[t] = _mm256_setzero_ps();
+    _Pragma("GCC unroll 12") for (int t = 0; t < tiles; t++) out[t] = _mm256_setzero_ps();
     for (int b = 0; b < (int)row_blocks; b++) {
         const char *at = block + (size_t)b * w->span;
         __m256 d[2], dmin[2], p[MAX_ROWS * 2];
@@ -219,7 +221,7 @@ TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, in
             d[hh] = w->supers ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 16 * (h0 + hh)))) : _mm256_setzero_ps();
             dmin[hh] = w->supers && w->offsets ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 32 + 16 * (h0 + hh)))) : d[hh];
         }
-        _Pragma("GCC unroll 8") for (int t = 0; t < tiles; t++) p[t] = _mm256_setzero_ps();
+        _Pragma("GCC unroll 12") for (int t = 0; t < tiles; t++) p[t] = _mm256_setzero_ps();
         __m256i sum[MAX_ROWS * 2], pairs[MAX_ROWS * 2]; /* integer: the activation block's sums of sc times its groups' */
         for (int gl = 0; gl < groups; gl++) {
             const int g = b * groups + gl;
@@ -230,7 +232,7 @@ TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, in
                 const char *sc = at + w->head + 16 * gl + 8 * (h0 + hh);
                 scales16[hh] = small_pairs(sc, sc);
             }
-            if (!integer || gl == 0) _Pragma("GCC unroll 8") for (int t = 0; t < tiles; t++) sum[t] = _mm256_setzero_si256();
+            if (!integer || gl == 0) _Pragma("GCC unroll 12") for (int t = 0; t < tiles; t++) sum[t] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
                 if (stream) prefetch(values + bytes * q + AHEAD, unit * bytes > 64, l2);
                 __m256i u[2][4];
@@ -238,7 +240,7 @@ TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, in
                 _Pragma("GCC unroll 4") for (int j = 0; j < unit; j++) {
                     __m256i a[2];
                     _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) a[hh] = kind == INT8 ? _mm256_abs_epi8(u[hh][j]) : u[hh][j];
-                    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {
+                    _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++) {
                         const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * (q + j)));
                         _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) {
                             const int t = r * HALVES + hh;
@@ -257,7 +259,7 @@ TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, in
             if (integer) continue;
             __m256 scale[2], off[2];
             _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) group_scales(w, at, h0 + hh, gl, d[hh], dmin[hh], &scale[hh], &off[hh]);
-            _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {
+            _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++) {
                 const size_t row_g = r * row_groups + g;
                 _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) {
                     const int t = r * HALVES + hh;
@@ -270,7 +272,7 @@ TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, in
         if (integer) { /* the 6-bit planes' bias (32 sum sc qx) and the offsets' sum m qx, two groups a vpmaddwd; then
                           d and dmin, once an activation block (a K type's super-block) */
             __m256i less[MAX_ROWS * 2], mins[MAX_ROWS * 2];
-            _Pragma("GCC unroll 8") for (int t = 0; t < tiles; t++) less[t] = mins[t] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 12") for (int t = 0; t < tiles; t++) less[t] = mins[t] = _mm256_setzero_si256();
             for (int gl = 0; gl < groups; gl += 2) {
                 __m256i sc[2], m[2];
                 _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) {
@@ -278,7 +280,7 @@ TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, in
                     sc[hh] = kind == SIX ? small_pairs(at_sc, at_sc + 16) : _mm256_setzero_si256();
                     m[hh] = w->offsets ? small_pairs(at_m, at_m + 16) : _mm256_setzero_si256();
                 }
-                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {
+                _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++) {
                     const __m256i totals = total_pairs(x.totals + r * row_groups + b * groups + gl);
                     _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) {
                         const int t = r * HALVES + hh;
@@ -287,18 +289,18 @@ TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, in
                     }
                 }
             }
-            _Pragma("GCC unroll 8") for (int t = 0; t < tiles; t++) {
+            _Pragma("GCC unroll 12") for (int t = 0; t < tiles; t++) {
                 const __m256i s = kind == SIX ? _mm256_sub_epi32(sum[t], _mm256_slli_epi32(less[t], 5)) : sum[t]; /* bias 32 */
                 p[t] = _mm256_mul_ps(_mm256_cvtepi32_ps(s), d[t % HALVES]);
                 if (w->offsets) p[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[t]), dmin[t % HALVES], p[t]);
             }
         }
-        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {
+        _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++) {
             const __m256 dx = _mm256_set1_ps(x.dx[r * row_blocks + b]);
             _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) out[r * HALVES + hh] = _mm256_fmadd_ps(p[r * HALVES + hh], dx, out[r * HALVES + hh]);
         }
     }
-    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++)
+    _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++)
         _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) {
             const int h = h0 + hh;
             __m256 v = out[r * HALVES + hh];
@@ -316,10 +318,12 @@ typedef void (*Tile)(const Blocks *, Rows, const char *, int, const float *, flo
                                                                const float *bias, float *y, int n, int stream, int l2) {   \
         tile(KIND, QS, ROWS, tile_halves(KIND, ROWS), INTEGER, w, x, block, h0, bias, y, n, stream, l2);                    \
     }
-#define TILES(KIND, QS, INTEGER) TILE(KIND, QS, 1, INTEGER) TILE(KIND, QS, 2, INTEGER) TILE(KIND, QS, 3, INTEGER) TILE(KIND, QS, 4, INTEGER)
+#define TILES(KIND, QS, INTEGER) TILE(KIND, QS, 1, INTEGER) TILE(KIND, QS, 2, INTEGER) TILE(KIND, QS, 3, INTEGER) TILE(KIND, QS, 4, INTEGER) \
+    TILE(KIND, QS, 5, INTEGER) TILE(KIND, QS, 6, INTEGER)
 TILES(NIBBLES, 4, 0) TILES(NIBBLES, 8, 0) TILES(INT8, 4, 0) TILES(INT8, 8, 0) TILES(SIX, 4, 0) TILES(SIX, 8, 0)
 #define TILES_OF(KIND, QS, INTEGER) {tile_##KIND##_##QS##_1_##INTEGER, tile_##KIND##_##QS##_2_##INTEGER, \
-                                     tile_##KIND##_##QS##_3_##INTEGER, tile_##KIND##_##QS##_4_##INTEGER}
+                                     tile_##KIND##_##QS##_3_##INTEGER, tile_##KIND##_##QS##_4_##INTEGER, \
+                                     tile_##KIND##_##QS##_5_##INTEGER, tile_##KIND##_##QS##_6_##INTEGER}
 #if VNNI /* the K types' sub-block scales in fp32, as int_linear.c's: vpdpbusd leaves no vpmaddwd to carry them */
 static const Tile tiles[2][3][2][MAX_ROWS] = {
     {{TILES_OF(NIBBLES, 4, 0), TILES_OF(NIBBLES, 8, 0)}, {TILES_OF(INT8, 4, 0), TILES_OF(INT8, 8, 0)}, {TILES_OF(SIX, 4, 0), TILES_OF(SIX, 8, 0)}},
@@ -351,6 +355,7 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
     const size_t span = supers ? super_head + per_block * values : per_block * group_bytes;
     const Blocks w = {offsets, supers, halves, per_block, head, group_bytes, span, supers ? super_head : head, supers ? values : group_bytes};
     const size_t block = (size_t)(k / qblock) * span;
+    const int split = (m + MAX_ROWS - 1) / MAX_ROWS; /* the K types' tiles */
     _Pragma("omp parallel num_threads(threads)") {
         _Pragma("omp for schedule(static)")
         for (int r = 0; r < m; r++)
@@ -361,8 +366,10 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
             const char *at = packed + c * block;
             const float *b = bias ? bias + 16 * c : 0;
             float *out = (float *)y + 16 * c;
-            for (int r = 0; r < m;) { /* 4 rows at a time through both halves (6-bit planes: 3-4 through one, then the other) */
-                const int rows = m - r < MAX_ROWS ? m - r : MAX_ROWS;
+            for (int r = 0, i = 0; r < m; i++) { /* 4 rows at a time through both halves (6-bit planes: 3-4 through one, then
+                                                    the other); the K types' in as few tiles of up to 6 as hold them, as even
+                                                    as they go (8 = 4 + 4, 9 = 5 + 4, 16 = 6 + 5 + 5) */
+                const int rows = supers ? m / split + (i < m % split) : m - r < 4 ? m - r : 4;
                 for (int h = 0; h < 2; h += tile_halves(kind, rows)) /* the first tile streams the block; the others read it from cache */
                     tiles[supers][kind][qs == 8][rows - 1](&w, from_row(part, r), at, h, b, out + (size_t)r * n, n, r == 0 && h == 0, l2);
                 r += rows;
