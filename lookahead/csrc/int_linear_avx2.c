@@ -355,7 +355,7 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
     const size_t span = supers ? super_head + per_block * values : per_block * group_bytes;
     const Blocks w = {offsets, supers, halves, per_block, head, group_bytes, span, supers ? super_head : head, supers ? values : group_bytes};
     const size_t block = (size_t)(k / qblock) * span;
-    const int split = (m + MAX_ROWS - 1) / MAX_ROWS; /* the K types' tiles */
+    const int integer = supers && !VNNI, split = (m + MAX_ROWS - 1) / MAX_ROWS; /* the K types on integer sub-scales: their tiles */
     _Pragma("omp parallel num_threads(threads)") {
         _Pragma("omp for schedule(static)")
         for (int r = 0; r < m; r++)
@@ -367,9 +367,9 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
             const float *b = bias ? bias + 16 * c : 0;
             float *out = (float *)y + 16 * c;
             for (int r = 0, i = 0; r < m; i++) { /* 4 rows at a time through both halves (6-bit planes: 3-4 through one, then
-                                                    the other); the K types' in as few tiles of up to 6 as hold them, as even
-                                                    as they go (8 = 4 + 4, 9 = 5 + 4, 16 = 6 + 5 + 5) */
-                const int rows = supers ? m / split + (i < m % split) : m - r < 4 ? m - r : 4;
+                                                    the other); the K types' on integer sub-scales in as few tiles of up to 6
+                                                    as hold them, as even as they go (8 = 4 + 4, 9 = 5 + 4, 16 = 6 + 5 + 5) */
+                const int rows = integer ? m / split + (i < m % split) : m - r < 4 ? m - r : 4;
                 for (int h = 0; h < 2; h += tile_halves(kind, rows)) /* the first tile streams the block; the others read it from cache */
                     tiles[supers][kind][qs == 8][rows - 1](&w, from_row(part, r), at, h, b, out + (size_t)r * n, n, r == 0 && h == 0, l2);
                 r += rows;
