@@ -324,16 +324,16 @@ TILES(NIBBLES, 4, 0) TILES(NIBBLES, 8, 0) TILES(INT8, 4, 0) TILES(INT8, 8, 0) TI
 #define TILES_OF(KIND, QS, INTEGER) {tile_##KIND##_##QS##_1_##INTEGER, tile_##KIND##_##QS##_2_##INTEGER, \
                                      tile_##KIND##_##QS##_3_##INTEGER, tile_##KIND##_##QS##_4_##INTEGER, \
                                      tile_##KIND##_##QS##_5_##INTEGER, tile_##KIND##_##QS##_6_##INTEGER}
-#if VNNI /* the K types' sub-block scales in fp32, as int_linear.c's: vpdpbusd leaves no vpmaddwd to carry them */
-static const Tile tiles[2][3][2][MAX_ROWS] = {
-    {{TILES_OF(NIBBLES, 4, 0), TILES_OF(NIBBLES, 8, 0)}, {TILES_OF(INT8, 4, 0), TILES_OF(INT8, 8, 0)}, {TILES_OF(SIX, 4, 0), TILES_OF(SIX, 8, 0)}},
-    {{TILES_OF(NIBBLES, 4, 0), TILES_OF(NIBBLES, 8, 0)}, {TILES_OF(INT8, 4, 0), TILES_OF(INT8, 8, 0)}, {TILES_OF(SIX, 4, 0), TILES_OF(SIX, 8, 0)}}};
-#else /* the K types' (nibbles and 6-bit planes) with their sub-block scales on the integer sums */
+#if !VNNI /* the K types (nibbles and 6-bit planes) with their sub-block scales on the integer sums; with VNNI they keep
+            int_linear.c's fp32 chain: vpdpbusd leaves no vpmaddwd to carry the scales */
 TILES(NIBBLES, 8, 1) TILES(SIX, 4, 1) TILES(SIX, 8, 1)
-static const Tile tiles[2][3][2][MAX_ROWS] = {
+#endif
+static const Tile tiles[1 + !VNNI][3][2][MAX_ROWS] = { /* [integer][kind][qs == 8][rows - 1] */
     {{TILES_OF(NIBBLES, 4, 0), TILES_OF(NIBBLES, 8, 0)}, {TILES_OF(INT8, 4, 0), TILES_OF(INT8, 8, 0)}, {TILES_OF(SIX, 4, 0), TILES_OF(SIX, 8, 0)}},
-    {{TILES_OF(NIBBLES, 4, 0), TILES_OF(NIBBLES, 8, 1)}, {TILES_OF(INT8, 4, 0), TILES_OF(INT8, 8, 0)}, {TILES_OF(SIX, 4, 1), TILES_OF(SIX, 8, 1)}}};
-#endif /* [supers][kind][qs == 8][rows - 1] */
+#if !VNNI
+    {{TILES_OF(NIBBLES, 4, 0), TILES_OF(NIBBLES, 8, 1)}, {TILES_OF(INT8, 4, 0), TILES_OF(INT8, 8, 0)}, {TILES_OF(SIX, 4, 1), TILES_OF(SIX, 8, 1)}},
+#endif
+};
 
 /* int_linear.c's int_linear, on fp32 x and y (bf16: 2); 1 where the buffers could not be allocated */
 TARGET int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits, int group,
@@ -371,7 +371,7 @@ TARGET int int_linear(const void *x, const char *packed, const float *bias, void
                                                     as hold them, as even as they go (8 = 4 + 4, 9 = 5 + 4, 16 = 6 + 5 + 5) */
                 const int rows = integer ? m / split + (i < m % split) : m - r < 4 ? m - r : 4;
                 for (int h = 0; h < 2; h += tile_halves(kind, rows)) /* the first tile streams the block; the others read it from cache */
-                    tiles[supers][kind][qs == 8][rows - 1](&w, from_row(part, r), at, h, b, out + (size_t)r * n, n, r == 0 && h == 0, l2);
+                    tiles[integer][kind][qs == 8][rows - 1](&w, from_row(part, r), at, h, b, out + (size_t)r * n, n, r == 0 && h == 0, l2);
                 r += rows;
             }
         }
