@@ -10,7 +10,8 @@ where S(k) is the sum of the k best node scores (each the estimated probability 
 accepted, so the sum is the expected number of accepted draft tokens) and J the Jacobi branch's measured
 worth (draft tokens accepted per step that only its trajectories proposed). Plain decoding is value 1: when
 nothing beats it, the step is plain (T = 1), and the tree keeps being drafted (every step, then, once no draft
-has been accepted for a while, every ``DORMANT_STRIDE``-th step, rarer the longer it lasts: ``LiveCurve.dormant``),
+has been accepted for a while and where proposing is a noticeable share of a step, every ``DORMANT_STRIDE``-th
+step, rarer the longer it lasts: ``LiveCurve.dormant``),
 so an input-grounded stretch (a long suffix match) turns drafting back on by itself. ``plan`` is the same rule
 for a batch. Each drafting width is priced with the host work a drafting step adds (its sources' proposals and
 learning: measured, ~0.2-0.4 ms of a 7 ms SmolLM2 int8 step on a Zen 3). What the rule promises is then held
@@ -39,6 +40,7 @@ RETRY = 64  # steps after which what the planner left off (drafting, the Jacobi 
 DORMANT = 8  # forwards in a row without an accepted draft after which the loop proposes only every DORMANT_STRIDE-th step
 DORMANT_STRIDE = 4  # ... doubled after every RETRY such forwards more, up to DORMANT_STRIDE << DORMANT_DEEPEST
 DORMANT_DEEPEST = 2
+DORMANT_HOST = 0.02  # ... and only where a drafting step's host work is this share of a plain forward or more
 LIVE_WEIGHT = 0.1  # weight of each of the loop's own forward timings in the curve's online correction
 LIVE_CLIP = 0.5  # most one timing moves a correction, in log units (a one-off stall must not price a width out)
 CALIBRATION_DECAY = 0.95  # a sequence's calibration remembers its last ~20 drafting steps
@@ -104,10 +106,20 @@ class LiveCurve:
         ``DORMANT_STRIDE``-th step still drafts, every 8th after ``RETRY`` forwards more, every 16th after twice
         that, so a draft worth its rows (a long suffix match) waits at most that many steps. Counted on accepted
         drafts, not on plain forwards: drafting steps that came to nothing kept a chat answer proposing on most
-        of its steps (SmolLM2 fp32, AVX2 held, MT-Bench: one step in six drafted, for 0.2 tokens each)."""
-        if self.idle_run < DORMANT:
+        of its steps (SmolLM2 fp32, AVX2 held, MT-Bench: one step in six drafted, for 0.2 tokens each). Never
+        where a drafting step's host work (what a dormant step saves, at most) is under ``DORMANT_HOST`` of a plain
+        forward: there a dormant step saves next to nothing and forgoes its drafts and what its rows teach the
+        sources (measured, the 1.5B int8 on a Xeon, host work ~1% of a step: dormant, the planner ran 1.22x the
+        plain loop where fixed trees of 4 nodes ran 1.39x; never dormant, 1.37x)."""
+        if self.idle_run < DORMANT or not self.host_dear:
             return False
         return self.idle_run % (DORMANT_STRIDE << min((self.idle_run - DORMANT) // RETRY, DORMANT_DEEPEST)) != 0
+
+    @property
+    def host_dear(self) -> bool:
+        """Whether a drafting step's host work is ``DORMANT_HOST`` of a plain forward or more (not measured yet: yes)."""
+        drafting = self.host[True]
+        return drafting is None or drafting >= DORMANT_HOST * self.seconds(1)
 
     def observe(self, tokens: int, seconds: float, batch: int = 1, accepted: int = 0, host: float | None = None,
                 drafted: bool = False) -> None:

@@ -132,6 +132,20 @@ def test_dormancy_counts_accepted_drafts_and_deepens_the_longer_none_come():
     assert [set(s.tolist()) for s in strides] == [{DORMANT_STRIDE << min(i, DORMANT_DEEPEST)} for i in range(4)]
 
 
+def test_the_loop_is_never_dormant_where_proposing_costs_next_to_nothing():
+    """Dormancy saves at most a drafting step's host work: under DORMANT_HOST of a plain forward (a large model) the
+    loop keeps proposing however long no draft comes; at or above it (a small model) it goes dormant as ever."""
+    from lookahead.planner import DORMANT_HOST
+
+    for host, dormant in ((0.5 * DORMANT_HOST, False), (2 * DORMANT_HOST, True)):
+        live = LiveCurve(STEEP)
+        plain = live.seconds(1)
+        live.observe(5, 2 * plain, host=host * plain, drafted=True)
+        for _ in range(DORMANT + 1):
+            live.observe(1, plain)
+        assert live.idle_run == DORMANT + 2 and live.host_dear is dormant and live.dormant is dormant
+
+
 def test_a_lane_whose_drafting_steps_lose_rests_and_measures_again_now_and_then():
     """Drafting steps judged whole against a plain step: ~1.1 tokens in 60 ms against 30 ms plain lose, so the lane
     rests but every PACE_RETRY-th step; steps that give 3 tokens in 60 ms win it back."""
