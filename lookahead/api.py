@@ -29,8 +29,8 @@ class _Common(BaseModel):
     stream: bool = False
     n: int = 1
     best_of: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
     logprobs: Any = None
     echo: bool = False
@@ -62,8 +62,7 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
     if extra:
         raise APIError(400, f"unsupported parameter(s): {', '.join(sorted(extra))}", sorted(extra)[0])
     for name, ok in (("n", req.n == 1), ("best_of", req.best_of in (None, 1)), ("logprobs", req.logprobs in (None, False, 0)),
-                     ("echo", not req.echo), ("presence_penalty", req.presence_penalty == 0),
-                     ("frequency_penalty", req.frequency_penalty == 0)):
+                     ("echo", not req.echo)):
         if not ok:
             raise APIError(400, f"{name}={getattr(req, name)!r} is not supported (one greedy or sampled sequence per request)", name)
     if chat:
@@ -93,6 +92,7 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
         options.setdefault("top_k", 0)  # OpenAI has no top-k unless asked (generate()'s default is 50)
     if req.repetition_penalty is not None:
         options["repetition_penalty"] = req.repetition_penalty
+    options |= {name: value for name, value in (("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty)) if value}
     if stops:
         options["stop_strings"] = stops
     max_tokens = req.max_completion_tokens or req.max_tokens or (None if chat else 16)  # OpenAI's: a chat's, the rest of the context

@@ -112,16 +112,19 @@ DECODING_OPTIONS = _options(
     click.option("--top-k", type=int, help="Sample among the k most likely tokens."),
     click.option("--top-p", type=float, help="Nucleus sampling: the smallest set with this probability mass."),
     click.option("--repetition-penalty", type=float, help="Penalise tokens already present (as in generate())."),
+    click.option("--presence-penalty", type=float, help="OpenAI's: less this for a token once generated (-2 .. 2)."),
+    click.option("--frequency-penalty", type=float, help="OpenAI's: less this for each time a token was generated (-2 .. 2)."),
     click.option("--stop", multiple=True, help="Stop after this string (repeatable; needs a tokenizer)."),
 )
 
 
 def _decoding(sample: bool, temperature: float | None, top_k: int | None, top_p: float | None, repetition_penalty: float | None,
-              stop: tuple[str, ...], **rest) -> tuple[dict, dict]:
+              presence_penalty: float | None, frequency_penalty: float | None, stop: tuple[str, ...], **rest) -> tuple[dict, dict]:
     """``generate``'s decoding options from ``DECODING_OPTIONS``' sampling flags (greedy unless one asks to sample),
     and the other options (``rest``) as they came."""
     warpers = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
-    options = {k: v for k, v in (warpers | {"repetition_penalty": repetition_penalty}).items() if v is not None}
+    penalties = {"repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty}
+    options = {k: v for k, v in (warpers | penalties).items() if v is not None}
     options["do_sample"] = sample or any(v is not None for v in warpers.values())
     if stop:
         options["stop_strings"] = list(stop)

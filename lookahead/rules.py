@@ -9,7 +9,7 @@ import time
 from functools import lru_cache
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, StopStringCriteria
+from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, StopStringCriteria
 
 from lookahead.prompt import check_text
 from lookahead.tree import TokenTree
@@ -28,6 +28,36 @@ UNSUPPORTED = {
 # strings of at most the last 1024 tokens (256 characters of 4 UTF-8 bytes) and 16 searches of them.
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
 PREFIX = "abcdef"  # the static prefix ``StopStringCriteria.clean_tokenizer_vocab`` reads each token after
+PENALTIES = ("presence_penalty", "frequency_penalty")  # ours, not generate()'s: OpenAI's additive penalties (``Penalties``)
+PENALTY_BOUND = 2.0  # OpenAI's and vLLM's range, [-2, 2]
+
+
+class Penalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties, as vLLM applies them: each token's score less ``frequency`` times
+    how often it came in the tokens generated so far (those after the prompt's ``prompt_len``), less ``presence`` once
+    it has come; before every other processor. generate() has no such option: it takes this as a
+    ``logits_processor``. A function of the prefix alone, so verification scores every branch as plain decoding
+    would."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """input_ids (B, L), scores (B, V) -> the penalised scores (B, V)."""
+        generated = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+    @classmethod
+    def taken_from(cls, options: dict, prompt_len: int) -> tuple["Penalties | None", dict]:
+        """The penalties ``options`` ask for (None: none, or both 0), and the options without them; a ValueError for a
+        value that is not a number in [-2, 2]."""
+        values = {name: options.get(name, 0.0) for name in PENALTIES}
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -PENALTY_BOUND <= value <= PENALTY_BOUND:
+                raise ValueError(f"{name} must be a number in [{-PENALTY_BOUND:g}, {PENALTY_BOUND:g}], got {value!r}")
+        rest = {k: v for k, v in options.items() if k not in PENALTIES}
+        return (cls(prompt_len, float(values[PENALTIES[0]]), float(values[PENALTIES[1]])) if any(values.values()) else None), rest
 
 
 class Rules:
@@ -40,6 +70,7 @@ class Rules:
     def __init__(self, model: PreTrainedModel, tokenizer, prompt_len: int, max_new_tokens: int | None,
                  generation_config: GenerationConfig | None, seed: int | None, options: dict) -> None:
         # the same helpers generate() uses, so defaults, validation and processor order match it exactly
+        penalties, options = Penalties.taken_from(options, prompt_len)
         if max_new_tokens is not None:  # an explicit argument outranks every config, as generate()'s keyword does
             if generation_config is not None:  # set there: beside a config, transformers 5.24 warns of a keyword
                 generation_config = copy.copy(generation_config)
@@ -68,6 +99,8 @@ class Rules:
         host = torch.device("cpu")  # the loop verifies on the host: a step's logits come back once, whatever the model's device
         model._prepare_special_tokens(config, device=host)
         self.processors = model._get_logits_processor(config, input_ids_seq_length=prompt_len, device=host)
+        if penalties is not None:
+            self.processors.insert(0, penalties)
         self.do_sample = bool(config.do_sample)
         eos = config._eos_token_tensor
         self.eos_ids = frozenset(eos.flatten().tolist()) if eos is not None else frozenset()

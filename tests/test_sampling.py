@@ -14,6 +14,7 @@ from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
 
 from conftest import tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator, kernels, native, quants
+from lookahead.rules import Penalties
 from lookahead.verify import accept, gumbel
 from lookahead.tree import TokenTree
 
@@ -81,10 +82,12 @@ def sample_counts(gen, prompt, draws: int, seeded: bool, ngrams: np.ndarray, **o
         (dict(temperature=1.0), [], False, ""),
         (dict(temperature=0.7, top_p=0.9), [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)], True, ""),
         (dict(top_k=3, repetition_penalty=1.5), [RepetitionPenaltyLogitsProcessor(1.5), TopKLogitsWarper(3)], True, ""),
+        (dict(temperature=0.8, presence_penalty=1.5, frequency_penalty=0.7),  # OpenAI's penalties, before the warpers
+         [Penalties(7, 1.5, 0.7), TemperatureLogitsWarper(0.8)], True, ""),
         (dict(temperature=1.0), [], True, "q8"),
         (dict(temperature=1.0), [], True, "int8"),
     ],
-    ids=["t1.0", "t1.0-unseeded", "t0.7-top_p0.9", "top_k3-rep1.5", "t1.0-q8-weights", "t1.0-int8"],
+    ids=["t1.0", "t1.0-unseeded", "t0.7-top_p0.9", "top_k3-rep1.5", "t0.8-presence-frequency", "t1.0-q8-weights", "t1.0-int8"],
 )
 def test_sampling_matches_the_plain_sampling_distribution(options, processors, seeded, quantized):
     model, prompt, draws = sharp_tiny_model(), [1, 2, 3, 4, 1, 2, 3], 2000
@@ -171,6 +174,9 @@ def test_bad_seed_is_a_value_error(seed):
         (dict(do_sample=True, top_p=1.5), r"top_p is a probability mass, in \[0, 1\], got 1.5"),  # generate() ignores it
         (dict(do_sample=True, typical_p=-0.5), "typical_p is a probability mass"),
         (dict(do_sample=True, min_p=2.0), "min_p is a probability mass"),
+        (dict(presence_penalty=2.5), r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty must be a number in"),
+        (dict(frequency_penalty="1"), "frequency_penalty must be a number in"),
     ],
 )
 def test_unsupported_options_are_named(options, message):
@@ -221,6 +227,23 @@ def test_smollm2_greedy_with_processors_equals_generate(smollm2, options):
         ref = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, **options)[0, len(ids):].tolist()
     out = LookaheadGenerator(model, tok, LookaheadConfig()).generate(ids, max_new_tokens=40, **options)
     assert out.tokens == ref
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_with_openai_penalties_equals_generate_with_their_processor(smollm2):
+    """OpenAI's presence and frequency penalties are no generate() option: generate() takes them as a logits
+    processor (``rules.Penalties``), and lookahead equals it, drafting all along."""
+    model, tok = smollm2
+    ids = tok.apply_chat_template([{"role": "user", "content": "List the days of the week, twice."}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    gen = LookaheadGenerator(model, tok, LookaheadConfig())
+    plain = gen.generate(ids, max_new_tokens=48)
+    for presence, frequency in ((0.8, 0.0), (0.0, 0.6), (-0.5, 0.3)):
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
+                                 logits_processor=LogitsProcessorList([Penalties(len(ids), presence, frequency)]))[0, len(ids):].tolist()
+        out = gen.generate(ids, max_new_tokens=48, presence_penalty=presence, frequency_penalty=frequency)
+        assert out.tokens == ref and out.tokens != plain.tokens and out.stats.tree_nodes > 0
 
 
 @pytest.mark.slow

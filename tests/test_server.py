@@ -136,6 +136,7 @@ def test_seeds_reproduce_and_unseeded_requests_vary(text_server):
         ({"prompt": "hello", "n": 2}, 400, "n=2 is not supported"),
         ({"prompt": "hello", "best_of": 3}, 400, "best_of=3"),
         ({"prompt": "hello", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "hello", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
         ({"prompt": "hello", "frobnicate": 1}, 400, "unsupported parameter(s): frobnicate"),
         ({"prompt": [1, 2, 999]}, 400, "token id 999 is outside the vocabulary"),
         ({"prompt": [1] * 600, "max_tokens": 5}, 400, "exceeds the model's context"),
@@ -240,6 +241,20 @@ def test_non_finite_numbers_are_refused(text_server, field, value):
     reply = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == field
     assert "finite" in reply.json()["error"]["message"]
+
+
+def test_openai_penalties_are_served_as_the_generator_applies_them(text_server):
+    """presence_penalty and frequency_penalty (OpenAI's, vLLM's): the generator's ``Penalties``, the same tokens."""
+    _, _, client = text_server
+    tokenizer = tiny_tokenizer()
+    gen = LookaheadGenerator(MODEL, tokenizer, LookaheadConfig(auto=False))
+    kwargs = dict(model="tiny", prompt="w5 w6 w5 w6", max_tokens=12, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    for presence, frequency in ((1.5, 0.0), (0.0, 2.0)):
+        text = client.completions.create(presence_penalty=presence, frequency_penalty=frequency, **kwargs).choices[0].text
+        ids = gen.generate(tokenizer("w5 w6 w5 w6")["input_ids"], max_new_tokens=12, presence_penalty=presence,
+                           frequency_penalty=frequency).tokens
+        assert text == tokenizer.decode(ids) and text != plain
 
 
 def test_an_empty_stop_string_is_no_stop(text_server):
