@@ -7,6 +7,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from lookahead.rules import MAX_LOGPROBS
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
@@ -32,7 +34,6 @@ class _Common(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    logprobs: Any = None
     echo: bool = False
     user: str | None = None
     stream_options: dict | None = None
@@ -41,11 +42,14 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: Any  # text, token ids, or a list of one of either: checked by ``check_request``
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives with each token's log-probability
     return_token_ids: bool = False
 
 
 class ChatRequest(_Common):
     messages: list[dict]
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     return_token_ids: bool = False
 
 
@@ -61,10 +65,12 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
     extra = set(req.model_extra or {}) - IGNORED
     if extra:
         raise APIError(400, f"unsupported parameter(s): {', '.join(sorted(extra))}", sorted(extra)[0])
-    for name, ok in (("n", req.n == 1), ("best_of", req.best_of in (None, 1)), ("logprobs", req.logprobs in (None, False, 0)),
-                     ("echo", not req.echo)):
+    for name, ok in (("n", req.n == 1), ("best_of", req.best_of in (None, 1)), ("echo", not req.echo)):
         if not ok:
             raise APIError(400, f"{name}={getattr(req, name)!r} is not supported (one greedy or sampled sequence per request)", name)
+    if chat and req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
     if chat:
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
@@ -93,6 +99,8 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
     if req.repetition_penalty is not None:
         options["repetition_penalty"] = req.repetition_penalty
     options |= {name: value for name, value in (("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty)) if value}
+    if logprobs is not None:
+        options["logprobs"] = logprobs
     if stops:
         options["stop_strings"] = stops
     max_tokens = req.max_completion_tokens or req.max_tokens or (None if chat else 16)  # OpenAI's: a chat's, the rest of the context

@@ -18,7 +18,7 @@ from lookahead import capability, models, planner, prior
 from lookahead.cache_entries import quiet
 from lookahead.config import LookaheadConfig
 from lookahead.curve import CostCurve
-from lookahead.rules import Rules
+from lookahead.rules import Rules, TokenLogprob
 from lookahead.drafting import DraftState
 from lookahead.kv import HeldKeys, RecentKeys
 from lookahead.lane import Lane, shared_state
@@ -39,6 +39,7 @@ class GenerationResult:
     text: str | None  # None without a tokenizer
     stats: GenerationStats
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    logprobs: list[TokenLogprob] | None = None  # one a new token, where ``generate(logprobs=k)`` asked (``rules.TokenLogprob``)
 
 
 class LookaheadGenerator:
@@ -152,7 +153,8 @@ class LookaheadGenerator:
         ``top_p``, ``min_p``, ``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``,
         ``min_new_tokens``, ``forced_eos_token_id``, ``eos_token_id``, ``stop_strings``, ... (the model's own
         generation config fills the rest); and OpenAI's ``presence_penalty`` and ``frequency_penalty`` (``rules.Penalties``:
-        generate() takes them as a ``logits_processor``). The length follows generate()'s precedence: ``max_new_tokens``, then
+        generate() takes them as a ``logits_processor``); ``logprobs=k`` (0-20): each new token's log-probability under the
+        model (raw logits, as vLLM's default) with its k likeliest alternatives', in ``GenerationResult.logprobs``. The length follows generate()'s precedence: ``max_new_tokens``, then
         the options' or generation config's ``max_new_tokens``, then its ``max_length`` minus the prompt, then the
         model's generation config (20 new tokens by default). ``lookahead=False`` decodes one token per forward
         through the same loop. ``streamer`` gets ``put(ids)`` with the prompt, then every accepted token in order, then ``end()``.
@@ -230,7 +232,7 @@ class LookaheadGenerator:
     def result(self, lane: Lane) -> GenerationResult:
         """What a finished lane gives back."""
         text = self.tokenizer.decode(lane.out, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationResult(lane.out, text, lane.stats, lane.finish_reason)
+        return GenerationResult(lane.out, text, lane.stats, lane.finish_reason, lane.logprobs if lane.rules.logprobs is not None else None)
 
     def prepare(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int | None = None, *, chat: bool = False,
                 system: str | None = None, generation_config: GenerationConfig | None = None, seed: int | None = None,

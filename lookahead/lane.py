@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lookahead import kv
-from lookahead.rules import Rules
+from lookahead.rules import Rules, TokenLogprob
 from lookahead.drafting import DraftState
 from lookahead.planner import Ledger
 from lookahead.stats import Clock, GenerationStats
@@ -36,6 +36,7 @@ class Lane:
     prefix: kv.BatchCache | None = None  # the keys of the prompt's first tokens, computed before: its prefill goes on after them
     keeps_keys: bool = False  # whether the lane keeps its keys when it finishes (``keys``), for a prompt that begins with it
     keys: kv.HeldKeys | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one an emitted token, where ``rules.logprobs`` asks
 
     @property
     def position(self) -> int:

@@ -84,6 +84,7 @@ class Batch:
         cfg = self.config
         first = lane.rules.verify(lane.prompt, logits, None, TokenTree.empty()).tokens
         lane.out, lane.done = until_stop(lane.rules, lane.prompt, first)
+        lane.logprobs += lane.rules.logprobs_of(logits[None], lane.out)
         lane.suffix = lane.state.start(lane.prompt + lane.out, cfg)
         if lane.lookahead and cfg.window:
             lane.window = JacobiWindow(cfg.window, cfg.ngram, np.asarray(lane.prompt), cfg.seed)
@@ -193,6 +194,8 @@ class Batch:
         history = lane.prompt + lane.out
         move.verdict = lane.rules.verify(history, first, tree_logits, move.tree)
         move.new, lane.done = until_stop(lane.rules, history, move.verdict.tokens[: lane.rules.max_new_tokens - len(lane.out)])
+        if lane.rules.logprobs is not None:  # each emitted token's row: the current token's, then its accepted parent's
+            lane.logprobs += lane.rules.logprobs_of(torch.cat([first[None], tree_logits[move.verdict.path]]), move.new)
 
     def _teach(self, lanes: list[Lane], moves: list[Move], step: BatchLayout, ids: np.ndarray, logits: torch.Tensor) -> None:
         """The drafting lanes' windows advance; the shared sources take the trajectories, the new tokens and every

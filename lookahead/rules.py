@@ -7,6 +7,7 @@ import copy
 import math
 import time
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, StopStringCriteria
@@ -30,6 +31,16 @@ MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
 PREFIX = "abcdef"  # the static prefix ``StopStringCriteria.clean_tokenizer_vocab`` reads each token after
 PENALTIES = ("presence_penalty", "frequency_penalty")  # ours, not generate()'s: OpenAI's additive penalties (``Penalties``)
 PENALTY_BOUND = 2.0  # OpenAI's and vLLM's range, [-2, 2]
+MAX_LOGPROBS = 20  # likeliest alternatives an emitted token's log-probability may come with (OpenAI's top_logprobs)
+
+
+class TokenLogprob(NamedTuple):
+    """An emitted token's log-probability under the model (its raw logits' log-softmax, before any processor or
+    temperature, as vLLM's default), and the likeliest tokens' (id, log-probability), likeliest first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class Penalties(LogitsProcessor):
@@ -71,6 +82,10 @@ class Rules:
                  generation_config: GenerationConfig | None, seed: int | None, options: dict) -> None:
         # the same helpers generate() uses, so defaults, validation and processor order match it exactly
         penalties, options = Penalties.taken_from(options, prompt_len)
+        self.logprobs = options.pop("logprobs", None)  # likeliest alternatives with each token's log-probability (None: none)
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if max_new_tokens is not None:  # an explicit argument outranks every config, as generate()'s keyword does
             if generation_config is not None:  # set there: beside a config, transformers 5.24 warns of a keyword
                 generation_config = copy.copy(generation_config)
@@ -153,6 +168,18 @@ class Rules:
             return scores.double() + gumbel(scores.numel(), self.rng) if self.do_sample else scores
 
         return accept(scores_at, tree)
+
+    def logprobs_of(self, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:
+        """Each of ``tokens``' log-probability under its row of raw ``logits`` (len(tokens), V), with the ``logprobs``
+        likeliest tokens'; [] where the request asked for none. A row's log-softmax depends on that row alone, so a
+        token verified in a wide step has the log-probability plain decoding gives it (up to the forward's own rounding
+        across widths, none on our kernels)."""
+        if self.logprobs is None or not tokens:
+            return []
+        logp = torch.log_softmax(logits[: len(tokens)].float(), -1)  # (n, V)
+        chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+        values, ids = logp.topk(self.logprobs, -1) if self.logprobs else (logp[:, :0], logp[:, :0].long())
+        return [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
 
     def out_of_time(self) -> bool:
         """``max_time`` has passed since the request began (checked between steps, as generate() checks between tokens)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import threading
 import time
@@ -46,6 +47,7 @@ from lookahead.generator import GenerationResult, LookaheadGenerator
 from lookahead.kv import RecentKeys
 from lookahead.lane import Lane
 from lookahead.prompt import chat_ids, check_text
+from lookahead.rules import TokenLogprob
 from lookahead.scheduler import Scheduler
 
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
@@ -156,6 +158,22 @@ class Server:
         cuts = [text.find(s) for s in stops if s in text]
         return (text[: min(cuts)], True) if cuts else (text, False)
 
+    def logprobs(self, logprobs: list[TokenLogprob] | None, chat: bool) -> dict | None:
+        """A choice's ``logprobs`` as OpenAI's: a chat's ``content`` list (token, logprob, bytes, top_logprobs), a legacy
+        completion's parallel lists (tokens, token_logprobs, top_logprobs, text_offset); None where none was asked.
+        A token is its own decoded text (``token_id:<id>`` without a tokenizer, as vLLM names them)."""
+        if logprobs is None:
+            return None
+        tokenizer = self.gen.tokenizer
+        name = (lambda t: tokenizer.decode([t])) if tokenizer is not None else (lambda t: f"token_id:{t}")
+        if chat:
+            entry = lambda t, p: {"token": name(t), "logprob": p, "bytes": list(name(t).encode())}
+            return {"content": [entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, p) for t, p in lp.top]} for lp in logprobs]}
+        tokens = [name(lp.token) for lp in logprobs]
+        offsets = [0, *itertools.accumulate(len(t) for t in tokens)][: len(tokens)]  # where each begins in the text
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{name(t): p for t, p in lp.top} for lp in logprobs], "text_offset": offsets}
+
     def close(self) -> None:
         """Stop the batch worker and keep the warm drafting state."""
         self.scheduler.stop()
@@ -253,7 +271,7 @@ def create_app(server: Server) -> FastAPI:
         server.record(endpoint, out, started)
         text, stopped = server.text_of(out.tokens, stops)
         reason = "stop" if stopped or out.finish_reason == "stop" else "length"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": server.logprobs(out.logprobs, chat)}
         choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         if req.return_token_ids or server.gen.tokenizer is None:
             choice["token_ids"] = out.tokens
@@ -264,10 +282,13 @@ def create_app(server: Server) -> FastAPI:
         """Server-sent events: a chunk per accepted batch, the text held back while it could still become a stop string."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         hold = max((len(s) for s in stops), default=1) - 1
-        started, task, getter = time.perf_counter(), None, None
+        started, task, getter, told = time.perf_counter(), None, None, 0
 
         def chunk(text: str, ids: list[int], reason: str | None, **extra) -> str:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+            nonlocal told  # each token's log-probability goes with the first chunk after it came (text may wait)
+            logprobs = lane.logprobs[told:] if lane.rules.logprobs is not None else None
+            told += len(logprobs or [])
+            choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": server.logprobs(logprobs, chat)}
             choice |= {"delta": ({"role": "assistant", "content": text} if text or reason is None else {})} if chat else {"text": text}
             if with_ids or server.gen.tokenizer is None:
                 choice["token_ids"] = ids

@@ -13,7 +13,7 @@ from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                           TextStreamer, TopKLogitsWarper, TopPLogitsWarper)
 
 from conftest import tiny_llama
-from lookahead import LookaheadConfig, LookaheadGenerator, kernels, native, quants
+from lookahead import LookaheadConfig, LookaheadGenerator, kernels, models, native, quants
 from lookahead.rules import Penalties
 from lookahead.verify import accept, gumbel
 from lookahead.tree import TokenTree
@@ -177,12 +177,34 @@ def test_bad_seed_is_a_value_error(seed):
         (dict(presence_penalty=2.5), r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
         (dict(frequency_penalty=float("nan")), "frequency_penalty must be a number in"),
         (dict(frequency_penalty="1"), "frequency_penalty must be a number in"),
+        (dict(logprobs=21), r"logprobs must be None or an integer in \[0, 20\], got 21"),
+        (dict(logprobs=True), "logprobs must be None or an integer"),
     ],
 )
 def test_unsupported_options_are_named(options, message):
     gen = LookaheadGenerator(tiny_llama())
     with pytest.raises(ValueError, match=message):
         gen.generate([1, 2, 3], max_new_tokens=4, **options)
+
+
+def test_logprobs_are_the_models_own_whatever_was_drafted():
+    """Each new token's log-probability is its row's log-softmax (raw logits): lookahead's, verified in wide steps,
+    equal the plain loop's and generate()'s ``output_logits``' up to fp32 rounding across widths; the alternatives
+    come likeliest first (greedy: the token itself), and a sampled token has its own."""
+    model, prompt = tiny_llama(seed=2), [5, 6, 7, 5, 6, 7, 5, 6]
+    gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False))
+    out = gen.generate(prompt, max_new_tokens=20, logprobs=3)
+    plain = gen.generate(prompt, max_new_tokens=20, logprobs=3, lookahead=False)
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = [torch.log_softmax(row[0].float(), -1) for row in ref.logits]
+    assert out.tokens == plain.tokens == ref.sequences[0, len(prompt):].tolist() and out.stats.steps < plain.stats.steps
+    for got, base, logp, token in zip(out.logprobs, plain.logprobs, expected, out.tokens, strict=True):
+        assert got.token == token and abs(got.logprob - base.logprob) < 1e-5 and abs(got.logprob - float(logp[token])) < 1e-5
+        assert [t for t, _ in got.top] == [t for t, _ in base.top] == logp.topk(3).indices.tolist() and got.top[0][0] == token
+    sampled = gen.generate(prompt, max_new_tokens=12, do_sample=True, seed=3, logprobs=0)
+    assert [lp.token for lp in sampled.logprobs] == sampled.tokens and all(lp.top == [] and lp.logprob <= 0 for lp in sampled.logprobs)
+    assert gen.generate(prompt, max_new_tokens=4).logprobs is None
 
 
 def test_an_empty_stop_string_is_ignored():
@@ -244,6 +266,19 @@ def test_smollm2_greedy_with_openai_penalties_equals_generate_with_their_process
                                  logits_processor=LogitsProcessorList([Penalties(len(ids), presence, frequency)]))[0, len(ids):].tolist()
         out = gen.generate(ids, max_new_tokens=48, presence_penalty=presence, frequency_penalty=frequency)
         assert out.tokens == ref and out.tokens != plain.tokens and out.stats.tree_nodes > 0
+
+
+@pytest.mark.slow
+def test_int8_logprobs_of_lookahead_are_the_plain_loops_bit_for_bit():
+    """On our row-invariant kernels a token's row has the same bits in a wide step as in a plain one: SmolLM2's GGUF
+    blocks on int8, lookahead's log-probabilities equal its plain loop's exactly."""
+    if not native.integer_runs():
+        pytest.skip("no integer linear runs here")
+    model, tok = models.load("smollm2-135m", dtype="int8", kernels="packed", weights="gguf")
+    gen = LookaheadGenerator(model, tok, LookaheadConfig(auto=False))
+    ids = tok("Monday, Tuesday, Wednesday, Thursday, Monday, Tuesday,")["input_ids"]
+    out, plain = (gen.generate(ids, max_new_tokens=32, logprobs=5, lookahead=on) for on in (True, False))
+    assert out.tokens == plain.tokens and out.stats.steps < plain.stats.steps and out.logprobs == plain.logprobs
 
 
 @pytest.mark.slow

@@ -135,7 +135,7 @@ def test_seeds_reproduce_and_unseeded_requests_vary(text_server):
         ({"model": "other", "prompt": "hello"}, 404, "does not exist"),
         ({"prompt": "hello", "n": 2}, 400, "n=2 is not supported"),
         ({"prompt": "hello", "best_of": 3}, 400, "best_of=3"),
-        ({"prompt": "hello", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "hello", "logprobs": 21}, 400, "logprobs"),
         ({"prompt": "hello", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
         ({"prompt": "hello", "frobnicate": 1}, 400, "unsupported parameter(s): frobnicate"),
         ({"prompt": [1, 2, 999]}, 400, "token id 999 is outside the vocabulary"),
@@ -255,6 +255,29 @@ def test_openai_penalties_are_served_as_the_generator_applies_them(text_server):
         ids = gen.generate(tokenizer("w5 w6 w5 w6")["input_ids"], max_new_tokens=12, presence_penalty=presence,
                            frequency_penalty=frequency).tokens
         assert text == tokenizer.decode(ids) and text != plain
+
+
+def test_logprobs_are_served_as_openai_shapes_them(text_server):
+    """A chat's ``logprobs: true`` + ``top_logprobs`` and a completion's ``logprobs: k``: the generator's log-probabilities
+    (``generate(logprobs=k)``), one a token, streamed with the chunks that carry them too."""
+    _, url, client = text_server
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer("w5 w6 w5 w6")["input_ids"]
+    ref = LookaheadGenerator(MODEL, tokenizer, LookaheadConfig(auto=False)).generate(ids, max_new_tokens=8, logprobs=2).logprobs
+    legacy = client.completions.create(model="tiny", prompt="w5 w6 w5 w6", max_tokens=8, temperature=0, logprobs=2).choices[0].logprobs
+    assert legacy.token_logprobs == pytest.approx([lp.logprob for lp in ref], abs=1e-5)
+    assert legacy.tokens == [tokenizer.decode([lp.token]) for lp in ref]
+    assert [list(top) for top in legacy.top_logprobs] == [[tokenizer.decode([t]) for t, _ in lp.top] for lp in ref]
+    assert legacy.text_offset == [sum(len(t) for t in legacy.tokens[:i]) for i in range(len(ref))]
+    body = dict(model="tiny", messages=[{"role": "user", "content": "w5 w6"}], max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**body).choices[0].logprobs.content
+    streamed = [entry for c in client.chat.completions.create(stream=True, **body) if c.choices[0].logprobs
+                for entry in c.choices[0].logprobs.content]
+    assert len(whole) == 8 and [e.token for e in streamed] == [e.token for e in whole]  # (the stock fp32 model: rounding
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-5)  # moves with a step's width)
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob for e in whole)
+    reply = httpx.post(url + "/v1/chat/completions", json=body | {"logprobs": False})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "top_logprobs"
 
 
 def test_an_empty_stop_string_is_no_stop(text_server):
