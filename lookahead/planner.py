@@ -40,7 +40,7 @@ RETRY = 64  # steps after which what the planner left off (drafting, the Jacobi 
 DORMANT = 8  # forwards in a row without an accepted draft after which the loop proposes only every DORMANT_STRIDE-th step
 DORMANT_STRIDE = 4  # ... doubled after every RETRY such forwards more, up to DORMANT_STRIDE << DORMANT_DEEPEST
 DORMANT_DEEPEST = 2
-DORMANT_HOST = 0.02  # ... and only where a drafting step's host work is this share of a plain forward or more
+DORMANT_HOST = 0.08  # ... and only where a drafting step's host work is this share of a plain forward or more
 LIVE_WEIGHT = 0.1  # weight of each of the loop's own forward timings in the curve's online correction
 LIVE_CLIP = 0.5  # most one timing moves a correction, in log units (a one-off stall must not price a width out)
 CALIBRATION_DECAY = 0.95  # a sequence's calibration remembers its last ~20 drafting steps
@@ -108,9 +108,10 @@ class LiveCurve:
         drafts, not on plain forwards: drafting steps that came to nothing kept a chat answer proposing on most
         of its steps (SmolLM2 fp32, AVX2 held, MT-Bench: one step in six drafted, for 0.2 tokens each). Never
         where a drafting step's host work (what a dormant step saves, at most) is under ``DORMANT_HOST`` of a plain
-        forward: there a dormant step saves next to nothing and forgoes its drafts and what its rows teach the
-        sources (measured, the 1.5B int8 on a Xeon, host work ~1% of a step: dormant, the planner ran 1.22x the
-        plain loop where fixed trees of 4 nodes ran 1.39x; never dormant, 1.37x)."""
+        forward: there a dormant step saves little and forgoes its drafts and what its rows teach the sources
+        (measured on a Xeon, int8: the 1.5B, host work ~1% of a step, dormant 1.22x the plain loop where fixed trees of
+        4 nodes ran 1.39x, never dormant 1.37x; the 0.5B, ~4%, 1.46x against 1.64x, never dormant 1.66x; SmolLM2,
+        ~12%, about even either way)."""
         if self.idle_run < DORMANT or not self.host_dear:
             return False
         return self.idle_run % (DORMANT_STRIDE << min((self.idle_run - DORMANT) // RETRY, DORMANT_DEEPEST)) != 0
