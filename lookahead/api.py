@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from lookahead.rules import MAX_LOGPROBS
+from lookahead.rules import MAX_LOGPROBS, PENALTY_BOUND
 
 
 class APIError(Exception):
@@ -31,8 +31,8 @@ class _Common(BaseModel):
     stream: bool = False
     n: int = 1
     best_of: int | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float = Field(default=0.0, ge=-PENALTY_BOUND, le=PENALTY_BOUND)
+    frequency_penalty: float = Field(default=0.0, ge=-PENALTY_BOUND, le=PENALTY_BOUND)
     repetition_penalty: float | None = Field(default=None, gt=0)
     echo: bool = False
     user: str | None = None

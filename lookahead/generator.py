@@ -152,9 +152,10 @@ class LookaheadGenerator:
         ``options`` (or ``generation_config``) are ``generate()``'s: ``do_sample``, ``temperature``, ``top_k``,
         ``top_p``, ``min_p``, ``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``,
         ``min_new_tokens``, ``forced_eos_token_id``, ``eos_token_id``, ``stop_strings``, ... (the model's own
-        generation config fills the rest); and OpenAI's ``presence_penalty`` and ``frequency_penalty`` (``rules.Penalties``:
-        generate() takes them as a ``logits_processor``); ``logprobs=k`` (0-20): each new token's log-probability under the
-        model (raw logits, as vLLM's default) with its k likeliest alternatives', in ``GenerationResult.logprobs``. The length follows generate()'s precedence: ``max_new_tokens``, then
+        generation config fills the rest); and OpenAI's ``presence_penalty`` and ``frequency_penalty``
+        (``rules.Penalties``: generate() takes them as a ``logits_processor``); ``logprobs=k`` (0-20): each new token's
+        log-probability under the model (raw logits, as vLLM's default) with its k likeliest alternatives', in
+        ``GenerationResult.logprobs``. The length follows generate()'s precedence: ``max_new_tokens``, then
         the options' or generation config's ``max_new_tokens``, then its ``max_length`` minus the prompt, then the
         model's generation config (20 new tokens by default). ``lookahead=False`` decodes one token per forward
         through the same loop. ``streamer`` gets ``put(ids)`` with the prompt, then every accepted token in order, then ``end()``.

@@ -178,7 +178,7 @@ class Rules:
             return []
         logp = torch.log_softmax(logits[: len(tokens)].float(), -1)  # (n, V)
         chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-        values, ids = logp.topk(self.logprobs, -1) if self.logprobs else (logp[:, :0], logp[:, :0].long())
+        values, ids = logp.topk(self.logprobs, -1)  # (n, k); k = 0: empty
         return [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
 
     def out_of_time(self) -> bool:

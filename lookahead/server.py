@@ -167,8 +167,9 @@ class Server:
         tokenizer = self.gen.tokenizer
         name = (lambda t: tokenizer.decode([t])) if tokenizer is not None else (lambda t: f"token_id:{t}")
         if chat:
-            entry = lambda t, p: {"token": name(t), "logprob": p, "bytes": list(name(t).encode())}
-            return {"content": [entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, p) for t, p in lp.top]} for lp in logprobs]}
+            entry = lambda text, p: {"token": text, "logprob": p, "bytes": list(text.encode())}
+            return {"content": [entry(name(lp.token), lp.logprob) | {"top_logprobs": [entry(name(t), p) for t, p in lp.top]}
+                                for lp in logprobs]}
         tokens = [name(lp.token) for lp in logprobs]
         offsets = [0, *itertools.accumulate(len(t) for t in tokens)][: len(tokens)]  # where each begins in the text
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
