@@ -65,9 +65,11 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
     extra = set(req.model_extra or {}) - IGNORED
     if extra:
         raise APIError(400, f"unsupported parameter(s): {', '.join(sorted(extra))}", sorted(extra)[0])
-    for name, ok in (("n", req.n == 1), ("best_of", req.best_of in (None, 1)), ("echo", not req.echo)):
+    for name, ok in (("n", req.n == 1), ("best_of", req.best_of in (None, 1))):
         if not ok:
             raise APIError(400, f"{name}={getattr(req, name)!r} is not supported (one greedy or sampled sequence per request)", name)
+    if req.echo and (chat or req.stream):
+        raise APIError(400, "echo is served by /v1/completions, not streamed" if not chat else "echo is for /v1/completions", "echo")
     if chat and req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
@@ -101,6 +103,8 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
     options |= {name: value for name, value in (("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty)) if value}
     if logprobs is not None:
         options["logprobs"] = logprobs
+        if req.echo:  # the prompt's tokens too, each after those before it (lm-eval-harness's loglikelihood)
+            options["prompt_logprobs"] = logprobs
     if stops:
         options["stop_strings"] = stops
     max_tokens = req.max_completion_tokens or req.max_tokens or (None if chat else 16)  # OpenAI's: a chat's, the rest of the context

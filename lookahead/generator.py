@@ -40,6 +40,7 @@ class GenerationResult:
     stats: GenerationStats
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     logprobs: list[TokenLogprob] | None = None  # one a new token, where ``generate(logprobs=k)`` asked (``rules.TokenLogprob``)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one a prompt token, the first None, where ``prompt_logprobs=k`` asked
 
 
 class LookaheadGenerator:
@@ -155,7 +156,8 @@ class LookaheadGenerator:
         generation config fills the rest); and OpenAI's ``presence_penalty`` and ``frequency_penalty``
         (``rules.Penalties``: generate() takes them as a ``logits_processor``); ``logprobs=k`` (0-20): each new token's
         log-probability under the model (raw logits, as vLLM's default) with its k likeliest alternatives', in
-        ``GenerationResult.logprobs``. The length follows generate()'s precedence: ``max_new_tokens``, then
+        ``GenerationResult.logprobs``; ``prompt_logprobs=k``: each prompt token's after those before it (the first has
+        none), in ``GenerationResult.prompt_logprobs``, as vLLM's (what ``echo`` with ``logprobs`` serves). The length follows generate()'s precedence: ``max_new_tokens``, then
         the options' or generation config's ``max_new_tokens``, then its ``max_length`` minus the prompt, then the
         model's generation config (20 new tokens by default). ``lookahead=False`` decodes one token per forward
         through the same loop. ``streamer`` gets ``put(ids)`` with the prompt, then every accepted token in order, then ``end()``.
@@ -221,7 +223,7 @@ class LookaheadGenerator:
         where that gives the same bits (``reuses_keys``); ``keeps_keys``: the lane's own kept when it finishes."""
         state.check_fits(self.vocab_size, self.config)
         ids, rules = self.prepare(prompt, max_new_tokens, **options)
-        prefix = keys.prefix_for(ids) if keys is not None and self.reuses_keys else None
+        prefix = keys.prefix_for(ids) if keys is not None and self.reuses_keys and rules.prompt_logprobs is None else None  # scored: every row
         return Lane(ids, rules, state, streamer, lookahead, prefix=prefix, keeps_keys=keeps_keys)
 
     def new_batch(self, lookahead: bool = True, prefill_chunk: int | None = None) -> Batch:
@@ -233,7 +235,8 @@ class LookaheadGenerator:
     def result(self, lane: Lane) -> GenerationResult:
         """What a finished lane gives back."""
         text = self.tokenizer.decode(lane.out, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationResult(lane.out, text, lane.stats, lane.finish_reason, lane.logprobs if lane.rules.logprobs is not None else None)
+        return GenerationResult(lane.out, text, lane.stats, lane.finish_reason, lane.logprobs if lane.rules.logprobs is not None else None,
+                                lane.prompt_logprobs if lane.rules.prompt_logprobs is not None else None)
 
     def prepare(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int | None = None, *, chat: bool = False,
                 system: str | None = None, generation_config: GenerationConfig | None = None, seed: int | None = None,

@@ -37,6 +37,8 @@ class Lane:
     keeps_keys: bool = False  # whether the lane keeps its keys when it finishes (``keys``), for a prompt that begins with it
     keys: kv.HeldKeys | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one an emitted token, where ``rules.logprobs`` asks
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one a prompt token (the first: None), where
+                                                                              # ``rules.prompt_logprobs`` asks
 
     @property
     def position(self) -> int:

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from lookahead import host_kernels, kv
 from lookahead.config import LookaheadConfig
-from lookahead.rules import Rules
+from lookahead.rules import Rules, token_logprobs
 from lookahead.drafting import Observed
 from lookahead.lane import Lane, shared_state
 from lookahead.layout import BatchLayout, StepLayout, build_layout, stack
@@ -30,6 +30,7 @@ from lookahead.capability import Reach
 from lookahead.tree import TokenTree
 from lookahead.window import JacobiWindow
 
+PROMPT_ROWS = 256  # a scored prompt's rows a prefill call (``Batch._prefill``): their logits, (256, V), are held at once
 
 def until_stop(rules: Rules, history: list[int], new: list[int]) -> tuple[list[int], bool]:
     """``new`` up to and including the first token that ends generation, and whether one did."""
@@ -76,7 +77,7 @@ class Batch:
         if self.prefill_chunk is not None and len(self):
             self.joining.append((lane, lane.prefix if lane.prefix is not None else kv.BatchCache()))
         else:
-            self._admit(lane, *prefill(self.model, lane.prompt, lane.prefix, self.windows))
+            self._admit(lane, *self._prefill(lane, len(lane.prompt), lane.prefix))
 
     def _admit(self, lane: Lane, cache: kv.BatchCache, logits: torch.Tensor) -> bool:
         """The lane's first token from its prompt's ``logits`` (V,); it joins the batch (its ``cache``) unless
@@ -115,12 +116,29 @@ class Batch:
             lane, cache = self.joining[0]
             end = int(min(len(lane.prompt), cache.length + budget))
             budget -= end - cache.length
-            _, logits = prefill(self.model, lane.prompt[:end], cache, self.windows)
+            _, logits = self._prefill(lane, end, cache)
             if end == len(lane.prompt):
                 self.joining.pop(0)
                 if self._admit(lane, cache, logits):
                     finished.append(lane)
         return finished
+
+    def _prefill(self, lane: Lane, end: int, cache: kv.BatchCache | None) -> tuple[kv.BatchCache, torch.Tensor]:
+        """``prefill``'s of the lane's prompt up to ``end``, after ``cache``. Where the lane scores its prompt
+        (``rules.prompt_logprobs``), by calls of up to ``PROMPT_ROWS`` rows that keep every row's logits: each prompt
+        token's log-probability after the tokens before it goes into ``lane.prompt_logprobs`` (the first token's: None)."""
+        k = lane.rules.prompt_logprobs
+        if k is None:
+            return prefill(self.model, lane.prompt[:end], cache, self.windows)
+        cache = cache if cache is not None else kv.BatchCache()
+        if not cache.length:
+            lane.prompt_logprobs = [None]
+        while True:
+            start, stop = cache.length, min(end, cache.length + PROMPT_ROWS)
+            cache, logits = prefill(self.model, lane.prompt[:stop], cache, self.windows, every_row=True)  # (stop - start, V)
+            lane.prompt_logprobs += token_logprobs(logits, lane.prompt[start + 1 : stop + 1], k)
+            if stop == end:
+                return cache, logits[-1]
 
     def step(self) -> list[Lane]:
         """One forward for every lane (after a chunk of the joining lanes' prompts); returns the lanes that

@@ -24,8 +24,9 @@ def attention_backends(device: torch.device) -> contextlib.AbstractContextManage
 
 
 def prefill(model: PreTrainedModel, prompt: list[int], cache: kv.BatchCache | None = None,
-            windows: dict[str, int | None] | None = None) -> tuple[kv.BatchCache, torch.Tensor]:
-    """A one-sequence cache holding the prompt, and the logits (V,) after its last token. ``cache``: one that
+            windows: dict[str, int | None] | None = None, every_row: bool = False) -> tuple[kv.BatchCache, torch.Tensor]:
+    """A one-sequence cache holding the prompt, and the logits (V,) after its last token (``every_row``: those after
+    each token it prefilled, (T - held, V), for a prompt's own log-probabilities). ``cache``: one that
     already holds the prompt's first tokens (a prefill in chunks, or an earlier sequence's keys); the rest is
     appended to it, under the causal mask drawn as a step's is (``windows``: the model's, ``capability.mask_windows``),
     so that the rows meet the attention a step's would: where the model made its own mask there (a boolean one, which
@@ -45,9 +46,10 @@ def prefill(model: PreTrainedModel, prompt: list[int], cache: kv.BatchCache | No
         masks = cache.masks(torch.ones(1, rows, rows, dtype=torch.bool).tril(), query, windows, model.dtype, model.device)
         as_a_step = {"position_ids": query.to(model.device), "attention_mask": masks if len(masks) > 1 else next(iter(masks.values()))}
     with attention_backends(model.device):
-        logits = model(input_ids=ids, **as_a_step, **kv.cache_kwarg(model, cache.cache), use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=ids, **as_a_step, **kv.cache_kwarg(model, cache.cache), use_cache=True,
+                       logits_to_keep=0 if every_row else 1).logits
     cache.append(torch.arange(start, len(prompt))[None])
-    return cache, logits[0, -1].float().cpu()
+    return cache, logits[0].float().cpu() if every_row else logits[0, -1].float().cpu()
 
 
 def placement(model: PreTrainedModel) -> tuple[torch.device, torch.dtype]:

@@ -43,6 +43,17 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]
 
 
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """Each of ``tokens``' log-probability under its row of raw ``logits`` (len(tokens) or more, V), with the ``k``
+    likeliest tokens'."""
+    if not tokens:
+        return []
+    logp = torch.log_softmax(logits[: len(tokens)].float(), -1)  # (n, V)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    values, ids = logp.topk(k, -1)  # (n, k); k = 0: empty
+    return [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
+
+
 class Penalties(LogitsProcessor):
     """OpenAI's presence and frequency penalties, as vLLM applies them: each token's score less ``frequency`` times
     how often it came in the tokens generated so far (those after the prompt's ``prompt_len``), less ``presence`` once
@@ -82,10 +93,11 @@ class Rules:
                  generation_config: GenerationConfig | None, seed: int | None, options: dict) -> None:
         # the same helpers generate() uses, so defaults, validation and processor order match it exactly
         penalties, options = Penalties.taken_from(options, prompt_len)
-        self.logprobs = options.pop("logprobs", None)  # likeliest alternatives with each token's log-probability (None: none)
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        # likeliest alternatives with each new token's log-probability, and with each prompt token's (None: none)
+        self.logprobs, self.prompt_logprobs = options.pop("logprobs", None), options.pop("prompt_logprobs", None)
+        for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if max_new_tokens is not None:  # an explicit argument outranks every config, as generate()'s keyword does
             if generation_config is not None:  # set there: beside a config, transformers 5.24 warns of a keyword
                 generation_config = copy.copy(generation_config)
@@ -170,16 +182,10 @@ class Rules:
         return accept(scores_at, tree)
 
     def logprobs_of(self, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:
-        """Each of ``tokens``' log-probability under its row of raw ``logits`` (len(tokens), V), with the ``logprobs``
-        likeliest tokens'; [] where the request asked for none. A row's log-softmax depends on that row alone, so a
-        token verified in a wide step has the log-probability plain decoding gives it (up to the forward's own rounding
-        across widths, none on our kernels)."""
-        if self.logprobs is None or not tokens:
-            return []
-        logp = torch.log_softmax(logits[: len(tokens)].float(), -1)  # (n, V)
-        chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-        values, ids = logp.topk(self.logprobs, -1)  # (n, k); k = 0: empty
-        return [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
+        """``token_logprobs`` with the ``logprobs`` likeliest tokens'; [] where the request asked for none. A row's
+        log-softmax depends on that row alone, so a token verified in a wide step has the log-probability plain decoding
+        gives it (up to the forward's own rounding across widths, none on our kernels)."""
+        return [] if self.logprobs is None else token_logprobs(logits, tokens, self.logprobs)
 
     def out_of_time(self) -> bool:
         """``max_time`` has passed since the request began (checked between steps, as generate() checks between tokens)."""

@@ -161,7 +161,8 @@ class Server:
     def logprobs(self, logprobs: list[TokenLogprob] | None, chat: bool) -> dict | None:
         """A choice's ``logprobs`` as OpenAI's: a chat's ``content`` list (token, logprob, bytes, top_logprobs), a legacy
         completion's parallel lists (tokens, token_logprobs, top_logprobs, text_offset); None where none was asked.
-        A token is its own decoded text (``token_id:<id>`` without a tokenizer, as vLLM names them)."""
+        A token is its own decoded text (``token_id:<id>`` without a tokenizer, as vLLM names them); an echoed prompt's
+        first token has no log-probability (None, as OpenAI's)."""
         if logprobs is None:
             return None
         tokenizer = self.gen.tokenizer
@@ -173,7 +174,7 @@ class Server:
         tokens = [name(lp.token) for lp in logprobs]
         offsets = [0, *itertools.accumulate(len(t) for t in tokens)][: len(tokens)]  # where each begins in the text
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{name(t): p for t, p in lp.top} for lp in logprobs], "text_offset": offsets}
+                "top_logprobs": [{name(t): p for t, p in lp.top} if lp.top is not None else None for lp in logprobs], "text_offset": offsets}
 
     def close(self) -> None:
         """Stop the batch worker and keep the warm drafting state."""
@@ -272,7 +273,12 @@ def create_app(server: Server) -> FastAPI:
         server.record(endpoint, out, started)
         text, stopped = server.text_of(out.tokens, stops)
         reason = "stop" if stopped or out.finish_reason == "stop" else "length"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": server.logprobs(out.logprobs, chat)}
+        logprobs = out.logprobs
+        if req.echo:  # the prompt as sent, then the completion; its tokens' log-probabilities first
+            text = (prompt if isinstance(prompt, str) else server.text_of(ids, [])[0]) + text
+            if logprobs is not None:
+                logprobs = [lp or TokenLogprob(ids[0], None, None) for lp in out.prompt_logprobs] + logprobs
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": server.logprobs(logprobs, chat)}
         choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         if req.return_token_ids or server.gen.tokenizer is None:
             choice["token_ids"] = out.tokens

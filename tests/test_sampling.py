@@ -14,7 +14,7 @@ from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
 
 from conftest import tiny_llama
 from lookahead import LookaheadConfig, LookaheadGenerator, kernels, models, native, quants
-from lookahead.rules import Penalties
+from lookahead.rules import Penalties, token_logprobs
 from lookahead.verify import accept, gumbel
 from lookahead.tree import TokenTree
 
@@ -207,6 +207,37 @@ def test_logprobs_are_the_models_own_whatever_was_drafted():
     assert gen.generate(prompt, max_new_tokens=4).logprobs is None
 
 
+def test_prompt_logprobs_are_each_prompt_tokens_after_those_before_it():
+    """``prompt_logprobs=k`` (what ``echo`` with ``logprobs`` serves, lm-eval-harness's loglikelihood): each prompt token's
+    log-probability from one forward over the whole prompt, the first token's None, prefilled by calls of
+    ``PROMPT_ROWS`` rows (a 300-token prompt: two) whose own rows are those of a whole forward; the new tokens are the
+    plain prefill's, and a prompt is scored alike alone or joining a running batch by chunks."""
+    model = tiny_llama(seed=4)
+    prompt = torch.randint(3, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    gen = LookaheadGenerator(model, config=LookaheadConfig(auto=False))
+    out = gen.generate(prompt, max_new_tokens=6, prompt_logprobs=2)
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)  # (T, V)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt) and out.logprobs is None
+    for i, lp in enumerate(out.prompt_logprobs[1:], 1):
+        assert lp.token == prompt[i] and abs(lp.logprob - float(logp[i - 1, prompt[i]])) < 1e-5
+        assert [t for t, _ in lp.top] == logp[i - 1].topk(2).indices.tolist()
+    assert out.tokens == gen.generate(prompt, max_new_tokens=6).tokens and gen.generate(prompt, max_new_tokens=2).prompt_logprobs is None
+    batch = gen.new_batch(prefill_chunk=100)
+    state = gen.new_state()
+    first, joining = (gen.new_lane(p, 6, state=state, prompt_logprobs=2) for p in ([5, 6, 7, 8], prompt))
+    with torch.inference_mode():
+        batch.join(first)
+        batch.join(joining)  # a prompt going in by chunks of 100 between the first one's steps
+        while batch:
+            batch.step()
+    joined = gen.result(joining)  # (a stock fp32 model: its rows' rounding moves with the calls' rows)
+    assert joined.tokens == out.tokens and [lp and lp.token for lp in joined.prompt_logprobs] == [lp and lp.token for lp in out.prompt_logprobs]
+    assert [lp.logprob for lp in joined.prompt_logprobs[1:]] == pytest.approx([lp.logprob for lp in out.prompt_logprobs[1:]], abs=1e-5)
+    with pytest.raises(ValueError, match="prompt_logprobs must be None or an integer"):
+        gen.generate(prompt, max_new_tokens=2, prompt_logprobs=-1)
+
+
 def test_an_empty_stop_string_is_ignored():
     from conftest import tiny_tokenizer
 
@@ -269,9 +300,10 @@ def test_smollm2_greedy_with_openai_penalties_equals_generate_with_their_process
 
 
 @pytest.mark.slow
-def test_int8_logprobs_of_lookahead_are_the_plain_loops_bit_for_bit():
+def test_int8_logprobs_of_lookahead_are_the_plain_loops_and_a_prompts_one_forwards_bit_for_bit():
     """On our row-invariant kernels a token's row has the same bits in a wide step as in a plain one: SmolLM2's GGUF
-    blocks on int8, lookahead's log-probabilities equal its plain loop's exactly."""
+    blocks on int8, lookahead's log-probabilities equal its plain loop's exactly, and a scored prompt's (prefilled
+    by calls of ``PROMPT_ROWS``) one forward's over the whole prompt."""
     if not native.integer_runs():
         pytest.skip("no integer linear runs here")
     model, tok = models.load("smollm2-135m", dtype="int8", kernels="packed", weights="gguf")
@@ -279,6 +311,12 @@ def test_int8_logprobs_of_lookahead_are_the_plain_loops_bit_for_bit():
     ids = tok("Monday, Tuesday, Wednesday, Thursday, Monday, Tuesday,")["input_ids"]
     out, plain = (gen.generate(ids, max_new_tokens=32, logprobs=5, lookahead=on) for on in (True, False))
     assert out.tokens == plain.tokens and out.stats.steps < plain.stats.steps and out.logprobs == plain.logprobs
+    # the prompt's own, by calls of 256 rows (a 300-token prompt: two), are one forward's over it, bit for bit
+    long = (ids * 20)[:300]
+    scored = gen.generate(long, max_new_tokens=2, prompt_logprobs=3).prompt_logprobs
+    with torch.inference_mode():
+        logits = model(torch.tensor([long])).logits[0]
+    assert scored[1:] == token_logprobs(logits, long[1:], 3)
 
 
 @pytest.mark.slow

@@ -280,6 +280,30 @@ def test_logprobs_are_served_as_openai_shapes_them(text_server):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "top_logprobs"
 
 
+def test_echo_serves_the_prompt_and_its_logprobs_as_lm_eval_harness_asks(text_server):
+    """lm-eval-harness's loglikelihood request: token ids in a list of one, ``echo``, ``logprobs: 1``, ``max_tokens: 1``;
+    the text is the prompt's then the completion's, the log-probabilities the prompt's (``generate(prompt_logprobs=k)``,
+    the first None) then the new token's. Chat and streams take no echo: a 400 naming it."""
+    _, url, client = text_server
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer("w5 w6 w7 w5 w6")["input_ids"]
+    ref = LookaheadGenerator(MODEL, tokenizer, LookaheadConfig(auto=False)).generate(ids, max_new_tokens=1, logprobs=1, prompt_logprobs=1)
+    body = dict(model="tiny", prompt=[ids], max_tokens=1, temperature=0, logprobs=1, echo=True, seed=1234)
+    choice = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]
+    scored = ref.prompt_logprobs[1:] + ref.logprobs
+    assert choice["text"] == tokenizer.decode(ids, skip_special_tokens=True) + ref.text  # each decoded alone, as vLLM's
+    assert choice["logprobs"]["token_logprobs"][0] is None and choice["logprobs"]["top_logprobs"][0] is None
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([lp.logprob for lp in scored], abs=1e-5)
+    assert choice["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in ids + ref.tokens]
+    assert [list(top) for top in choice["logprobs"]["top_logprobs"][1:]] == [[tokenizer.decode([t]) for t, _ in lp.top] for lp in scored]
+    echoed = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=4, temperature=0, echo=True).choices[0]
+    assert echoed.text == "w5 w6" + client.completions.create(model="tiny", prompt="w5 w6", max_tokens=4, temperature=0).choices[0].text
+    assert echoed.logprobs is None
+    for path, extra in (("/v1/completions", {"prompt": "w5", "stream": True}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}]})):
+        reply = httpx.post(url + path, json={"echo": True, "max_tokens": 2, **extra})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "echo"
+
+
 def test_an_empty_stop_string_is_no_stop(text_server):
     _, _, client = text_server
     kwargs = dict(model="tiny", prompt="w40 w41", max_tokens=10, temperature=0)
