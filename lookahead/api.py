@@ -68,8 +68,8 @@ def check_request(req: _Common, chat: bool, model_name: str, tokenizer) -> tuple
     for name, ok in (("n", req.n == 1), ("best_of", req.best_of in (None, 1))):
         if not ok:
             raise APIError(400, f"{name}={getattr(req, name)!r} is not supported (one greedy or sampled sequence per request)", name)
-    if req.echo and (chat or req.stream):
-        raise APIError(400, "echo is served by /v1/completions, not streamed" if not chat else "echo is for /v1/completions", "echo")
+    if req.echo and chat:
+        raise APIError(400, "echo is for /v1/completions", "echo")
     if chat and req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs

@@ -260,10 +260,11 @@ def create_app(server: Server) -> FastAPI:
             server.pending -= 1
             raise
         ids = lane.prompt
+        echo = (prompt if isinstance(prompt, str) else server.text_of(ids, [])[0]) if req.echo else None  # the prompt as sent
         rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
         head = {"id": rid, "created": created, "model": server.model_name}
         if req.stream:  # the stream frees its queue slot when it ends
-            return EventSourceResponse(stream(head, lane, channel, stops, chat, endpoint, req.return_token_ids), ping=15)
+            return EventSourceResponse(stream(head, lane, channel, stops, chat, endpoint, req.return_token_ids, echo), ping=15)
         started = time.perf_counter()
         try:
             out = await server.submit(lane)
@@ -274,10 +275,8 @@ def create_app(server: Server) -> FastAPI:
         text, stopped = server.text_of(out.tokens, stops)
         reason = "stop" if stopped or out.finish_reason == "stop" else "length"
         logprobs = out.logprobs
-        if req.echo:  # the prompt as sent, then the completion; its tokens' log-probabilities first
-            text = (prompt if isinstance(prompt, str) else server.text_of(ids, [])[0]) + text
-            if logprobs is not None:
-                logprobs = [lp or TokenLogprob(ids[0], None, None) for lp in out.prompt_logprobs] + logprobs
+        if echo is not None:
+            text, logprobs = echo + text, echoed(lane, logprobs)
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": server.logprobs(logprobs, chat)}
         choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         if req.return_token_ids or server.gen.tokenizer is None:
@@ -285,16 +284,23 @@ def create_app(server: Server) -> FastAPI:
         return head | {"object": "chat.completion" if chat else "text_completion", "choices": [choice],
                        "usage": usage(ids, out), "lookahead": out.stats.as_dict()}
 
-    async def stream(head, lane: Lane, channel: _Channel, stops, chat, endpoint, with_ids):
-        """Server-sent events: a chunk per accepted batch, the text held back while it could still become a stop string."""
+    def echoed(lane: Lane, logprobs: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+        """An echo's log-probabilities: the prompt's tokens' (the first has none), then ``logprobs``."""
+        return None if logprobs is None else [lp or TokenLogprob(lane.prompt[0], None, None) for lp in lane.prompt_logprobs] + logprobs
+
+    async def stream(head, lane: Lane, channel: _Channel, stops, chat, endpoint, with_ids, echo: str | None):
+        """Server-sent events: a chunk per accepted batch, the text held back while it could still become a stop string;
+        ``echo``: the prompt's text, sent first (with its tokens' log-probabilities) in the first chunk."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         hold = max((len(s) for s in stops), default=1) - 1
         started, task, getter, told = time.perf_counter(), None, None, 0
 
         def chunk(text: str, ids: list[int], reason: str | None, **extra) -> str:
-            nonlocal told  # each token's log-probability goes with the first chunk after it came (text may wait)
+            nonlocal told, echo  # each token's log-probability goes with the first chunk after it came (text may wait)
             logprobs = lane.logprobs[told:] if lane.rules.logprobs is not None else None
             told += len(logprobs or [])
+            if echo is not None:  # the prompt is in by the first chunk: its tokens' log-probabilities too
+                text, logprobs, echo = echo + text, echoed(lane, logprobs), None
             choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": server.logprobs(logprobs, chat)}
             choice |= {"delta": ({"role": "assistant", "content": text} if text or reason is None else {})} if chat else {"text": text}
             if with_ids or server.gen.tokenizer is None:
@@ -319,7 +325,7 @@ def create_app(server: Server) -> FastAPI:
                 upto = len(text) if stopped else max(sent, len(text) - hold)
                 if server.gen.tokenizer is not None and text.endswith("\ufffd"):
                     upto = min(upto, len(text) - 1)
-                if upto > sent or with_ids or server.gen.tokenizer is None:
+                if upto > sent or with_ids or server.gen.tokenizer is None or echo is not None:
                     yield chunk(text[sent:upto], new, None)
                     sent = upto
             out = await task

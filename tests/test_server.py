@@ -283,7 +283,7 @@ def test_logprobs_are_served_as_openai_shapes_them(text_server):
 def test_echo_serves_the_prompt_and_its_logprobs_as_lm_eval_harness_asks(text_server):
     """lm-eval-harness's loglikelihood request: token ids in a list of one, ``echo``, ``logprobs: 1``, ``max_tokens: 1``;
     the text is the prompt's then the completion's, the log-probabilities the prompt's (``generate(prompt_logprobs=k)``,
-    the first None) then the new token's. Chat and streams take no echo: a 400 naming it."""
+    the first None) then the new token's, streamed in the first chunk too. A chat takes no echo: a 400 naming it."""
     _, url, client = text_server
     tokenizer = tiny_tokenizer()
     ids = tokenizer("w5 w6 w7 w5 w6")["input_ids"]
@@ -299,9 +299,12 @@ def test_echo_serves_the_prompt_and_its_logprobs_as_lm_eval_harness_asks(text_se
     echoed = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=4, temperature=0, echo=True).choices[0]
     assert echoed.text == "w5 w6" + client.completions.create(model="tiny", prompt="w5 w6", max_tokens=4, temperature=0).choices[0].text
     assert echoed.logprobs is None
-    for path, extra in (("/v1/completions", {"prompt": "w5", "stream": True}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}]})):
-        reply = httpx.post(url + path, json={"echo": True, "max_tokens": 2, **extra})
-        assert reply.status_code == 400 and reply.json()["error"]["param"] == "echo"
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **{k: v for k, v in body.items() if k != "seed"})]
+    assert "".join(c.text for c in chunks) == choice["text"] and chunks[0].text.startswith(tokenizer.decode(ids, skip_special_tokens=True))
+    streamed = [p for c in chunks if c.logprobs for p in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(choice["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    reply = httpx.post(url + "/v1/chat/completions", json={"echo": True, "max_tokens": 2, "messages": [{"role": "user", "content": "w5"}]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "echo"
 
 
 def test_an_empty_stop_string_is_no_stop(text_server):
