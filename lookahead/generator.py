@@ -157,9 +157,10 @@ class LookaheadGenerator:
         (``rules.Penalties``: generate() takes them as a ``logits_processor``); ``logprobs=k`` (0-20): each new token's
         log-probability under the model (raw logits, as vLLM's default) with its k likeliest alternatives', in
         ``GenerationResult.logprobs``; ``prompt_logprobs=k``: each prompt token's after those before it (the first has
-        none), in ``GenerationResult.prompt_logprobs``, as vLLM's (what ``echo`` with ``logprobs`` serves). The length follows generate()'s precedence: ``max_new_tokens``, then
-        the options' or generation config's ``max_new_tokens``, then its ``max_length`` minus the prompt, then the
-        model's generation config (20 new tokens by default). ``lookahead=False`` decodes one token per forward
+        none), in ``GenerationResult.prompt_logprobs``, as vLLM's (what ``echo`` with ``logprobs`` serves). The length
+        follows generate()'s precedence: ``max_new_tokens``, then the options' or generation config's
+        ``max_new_tokens``, then its ``max_length`` minus the prompt, then the model's generation config (20 new tokens
+        by default). ``lookahead=False`` decodes one token per forward
         through the same loop. ``streamer`` gets ``put(ids)`` with the prompt, then every accepted token in order, then ``end()``.
         ``state`` (from ``new_state()`` or ``DraftState.load``): the drafting sources and their acceptance
         statistics to draft from and teach; by default this generator's own, which keeps learning across

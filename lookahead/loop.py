@@ -32,6 +32,7 @@ from lookahead.window import JacobiWindow
 
 PROMPT_ROWS = 256  # a scored prompt's rows a prefill call (``Batch._prefill``): their logits, (256, V), are held at once
 
+
 def until_stop(rules: Rules, history: list[int], new: list[int]) -> tuple[list[int], bool]:
     """``new`` up to and including the first token that ends generation, and whether one did."""
     for i in range(len(new)):
