@@ -49,7 +49,7 @@ def prefill(model: PreTrainedModel, prompt: list[int], cache: kv.BatchCache | No
         logits = model(input_ids=ids, **as_a_step, **kv.cache_kwarg(model, cache.cache), use_cache=True,
                        logits_to_keep=0 if every_row else 1).logits
     cache.append(torch.arange(start, len(prompt))[None])
-    return cache, logits[0].float().cpu() if every_row else logits[0, -1].float().cpu()
+    return cache, (logits[0] if every_row else logits[0, -1]).float().cpu()
 
 
 def placement(model: PreTrainedModel) -> tuple[torch.device, torch.dtype]:
