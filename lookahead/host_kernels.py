@@ -13,8 +13,10 @@ import torch
 from lookahead.native import loaded
 
 def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
-    """Indices (..., k) of the ``k`` largest of each row of host fp32 or bf16 ``scores`` (..., V), largest first (a
-    tie: the lower index first); ``torch.topk``'s where the kernels are not loaded, or for k over 64."""
+    """Indices (..., k) of the ``k`` largest of each row of host fp32 or bf16 ``scores`` (..., V), largest first, a tie the
+    lower index first and a NaN above all: so a row's first is its ``argmax`` (greedy verification reads it). Ours where
+    the kernels are loaded and k is at most 64, else ``torch.topk``'s, its rows where ties or NaNs reach the top k ranked
+    again (it orders those as it likes)."""
     lib = loaded()
     ours = hasattr(lib, "top_k") and 0 < k <= min(64, scores.shape[-1]) and scores.dtype in (torch.float32, torch.bfloat16) \
         and scores.is_cpu
@@ -24,7 +26,11 @@ def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
         if not lib.top_k(x.data_ptr(), x.dtype == torch.bfloat16, x.numel() // x.shape[-1], x.shape[-1], k, out.ctypes.data,
                          torch.get_num_threads()):
             return out
-    return torch.topk(scores, k).indices.numpy()  # where ours does not run, or could not allocate its buffers
+    values, indices = torch.topk(scores, min(k + 1, scores.shape[-1]))  # where ours does not run, or could not allocate
+    tied = values.isnan().any(-1) | (values[..., 1:] == values[..., :-1]).any(-1)  # one more: a tie at the k-th too
+    if k and tied.any():
+        indices[tied] = torch.sort(scores[tied], dim=-1, descending=True, stable=True).indices[..., : indices.shape[-1]]
+    return indices[..., :k].contiguous().numpy()
 
 
 def argmax(scores: torch.Tensor) -> int | np.ndarray:

@@ -161,15 +161,17 @@ class Batch:
         logits = forward(self.model, self.windows, step, self.cache, torch.from_numpy(ids), positions, self.where)
         forward_s = clock.lap()
         # 3. verify: per lane, the deepest branch the model agrees with, plus its own next token
+        ranked = self._ranked(lanes, moves, logits)  # (B, U, k) every row's likeliest tokens, where sources learn them
         for b, (lane, move) in enumerate(zip(lanes, moves)):
             move.logits = step.logits_of(logits, b)
+            move.ranked = step.logits_of(ranked, b) if ranked is not None else None
             self._verify(lane, move)
         verify_s = clock.lap()
         # 4. keep the KV of each lane's current token and accepted branch only
         keep = [np.array([0] + [move.layout.first_tree_row + n for n in move.verdict.path]) for move in moves]
         self.cache.compact(step.size, keep, [lane.position + move.layout.offsets.numpy()[k] for lane, move, k in zip(lanes, moves, keep)])
         # 5. learn: the drafting sources (not in plain decoding), then the lanes' outputs and the planner
-        self._teach(lanes, moves, step, ids, logits)
+        self._teach(lanes, moves, ids)
         step_s = clock.total()  # what each lane's new tokens cost
         for lane, move in zip(lanes, moves):
             lane.out += move.new
@@ -206,38 +208,54 @@ class Batch:
                 ids[b, 1 : move.layout.size] = np.concatenate([window, move.tree.tokens])
         return step, ids
 
+    def _ranked(self, lanes: list[Lane], moves: list[Move], logits: torch.Tensor) -> np.ndarray | None:
+        """(B, U, recycle_k) the likeliest tokens of every row of the step, largest first (``host_kernels.top_k``: a row's
+        first is its argmax), where some lane's sources learn from them (``_teach``); else None."""
+        if not any(map(teaches, lanes, moves)):
+            return None
+        k = min(self.config.recycle_k, logits.shape[-1])
+        return host_kernels.top_k(logits, k) if k else np.empty((*logits.shape[:2], 0), np.int64)
+
     @staticmethod
     def _verify(lane: Lane, move: Move) -> None:
         """The model's verdict on the lane's tree, and the tokens it emits (cut at a stop or the length)."""
         first, _, tree_logits = move.layout.split_logits(move.logits)
+        best = None
+        if move.ranked is not None and move.ranked.shape[-1]:  # each row's argmax, known: the rows need not be read again
+            top, _, tree_top = move.layout.split_logits(move.ranked[:, 0])
+            best = np.concatenate([top[None], tree_top])
         history = lane.prompt + lane.out
-        move.verdict = lane.rules.verify(history, first, tree_logits, move.tree)
+        move.verdict = lane.rules.verify(history, first, tree_logits, move.tree, best)
         move.new, lane.done = until_stop(lane.rules, history, move.verdict.tokens[: lane.rules.max_new_tokens - len(lane.out)])
         if lane.rules.logprobs is not None:  # each emitted token's row: the current token's, then its accepted parent's
             lane.logprobs += lane.rules.logprobs_of(torch.cat([first[None], tree_logits[move.verdict.path]]), move.new)
 
-    def _teach(self, lanes: list[Lane], moves: list[Move], step: BatchLayout, ids: np.ndarray, logits: torch.Tensor) -> None:
+    def _teach(self, lanes: list[Lane], moves: list[Move], ids: np.ndarray) -> None:
         """The drafting lanes' windows advance; the shared sources take the trajectories, the new tokens and every
-        row's top-k (one top-k over the whole step). A resting lane (``Move.rests``) gives its tokens to its own
-        suffix source alone: the shared sources learn nothing from a step that drafted nothing."""
+        row's top-k (``_ranked``). A resting lane (``Move.rests``) gives its tokens to its own suffix source alone: the
+        shared sources learn nothing from a step that drafted nothing."""
         cfg = self.config
         for lane, move in zip(lanes, moves):
             if move.rests:
                 lane.suffix.extend(np.asarray(move.new))
-        if not any(lane.lookahead and not move.rests for lane, move in zip(lanes, moves)):
+        if not any(map(teaches, lanes, moves)):
             return
-        k = min(cfg.recycle_k, logits.shape[-1])
-        topk = host_kernels.top_k(logits, k) if k else np.empty((*logits.shape[:2], 0), np.int64)  # (B, U, k)
         observed = []
         for b, (lane, move) in enumerate(zip(lanes, moves)):
-            if not lane.lookahead or move.rests:
+            if not teaches(lane, move):
                 continue
-            _, last_level, _ = move.layout.split_logits(move.logits)
-            trajectories = lane.window.advance(host_kernels.argmax(last_level)) if move.levels else np.empty((0, cfg.ngram), np.int64)
-            row_tokens, row_topk = ranked_rows(move.layout, ids[b, : move.layout.size], step.logits_of(topk, b), move.verdict.path)
+            trajectories = lane.window.advance(self._last_level(move)) if move.levels else np.empty((0, cfg.ngram), np.int64)
+            row_tokens, row_topk = ranked_rows(move.layout, ids[b, : move.layout.size], move.ranked, move.verdict.path)
             history_tail = (lane.prompt[-(cfg.ngram - 1):] + lane.out)[-(cfg.ngram - 1):]
             observed.append(Observed(move.tree, move.verdict.path, move.new, trajectories, row_tokens, row_topk, history_tail, lane.suffix))
         shared_state(lanes).learn(cfg, observed)
+
+    @staticmethod
+    def _last_level(move: Move) -> np.ndarray:
+        """(W,) the model's tokens after the last Jacobi level's rows: their argmax, the first of their top-k where known."""
+        if move.ranked.shape[-1]:
+            return move.layout.split_logits(move.ranked[:, 0])[1]
+        return host_kernels.argmax(move.layout.split_logits(move.logits)[1])
 
     def _limits(self, lane: Lane) -> tuple[int, int]:
         """(room, space) of ``Reach.limits`` for the lane, each hole or padding column of the cache taking a key slot
@@ -274,6 +292,11 @@ class Batch:
         lane.stats.new_tokens = len(lane.out)
         if lane.streamer is not None:
             lane.streamer.end()
+
+
+def teaches(lane: Lane, move: Move) -> bool:
+    """Whether the lane's step teaches the shared sources: it drafts (lookahead), and the planner did not rest it."""
+    return lane.lookahead and not move.rests
 
 
 def ranked_rows(layout: StepLayout, ids: np.ndarray, topk: np.ndarray, path: list[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -427,6 +427,7 @@ class Move:
     promise: tuple[float, float] | None = None  # (tokens, seconds) the planner expected of the step, where it drafts
     layout: StepLayout | None = None
     logits: torch.Tensor | None = None  # (its logit rows, V)
+    ranked: np.ndarray | None = None  # (its logit rows, k) their likeliest tokens, where the step ranked them (``Batch._ranked``)
     verdict: Verdict | None = None
     new: list[int] = field(default_factory=list)
 

@@ -348,9 +348,10 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
             heads = x[:, :512].view(13, 8, 64)
             want = heads * cos[:, None] + torch.cat([-heads[..., 32:], heads[..., :32]], -1) * sin[:, None]
             assert torch.equal(out["rope"][:, :512].view(13, 8, 64), want) and torch.equal(out["rope"][:, 512:], x[:, 512:])
-        if hasattr(lib, "top_k"):  # fp32 and bf16 (as their fp32 values), a tail past the last vector, a tie across threads
+        if hasattr(lib, "top_k"):  # fp32 and bf16 (as their fp32 values), a tail past the last vector, a tie across threads,
+            # and argmax's edges: a row's first is its argmax (NaNs above all, the lower index first), as greedy verification reads it
             for name, x_, k in (("top", scores, 8), ("top tail", scores[:, :997].contiguous(), 8), ("top bf16", scores.bfloat16(), 8),
-                                ("top tie", tie, 3)):
+                                ("top tie", tie, 3), ("top edges", edges, 3), ("top edges bf16", edges.bfloat16(), 3)):
                 top = np.empty((x_.shape[0], k), np.int64)
                 assert lib.top_k(x_.data_ptr(), int(x_.dtype == torch.bfloat16), x_.shape[0], x_.shape[1], k, top.ctypes.data, 2) == 0
                 out[name] = torch.from_numpy(top)
@@ -358,6 +359,9 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
             assert torch.equal(out["top tail"], torch.topk(scores[:, :997], 8).indices)
             ranked = torch.sort(scores.bfloat16().float(), descending=True, stable=True).indices  # bf16 ties: the lower index first
             assert torch.equal(out["top bf16"], ranked[:, :8])
+            for name, x_ in (("top edges", edges), ("top edges bf16", edges.bfloat16())):
+                assert torch.equal(out[name], torch.sort(x_.float(), descending=True, stable=True).indices[:, :3])
+                assert out[name][:, 0].tolist() == torch.argmax(x_, -1).tolist()
         if hasattr(lib, "argmax"):  # torch's: the first of equals, the first NaN above all; in fp32 and bf16
             for name, x_ in (("argmax", edges), ("argmax bf16", edges.bfloat16())):
                 found = np.empty(len(x_), np.int64)
@@ -373,7 +377,7 @@ def test_every_tier_this_cpu_runs_builds_and_its_fp32_kernels_agree_bit_for_bit(
             assert all(torch.equal(out[name], theirs[name]) for name in out.keys() & theirs.keys()), (t, other)
     if "avx2" in outputs:  # the AVX2 tier: the fp32 linears, norms and RoPE, the top-k and argmax, and the KV moves
         assert set(outputs["avx2"]) == ({"linear 1", "linear 5", "linear 13", "moved", "norm", "gemma norm", "sum", "summed norm", "rope",
-                                          "top", "top tail", "top bf16", "top tie", "argmax", "argmax bf16"}
+                                          "top", "top tail", "top bf16", "top tie", "top edges", "top edges bf16", "argmax", "argmax bf16"}
                                          | {f"quant {q.kind} {q.q.shape[0]} {r}" for q in blocks for r in (1, 2, 13)})
 
 
@@ -614,6 +618,23 @@ def test_own_top_k_is_torch_topk_without_ties_and_takes_the_lower_index_on_one()
     tie = torch.zeros(1, 49152)
     tie[0, [40000, 7, 30000]] = 1.0  # in both threads' halves of the columns: the lower index first
     assert host_kernels.top_k(tie, 3).tolist() == [[7, 30000, 40000]] and host_kernels.top_k(tie.to(torch.bfloat16), 2).tolist() == [[7, 30000]]
+
+
+def test_top_k_ranks_ties_and_nans_as_argmax_does_in_ours_and_torchs():
+    """A row's first of the top-k is its argmax (greedy verification reads it): the lower index of equals, a NaN above all,
+    in our kernel (k <= 64) and in torch.topk's, whose rows where ties or NaNs reach the top k are ranked again."""
+    torch.manual_seed(5)
+    x = (torch.randn(6, 3000) * 2).round()  # many ties, at the top and at the k-th
+    x[1, [2999, 40, 1500]] = float("nan")
+    x[2] = float("-inf")
+    x[3, :] = 1.0
+    x[4, [100, 7]] = 50.0
+    stable = torch.sort(x, descending=True, stable=True).indices
+    for k in (1, 3, 8, 65, 200):  # ours, then torch's
+        assert np.array_equal(host_kernels.top_k(x, k), stable[:, :k].numpy()), k
+        assert host_kernels.top_k(x, k)[:, 0].tolist() == torch.argmax(x, -1).tolist() == host_kernels.argmax(x).tolist()
+    plain = torch.randn(3, 500)  # no ties: torch's own order, untouched
+    assert np.array_equal(host_kernels.top_k(plain, 100), torch.topk(plain, 100).indices.numpy())
 
 
 @needs_own

@@ -1,5 +1,6 @@
-/* The k largest of each row of scores (fp32 or bf16), largest first (a tie: the lower index first), for the
-   step's recycled top-k over ~50k-token vocabularies: a running floor (the k-th largest so far) skips a vector of
+/* The k largest of each row of scores (fp32 or bf16), largest first (a tie: the lower index first; a NaN above all, as
+   torch.argmax ranks it, so a row's first is its argmax: greedy verification reads it), for the step's recycled top-k over
+   ~50k-token vocabularies: a running floor (the k-th largest so far) skips a vector of
    scores a compare, and the few that pass are sorted in. torch.topk took ~30 us a row (Zen 5, 49152 scores, k = 8).
 
    The threads split the columns as linear.c splits a product's (32 columns at a time, as OpenMP's static
@@ -28,7 +29,7 @@ static inline vec load_bf16(const uint16_t *x, lanes_t in) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, x)), 16));
 }
 static inline vec splat(float v) { return _mm512_set1_ps(v); }
-static inline lanes_t above(vec v, vec floor, lanes_t in) { return _mm512_mask_cmp_ps_mask(in, v, floor, _CMP_GT_OQ); }
+static inline lanes_t above(vec v, vec floor, lanes_t in) { return _mm512_mask_cmp_ps_mask(in, v, floor, _CMP_NLE_UQ); } /* or NaN */
 static inline lanes_t equal(vec v, vec w, lanes_t in) { return _mm512_mask_cmp_ps_mask(in, v, w, _CMP_EQ_OQ); }
 static inline lanes_t unordered(vec v, lanes_t in) { return _mm512_mask_cmp_ps_mask(in, v, v, _CMP_UNORD_Q); }
 static inline vec only(vec v, lanes_t in) { return _mm512_mask_blend_ps(in, splat(-__builtin_inff()), v); }
@@ -51,7 +52,7 @@ static inline vec load_bf16(const uint16_t *x, lanes_t in) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 static inline vec splat(float v) { return _mm256_set1_ps(v); }
-static inline lanes_t above(vec v, vec floor, lanes_t in) { return (lanes_t)_mm256_movemask_ps(_mm256_cmp_ps(v, floor, _CMP_GT_OQ)) & in; }
+static inline lanes_t above(vec v, vec floor, lanes_t in) { return (lanes_t)_mm256_movemask_ps(_mm256_cmp_ps(v, floor, _CMP_NLE_UQ)) & in; }
 static inline lanes_t equal(vec v, vec w, lanes_t in) { return (lanes_t)_mm256_movemask_ps(_mm256_cmp_ps(v, w, _CMP_EQ_OQ)) & in; }
 static inline lanes_t unordered(vec v, lanes_t in) { return (lanes_t)_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) & in; }
 static inline vec only(vec v, lanes_t in) {
@@ -64,6 +65,9 @@ static inline float largest(vec v) {
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 #endif
+
+/* whether a ranks above b: larger, or a NaN over a number (NaNs: the first above the others, as equals) */
+static inline int greater(float a, float b) { return a > b || (a != a && b == b); }
 
 static inline float bf16_float(uint16_t h) {
     union { uint32_t u; float f; } v = {(uint32_t)h << 16};
@@ -83,9 +87,9 @@ static inline float bf16_float(uint16_t h) {
                 int c = j + __builtin_ctz(pass);                                                                 \
                 pass &= pass - 1;                                                                                \
                 float v = SCALAR;                                                                                \
-                if (have == k && !(v > val[k - 1])) continue; /* the floor rose within these lanes */           \
+                if (have == k && !greater(v, val[k - 1])) continue; /* the floor rose in these lanes */        \
                 int i = have < k ? have++ : k - 1;            /* the slot it takes: the end, or the last one's */ \
-                while (i > 0 && v > val[i - 1]) { val[i] = val[i - 1]; at[i] = at[i - 1]; i--; }                \
+                while (i > 0 && greater(v, val[i - 1])) { val[i] = val[i - 1]; at[i] = at[i - 1]; i--; }       \
                 val[i] = v;                                                                                      \
                 at[i] = c;                                                                                       \
                 if (have == k) floor = splat(val[k - 1]);                                                        \
@@ -127,7 +131,7 @@ int top_k(const void *x, int bf16, int rows, int n, int k, int64_t *out, int thr
             for (int t = 0; t < threads; t++) {
                 size_t list = ((size_t)t * rows + r) * k;
                 if (next[t] < have[(size_t)t * rows + r] &&
-                    (best < 0 || val[list + next[t]] > val[((size_t)best * rows + r) * k + next[best]]))
+                    (best < 0 || greater(val[list + next[t]], val[((size_t)best * rows + r) * k + next[best]])))
                     best = t;
             }
             out[(size_t)r * k + i] = at[((size_t)best * rows + r) * k + next[best]++];
