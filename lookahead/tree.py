@@ -41,15 +41,15 @@ NO_RATES = np.empty(0)  # no agreement rescoring (``merge_drafts``: an explicit 
 def merge_drafts(
     tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, budget: int, agree_bit: int,
     agree_rates: np.ndarray
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Merge drafts into a trie and keep its ``budget`` best nodes.
 
     Inputs are (M,) arrays (tokens int, parents int with parent < own index, scores float64, sources int).
     A node proposed by source ``agree_bit`` (0: none) and by another is rescored: its conditional rate (its score over
     its parent's) rises to ``agree_rates[depth - 1]`` (the last one deeper) where that is higher, and its
     descendants' scores follow.
-    Returns a (K, 5) float64 array of the kept nodes, depth first: columns token, parent (index into
-    the result, -1 = the current token), score, source bits, depth. Raises ValueError on a bad parent index.
+    Returns the kept nodes, depth first, as ``TokenTree``'s fields: tokens, parents (indices into them, -1 = the
+    current token), depths, scores, source bits (K,) each. Raises ValueError on a bad parent index.
     """
     m = tokens.size
     trie_token = np.empty(m, np.int64)
@@ -123,23 +123,19 @@ def merge_drafts(
             node = next_sibling[node]
     keep = laid
     index = np.full(size, NO_PARENT, np.int64)
-    out = np.empty((keep.size, 5), np.float64)
+    out_parent = np.empty(keep.size, np.int64)
     for k in range(keep.size):
         j = keep[k]
         index[j] = k
-        out[k, 0] = trie_token[j]
-        out[k, 1] = NO_PARENT if trie_parent[j] == NO_PARENT else index[trie_parent[j]]
-        out[k, 2] = trie_score[j]
-        out[k, 3] = trie_source[j]
-        out[k, 4] = trie_depth[j]
-    return out
+        out_parent[k] = NO_PARENT if trie_parent[j] == NO_PARENT else index[trie_parent[j]]
+    return trie_token[keep], out_parent, trie_depth[keep], trie_score[keep], trie_source[keep]
 
 
 @njit(cache=True)
 def draft_rows(chains: np.ndarray, chain_rows: np.ndarray, chain_bits: np.ndarray, rates: np.ndarray, tree_tokens: np.ndarray,
                tree_parents: np.ndarray, tree_scores: np.ndarray, tree_bit: int, agree_rates: np.ndarray, budget: int,
-               max_depth: int) -> np.ndarray:
-    """Every source's drafts merged in one call (``merge_drafts``' rows): ``chains`` (C, L) of token ids, -1 after
+               max_depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every source's drafts merged in one call (``merge_drafts``' tree): ``chains`` (C, L) of token ids, -1 after
     a chain's end (pool n-grams, suffix matches), each node scored with the product of its chain's conditional
     acceptance rates ``rates[chain_rows[c], depth]`` down to its depth and cut at ``max_depth``; and one tree
     already scored (a recycling expansion: tokens, parents, scores, all proposed by ``tree_bit``; where a chain
@@ -188,13 +184,7 @@ class TokenTree:
 
     @classmethod
     def merge(cls, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, budget: int) -> "TokenTree":
-        return cls.from_rows(merge_drafts(tokens, parents, scores, sources, budget, 0, NO_RATES))
-
-    @classmethod
-    def from_rows(cls, rows: np.ndarray) -> "TokenTree":
-        """The tree of ``merge_drafts``' rows (K, 5): token, parent, score, source bits, depth."""
-        ints = rows[:, [0, 1, 4, 3]].astype(np.int64)
-        return cls(ints[:, 0], ints[:, 1], ints[:, 2], rows[:, 2].copy(), ints[:, 3])
+        return cls(*merge_drafts(tokens, parents, scores, sources, budget, 0, NO_RATES))
 
     @classmethod
     def warm_up(cls) -> None:

@@ -68,8 +68,8 @@ def test_tree_budget_keeps_the_best_nodes_and_stays_a_tree():
 def test_drafts_are_cut_at_the_depth_limit_before_the_budget_is_spent():
     chains = np.array([[7, 9, 4, 1], [3, 5, -1, -1]])  # a pool-like chain and a shorter one, -1 padded
     rates = np.stack([np.full(32, 0.9), np.full(32, 0.5)])  # per statistics row and depth
-    rows = draft_rows(chains, np.array([0, 1]), np.array([1, 2]), rates, np.array([8]), np.array([-1]), np.array([0.3]), 4, np.full(32, 0.6), 5, 2)
-    tree = TokenTree.from_rows(rows)  # uncut, the best five would be 7 9 4 1 3, three of them too deep
+    tree = TokenTree(*draft_rows(chains, np.array([0, 1]), np.array([1, 2]), rates, np.array([8]), np.array([-1]), np.array([0.3]), 4,
+                                 np.full(32, 0.6), 5, 2))  # uncut, the best five would be 7 9 4 1 3, three of them too deep
     assert sorted(tree.tokens.tolist()) == [3, 5, 7, 8, 9] and tree.depths.max() == 2
     assert np.allclose(sorted(tree.scores), [0.25, 0.3, 0.5, 0.81, 0.9]) and sorted(tree.sources.tolist()) == [1, 1, 2, 2, 4]
 
@@ -81,9 +81,8 @@ def test_a_recycled_node_a_chain_proposes_too_takes_the_agreement_rate_and_its_d
     rate below the chain's own (depth 3: 0.3) lowers nothing."""
     rates = np.full((1, 32), 0.5)
     agree = np.array([0.9, 0.8] + [0.3] * 30)
-    rows = draft_rows(np.array([[7, 9, 4]]), np.array([0]), np.array([1]), rates, np.array([7, 9, 3, 4]), np.array([-1, 0, -1, 1]),
-                      np.array([0.2, 0.02, 0.1, 0.001]), 4, agree, 10, 8)
-    tree = TokenTree.from_rows(rows)
+    tree = TokenTree(*draft_rows(np.array([[7, 9, 4]]), np.array([0]), np.array([1]), rates, np.array([7, 9, 3, 4]),
+                                 np.array([-1, 0, -1, 1]), np.array([0.2, 0.02, 0.1, 0.001]), 4, agree, 10, 8))
     score = {tuple(tree.tokens[tree.path(n)].tolist()): s for n, s in enumerate(tree.scores)}
     assert score == pytest.approx({(7,): 0.9, (7, 9): 0.72, (7, 9, 4): 0.36, (3,): 0.1})
     assert tree.best(2).tokens.tolist() == [7, 9]  # re-merged (best) keeps the scores as they are
