@@ -17,6 +17,10 @@ def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
     lower index first and a NaN above all: so a row's first is its ``argmax`` (greedy verification reads it). Ours where
     the kernels are loaded and k is at most 64, else ``torch.topk``'s, its rows where ties or NaNs reach the top k ranked
     again (it orders those as it likes)."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if not k:
+        return np.empty((*scores.shape[:-1], 0), np.int64)
     lib = loaded()
     ours = hasattr(lib, "top_k") and 0 < k <= min(64, scores.shape[-1]) and scores.dtype in (torch.float32, torch.bfloat16) \
         and scores.is_cpu
@@ -28,7 +32,7 @@ def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
             return out
     values, indices = torch.topk(scores, min(k + 1, scores.shape[-1]))  # where ours does not run, or could not allocate
     tied = values.isnan().any(-1) | (values[..., 1:] == values[..., :-1]).any(-1)  # one more: a tie at the k-th too
-    if k and tied.any():
+    if tied.any():
         indices[tied] = torch.sort(scores[tied], dim=-1, descending=True, stable=True).indices[..., : indices.shape[-1]]
     return indices[..., :k].contiguous().numpy()
 

@@ -213,16 +213,15 @@ class Batch:
         first is its argmax), where some lane's sources learn from them (``_teach``); else None."""
         if not any(map(teaches, lanes, moves)):
             return None
-        k = min(self.config.recycle_k, logits.shape[-1])
-        return host_kernels.top_k(logits, k) if k else np.empty((*logits.shape[:2], 0), np.int64)
+        return host_kernels.top_k(logits, min(self.config.recycle_k, logits.shape[-1]))
 
     @staticmethod
     def _verify(lane: Lane, move: Move) -> None:
         """The model's verdict on the lane's tree, and the tokens it emits (cut at a stop or the length)."""
         first, _, tree_logits = move.layout.split_logits(move.logits)
         best = None
-        if move.ranked is not None and move.ranked.shape[-1]:  # each row's argmax, known: the rows need not be read again
-            top, _, tree_top = move.layout.split_logits(move.ranked[:, 0])
+        if move.best is not None:  # each row's argmax, known: the rows need not be read again
+            top, _, tree_top = move.layout.split_logits(move.best)
             best = np.concatenate([top[None], tree_top])
         history = lane.prompt + lane.out
         move.verdict = lane.rules.verify(history, first, tree_logits, move.tree, best)
@@ -253,8 +252,8 @@ class Batch:
     @staticmethod
     def _last_level(move: Move) -> np.ndarray:
         """(W,) the model's tokens after the last Jacobi level's rows: their argmax, the first of their top-k where known."""
-        if move.ranked.shape[-1]:
-            return move.layout.split_logits(move.ranked[:, 0])[1]
+        if move.best is not None:
+            return move.layout.split_logits(move.best)[1]
         return host_kernels.argmax(move.layout.split_logits(move.logits)[1])
 
     def _limits(self, lane: Lane) -> tuple[int, int]:

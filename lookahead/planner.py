@@ -434,6 +434,11 @@ class Move:
     def __post_init__(self) -> None:
         self.tree = self.proposed
 
+    @property
+    def best(self) -> np.ndarray | None:
+        """(its logit rows,) each row's argmax where the step ranked them (a row's first of ``ranked``); else None."""
+        return self.ranked[:, 0] if self.ranked is not None and self.ranked.shape[-1] else None
+
 
 class Planner:
     """The cost model of a batch: the live curve (None: the fixed shape, which runs whatever is proposed) and
