@@ -6,6 +6,7 @@ whose models run stock kernels runs no C of ours: these fall back on torch and n
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import numpy as np
 import torch
@@ -17,24 +18,39 @@ def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
     lower index first and a NaN above all: so a row's first is its ``argmax`` (greedy verification reads it). Ours where
     the kernels are loaded and k is at most 64, else ``torch.topk``'s, its rows where ties or NaNs reach the top k ranked
     again (it orders those as it likes)."""
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    if not k:
-        return np.empty((*scores.shape[:-1], 0), np.int64)
-    lib = loaded()
-    ours = hasattr(lib, "top_k") and 0 < k <= min(64, scores.shape[-1]) and scores.dtype in (torch.float32, torch.bfloat16) \
-        and scores.is_cpu
-    if ours:
-        x = scores.contiguous()
-        out = np.empty((*x.shape[:-1], k), np.int64)
-        if not lib.top_k(x.data_ptr(), x.dtype == torch.bfloat16, x.numel() // x.shape[-1], x.shape[-1], k, out.ctypes.data,
-                         torch.get_num_threads()):
-            return out
-    values, indices = torch.topk(scores, min(k + 1, scores.shape[-1]))  # where ours does not run, or could not allocate
-    tied = values.isnan().any(-1) | (values[..., 1:] == values[..., :-1]).any(-1)  # one more: a tie at the k-th too
-    if tied.any():
-        indices[tied] = torch.sort(scores[tied], dim=-1, descending=True, stable=True).indices[..., : indices.shape[-1]]
-    return indices[..., :k].contiguous().numpy()
+    return TopK()(scores, k)
+
+
+class TopK:
+    """``top_k`` into a buffer of its own, kept from call to call: what it returns is overwritten by its next call (a
+    decode step's top-k is read before the next step's). A new array and its address were ~9 us of the step's call,
+    cold after the forward."""
+
+    def __init__(self) -> None:
+        self._out, self._address = np.empty(0, np.int64), 0
+
+    def __call__(self, scores: torch.Tensor, k: int) -> np.ndarray:
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        if not k:
+            return np.empty((*scores.shape[:-1], 0), np.int64)
+        lib = loaded()
+        ours = hasattr(lib, "top_k") and 0 < k <= min(64, scores.shape[-1]) and scores.dtype in (torch.float32, torch.bfloat16) \
+            and scores.is_cpu
+        if ours:
+            x = scores.contiguous()
+            size = x.numel() // x.shape[-1] * k
+            if self._out.size < size:
+                self._out = np.empty(max(size, 2 * self._out.size), np.int64)
+                self._address = self._out.ctypes.data
+            if not lib.top_k(x.data_ptr(), x.dtype == torch.bfloat16, x.numel() // x.shape[-1], x.shape[-1], k, self._address,
+                             torch.get_num_threads()):
+                return self._out[:size].reshape(*x.shape[:-1], k)
+        values, indices = torch.topk(scores, min(k + 1, scores.shape[-1]))  # where ours does not run, or could not allocate
+        tied = values.isnan().any(-1) | (values[..., 1:] == values[..., :-1]).any(-1)  # one more: a tie at the k-th too
+        if tied.any():
+            indices[tied] = torch.sort(scores[tied], dim=-1, descending=True, stable=True).indices[..., : indices.shape[-1]]
+        return indices[..., :k].contiguous().numpy()
 
 
 def argmax(scores: torch.Tensor) -> int | np.ndarray:
@@ -57,13 +73,36 @@ def move_columns(tensors: list[torch.Tensor], start: int, index: np.ndarray) -> 
     """In each host tensor (B, H, S, D) of ``tensors`` (a cache's keys and values), sequence b's columns ``start +
     index[b]`` (``index`` (B, C) int64, each row sorted) move to ``start + 0 .. C - 1``, in place, in one call;
     False (nothing moved) where the kernels are not loaded or a tensor is not of that shape with D contiguous."""
+    return ColumnMover()(tensors, start, index)
+
+
+class ColumnMover:
+    """``move_columns`` for one cache, whose tensors stay the same objects from one step's compaction to the next
+    (until a buffer grows): their pointers and strides are made once for them, not at every call (~0.14 ms of
+    Python a call for a 30-layer cache, cold after the forward). Held weakly, so a replaced buffer is freed."""
+
+    def __init__(self) -> None:
+        self._held: list[weakref.ref] = []
+        self._arguments: tuple | None = None  # (lib, pointers, strides, count, element size, B, H, D)
+
+    def __call__(self, tensors: list[torch.Tensor], start: int, index: np.ndarray) -> bool:
+        if len(tensors) != len(self._held) or any(held() is not t for held, t in zip(self._held, tensors)):
+            self._held, self._arguments = [weakref.ref(t) for t in tensors], _move_arguments(tensors)
+        if self._arguments is None:
+            return False
+        lib, *arguments = self._arguments
+        index = np.ascontiguousarray(index, np.int64)
+        lib.move_columns(*arguments, start, index.ctypes.data, index.shape[1])
+        return True
+
+
+def _move_arguments(tensors: list[torch.Tensor]) -> tuple | None:
+    """``lib.move_columns``'s arguments for ``tensors`` but the moves, or None where ours cannot move them."""
     lib = loaded()
     if lib is None or not tensors or any(not t.is_cpu or t.dim() != 4 or t.stride(3) != 1
                                                   or t.shape != tensors[0].shape or t.dtype != tensors[0].dtype for t in tensors):
-        return False
+        return None
     b, h, _, d = tensors[0].shape
     pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
     strides = (ctypes.c_long * (3 * len(tensors)))(*(s for t in tensors for s in t.stride()[:3]))
-    index = np.ascontiguousarray(index, np.int64)
-    lib.move_columns(pointers, strides, len(tensors), tensors[0].element_size(), b, h, d, start, index.ctypes.data, index.shape[1])
-    return True
+    return lib, pointers, strides, len(tensors), tensors[0].element_size(), b, h, d

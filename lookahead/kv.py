@@ -197,6 +197,7 @@ class BatchCache:
     def __init__(self) -> None:
         self.cache = GrowingCache()
         self.positions = torch.empty(0, 0, dtype=torch.long)  # (B, S), -1: hole or padding
+        self._mover = host_kernels.ColumnMover()  # ``compact``'s moves
 
     @property
     def positions(self) -> torch.Tensor:
@@ -329,7 +330,7 @@ class BatchCache:
             for b, k in enumerate(keep):
                 index[b, : k.size], index[b, k.size :] = k, k[-1]
             tensors = [states for layer in self.cache.layers if layer.is_initialized for states in layer.buffers()]  # (batch, heads, ., head_dim)
-            if not host_kernels.move_columns(tensors, self.length, index):  # one call on CPU, else torch's ops
+            if not self._mover(tensors, self.length, index):  # one call on CPU, else torch's ops
                 rows = torch.from_numpy(index)
                 for states in tensors:
                     block = states.narrow(-2, self.length, step)

@@ -58,6 +58,7 @@ class Batch:
         self.lanes: list[Lane] = []
         self.joining: list[tuple[Lane, kv.BatchCache]] = []  # lanes whose prompts are going in by chunks, oldest first
         self.cache = kv.BatchCache()
+        self.top_k = host_kernels.TopK()  # the step's top-k (``_ranked``), in a buffer kept from step to step
 
     def __len__(self) -> int:
         return len(self.lanes) + len(self.joining)
@@ -213,7 +214,7 @@ class Batch:
         first is its argmax), where some lane's sources learn from them (``_teach``); else None."""
         if not any(map(teaches, lanes, moves)):
             return None
-        return host_kernels.top_k(logits, min(self.config.recycle_k, logits.shape[-1]))
+        return self.top_k(logits, min(self.config.recycle_k, logits.shape[-1]))
 
     @staticmethod
     def _verify(lane: Lane, move: Move) -> None:

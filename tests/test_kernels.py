@@ -7,6 +7,7 @@ import copy
 import json
 import re
 import shutil
+import weakref
 
 import numpy as np
 import pytest
@@ -645,6 +646,16 @@ def test_own_top_k_reads_bf16_as_their_fp32_values():
         assert np.array_equal(host_kernels.top_k(x, k), host_kernels.top_k(x.float(), k)), (rows, n, k)
 
 
+
+@needs_own
+def test_a_kept_top_k_buffer_answers_each_call_as_a_new_one_would():
+    """``TopK`` reuses its output buffer: growing, shrinking and changing k, each answer is ``top_k``'s."""
+    torch.manual_seed(9)
+    ranker = host_kernels.TopK()
+    for rows, n, k in [(2, 1000, 8), (9, 49152, 8), (1, 500, 3), (4, 49152, 16), (9, 300, 64)]:
+        x = torch.randn(1, rows, n)
+        assert np.array_equal(ranker(x, k), torch.topk(x, k).indices.numpy()), (rows, n, k)
+
 @needs_own
 def test_own_argmax_is_torchs_first_of_equals_and_first_nan_in_fp32_and_bf16():
     torch.manual_seed(8)
@@ -675,6 +686,25 @@ def test_own_move_columns_is_the_gather_it_replaces():
     assert host_kernels.move_columns(tensors, 8, index)
     assert all(torch.equal(got, w) for got, w in zip(tensors, want))
     assert not host_kernels.move_columns([tensors[0].transpose(2, 3)], 8, index)  # head_dim not contiguous: torch's ops
+
+
+@needs_own
+def test_a_column_mover_follows_its_tensors_when_they_are_replaced():
+    """``ColumnMover`` makes its pointers once for a cache's tensors: new tensors (a grown buffer) are moved as they
+    are, not where the old ones were, and the old ones are not kept alive."""
+    torch.manual_seed(10)
+    mover, index = host_kernels.ColumnMover(), np.array([[0, 3], [2, 3]])  # sources past the targets: a move twice is one
+    for _ in range(3):
+        tensors = [torch.randn(2, 2, 12, 32) for _ in range(4)]
+        want = [t.clone() for t in tensors]
+        for t in want:
+            t[:, :, 4:6] = torch.stack([t[b, :, 4 + index[b]] for b in range(2)])
+        for _ in range(2):  # the second time on the pointers made the first
+            assert mover(tensors, 4, index)
+        assert all(torch.equal(got, w) for got, w in zip(tensors, want))
+    gone = weakref.ref(tensors[0])
+    del tensors, want, t
+    assert gone() is None
 
 
 @needs_own
