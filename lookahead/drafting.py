@@ -62,6 +62,8 @@ def _assumed_rates() -> np.ndarray:
 ASSUMED_RATES = _assumed_rates()
 NONE = np.empty(0, np.int64)
 NO_TEMPLATE = (NONE, NONE, np.empty(0))  # parents, ranks, scores of no recycling expansion
+_NO_DRAFTS = np.empty((0, 1), np.int32)
+NO_SUFFIX = (_NO_DRAFTS[:, :-1], _NO_DRAFTS[:, -1])  # no suffix drafts, of the types ``SuffixDrafter.drafts`` gives
 NO_RANKS = np.zeros((2, 0), np.int64)  # the recycling table's counts by rank (tried, hit) of no step
 TEMPLATE_REFRESH = 16  # steps between re-derivations of the recycling template from the measured rank rates
 STATE_FORMAT = 3  # 2: no AGREE row (loads, the row unmeasured)
@@ -111,6 +113,29 @@ def shrunk_rates(hits: np.ndarray, tried: np.ndarray, assumed: np.ndarray, weigh
     return out
 
 
+
+@njit(["(int32[:, :], int64[:], int32[:, :], int32[:])", "(int64[:, :], int64[:], int32[:, :], int32[:])"], cache=True)
+def stacked_chains(chains: np.ndarray, rows: np.ndarray, drafts: np.ndarray, matched: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The chain sources' ``chains`` (C, L) (their statistics ``rows`` (C,)), then the suffix ``drafts`` (S, L') (their
+    ``matched`` lengths (S,)), as ``draft_rows`` takes them: (C + S, max(L, L')) token ids, -1 after a chain's end, each
+    chain's statistics row and source bits (a suffix draft's: SUFFIX, or SUFFIX_LONG with both bits from a match of
+    ``LONG_MATCH`` tokens or more). One kernel where numpy's dozen calls took ~0.03 ms of each proposal, cold. Its
+    types are declared, of any layout: the sources' chains are views whose layout moves with their rows (C or not), and
+    each layout met would have been a kernel of its own, compiled at its first call."""
+    c, s = chains.shape[0], drafts.shape[0]
+    out = np.full((c + s, max(chains.shape[1], drafts.shape[1])), -1, np.int64)
+    out_rows, bits = np.empty(c + s, np.int64), np.empty(c + s, np.int64)
+    for i in range(c):
+        out[i, : chains.shape[1]] = chains[i]
+        out_rows[i], bits[i] = rows[i], 1 << rows[i]
+    for i in range(s):
+        out[c + i, : drafts.shape[1]] = drafts[i]
+        long = matched[i] >= LONG_MATCH
+        out_rows[c + i] = SUFFIX_LONG if long else SUFFIX
+        bits[c + i] = 1 << SUFFIX | (1 << SUFFIX_LONG if long else 0)
+    return out, out_rows, bits
+
 class Observed(NamedTuple):
     """What one sequence's step showed its sources (``DraftState.learn``)."""
 
@@ -156,9 +181,7 @@ class PoolSource:
             self.pool.insert_sequence(prompt, Origin.PROMPT)
 
     def propose(self, current: int, cfg: LookaheadConfig) -> tuple[np.ndarray, np.ndarray]:
-        if not cfg.guess:
-            return np.empty((0, 0), np.int64), NONE
-        grams, codes = self.pool.lookup_with_origins(current, cfg.guess)
+        grams, codes = self.pool.lookup_with_origins(current, cfg.guess)  # guess 0: none, of the same types as ever
         return grams, POOL_ROWS[codes]
 
     def learn(self, cfg: LookaheadConfig, steps: list[Observed]) -> None:
@@ -247,28 +270,28 @@ class DraftState:
         if not 0 <= current < self.vocab_size:
             raise ValueError(f"current token {current} is outside the vocabulary [0, {self.vocab_size})")
         rates = self.rates()
-        chains, rows, bits = [], [], []
-        for source, first in self.chains:
-            drafts, own = source.propose(current, cfg)
-            if drafts.size:
-                chains.append(drafts)
-                rows.append(first + own)
-                bits.append(1 << rows[-1])
-        if cfg.suffix_drafts:
-            drafts, matched = suffix.drafts(cfg.suffix_drafts, cfg.suffix_length)
-            long = (matched >= LONG_MATCH).astype(np.int64)
-            chains.append(drafts)
-            rows.append(np.where(long, SUFFIX_LONG, SUFFIX))
-            bits.append((1 << SUFFIX) | (long << SUFFIX_LONG))
-        stacked = np.full((sum(c.shape[0] for c in chains), max((c.shape[1] for c in chains), default=0)), -1, np.int64)
-        start = 0
-        for c in chains:
-            stacked[start : start + c.shape[0], : c.shape[1]] = c
-            start += c.shape[0]
+        chains, rows = self._chains(current, cfg)
+        drafts, matched = suffix.drafts(cfg.suffix_drafts, cfg.suffix_length) if cfg.suffix_drafts else NO_SUFFIX
+        chains, rows, bits = stacked_chains(chains, rows, drafts, matched)
         parents, ranks, scores = self._recycle_template(rates[RECYCLE, : cfg.recycle_k], budget, max_depth) if cfg.recycle_k else NO_TEMPLATE
         expanded = expand_template(self.recycle.table, current, parents, ranks)  # the template is ours: only ``current`` is checked
-        return TokenTree(*draft_rows(stacked, np.concatenate(rows or [NONE]), np.concatenate(bits or [NONE]), rates, expanded, parents,
-                                     scores, 1 << RECYCLE, rates[AGREE], budget, max_depth))
+        return TokenTree(*draft_rows(chains, rows, bits, rates, expanded, parents, scores, 1 << RECYCLE, rates[AGREE], budget, max_depth))
+
+    def _chains(self, current: int, cfg: LookaheadConfig) -> tuple[np.ndarray, np.ndarray]:
+        """The chain sources' chains after ``current`` (C, L), -1 after a chain's end, and their statistics rows (C,): the
+        pool's as it gives them (the state's one source but where ``extra`` adds more)."""
+        found = []
+        for source, first in self.chains:
+            chains, own = source.propose(current, cfg)
+            found.append((chains, first + own if first else own))
+        if len(found) == 1:
+            return found[0]
+        stacked = np.full((sum(c.shape[0] for c, _ in found), max(c.shape[1] for c, _ in found)), -1, np.int64)
+        start = 0
+        for c, _ in found:
+            stacked[start : start + c.shape[0], : c.shape[1]] = c
+            start += c.shape[0]
+        return stacked, np.concatenate([rows for _, rows in found])
 
     def _recycle_template(self, rank_rates: np.ndarray, budget: int, max_depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The recycling expansion's template for the measured rank rates (re-derived every few steps)."""
