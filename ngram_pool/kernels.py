@@ -105,20 +105,19 @@ def insert_ngrams(
 @njit(cache=True)
 def insert_windows(
     table: np.ndarray, counts: np.ndarray, row_of: np.ndarray, tokens: np.ndarray, ends: np.ndarray, origin: int
-) -> np.ndarray:
+) -> int:
     """Insert every n-gram (window of n = ``table.shape[2]`` tokens) of each sequence in order: sequence i is
-    ``tokens[ends[i - 1]:ends[i]]`` (``ends`` cumulative). Returns a status a window, as ``insert_ngrams``; one
-    call where the windows built in numpy took several a step. Ids are checked first; every key has a row."""
+    ``tokens[ends[i - 1]:ends[i]]`` (``ends`` cumulative). Returns how many were new (a count, not ``insert_ngrams``'
+    statuses: a decode step's caller wants no array back); one call where the windows built in numpy took several
+    a step. Ids are checked first; every key has a row."""
     check_ids(tokens, row_of.size)
     n = table.shape[2]
-    status = np.empty(max(tokens.size - n + 1, 0), dtype=np.int8)
-    m, start = 0, 0
+    new, start = 0, 0
     for end in ends:
         for first in range(start, end - n + 1):
-            status[m] = _insert(table, counts, row_of, tokens[first : first + n], origin)
-            m += 1
+            new += _insert(table, counts, row_of, tokens[first : first + n], origin) == NEW
         start = end
-    return status[:m]
+    return new
 
 
 @njit(cache=True)

@@ -13,6 +13,7 @@ from ngram_pool.files import ArrayFile, written_whole
 
 FORMAT_VERSION = 1
 _INITIAL_SPARSE_ROWS = 256
+_IDS = (np.dtype(np.int32), np.dtype(np.int64))  # the id arrays' types the kernels are compiled for
 
 
 class Origin(enum.IntEnum):
@@ -34,18 +35,18 @@ class PoolStats:
 def _as_ids(name: str, value: object, ndim: int) -> np.ndarray:
     """A C-contiguous, writable int32 or int64 array: one kernel specialization each, all compiled by the
     warm-ups (a read-only view, such as a one-row ``sliding_window_view``, would be another); range is checked
-    in the kernels."""
+    in the kernels. Such an array comes back as it is, after the fewest checks (a decode step makes several calls)."""
     arr = np.asarray(value)
+    flags = arr.flags
+    if arr.dtype in _IDS and arr.ndim == ndim and flags.c_contiguous and flags.writeable:
+        return arr
     if arr.dtype.kind not in "iu":
         if arr.size:
             raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
         arr = arr.astype(np.int64)
     if arr.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
-    if arr.dtype != np.int32 and arr.dtype != np.int64:
-        arr = arr.astype(np.int64)
-    flags = arr.flags
-    return arr if flags.c_contiguous and flags.writeable else np.require(arr, requirements="CW")  # a copy only where needed
+    return np.require(arr if arr.dtype in _IDS else arr.astype(np.int64), requirements="CW")  # a copy only where needed
 
 
 def _check_origin(origin: int) -> None:
@@ -138,8 +139,7 @@ class NGramPool:
         if self.sparse:  # the keys: every token with n - 1 after it in its own sequence
             keys = np.concatenate([part[: max(part.size - self.n + 1, 0)] for part in parts])
             self._add_rows(kernels.missing_keys(self._row_of, keys))
-        status = kernels.insert_windows(self._table, self._counts, self._row_of, tokens, ends, int(origin))
-        return int(np.count_nonzero(status))
+        return kernels.insert_windows(self._table, self._counts, self._row_of, tokens, ends, int(origin))
 
     def _add_rows(self, keys: np.ndarray) -> None:
         """Give each key a row of its own, doubling the table when it is full (sparse pools only)."""
