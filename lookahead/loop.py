@@ -304,7 +304,8 @@ def ranked_rows(layout: StepLayout, ids: np.ndarray, topk: np.ndarray, path: lis
     the accepted rows last (they win). A step has a few dozen rows at most: the order is a list."""
     if layout.size == 1:  # a plain step: the current token's row
         return ids[:1], topk[:1]
-    first_tree = layout.logit_rows.numel() - (layout.size - layout.first_tree_row)
+    rows = layout.logit_rows.numpy()  # (U,)
+    first_tree = rows.size - (layout.size - layout.first_tree_row)
     trusted = [0] + [first_tree + n for n in path]
-    order = [r for r in range(layout.logit_rows.numel()) if r not in trusted] + trusted
-    return ids[layout.logit_rows.numpy()[order]], topk[order]
+    order = [r for r in range(rows.size) if r not in trusted] + trusted
+    return ids[rows[order]], topk[order]
