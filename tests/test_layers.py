@@ -76,6 +76,9 @@ def test_fused_layers_give_the_stock_layers_logits_bit_for_bit(name, dtype, monk
     """A prefill of two sequences, then a masked 4-row step of each."""
     fused, stock = packed(tiny(name, dtype), True, monkeypatch), packed(tiny(name, dtype), False, monkeypatch)
     assert all(isinstance(layer, layers.FusedLayer) for layer in fused.model.layers)
+    held = fused.model.layers  # a LayerList: its slice (the forward's loop) a list of the same layers, the weights' names kept
+    assert type(held) is layers.LayerList and held[:2] == [held[0], held[1]] and held[-1] is held[len(held) - 1]
+    assert dict(fused.named_modules())["model.layers.1"] is held[1]
     prompt, step = [5, 17, 3, 88, 41, 9, 60, 2, 33], [7, 19, 23, 71]
     for got, want in zip(logits(fused, prompt, step), logits(stock, prompt, step)):
         assert torch.equal(got, want) and got.abs().sum() > 0
