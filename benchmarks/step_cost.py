@@ -28,6 +28,7 @@ from lookahead import LookaheadConfig, LookaheadGenerator, models, native
 from lookahead.curve import CostCurve
 
 PLAIN, PLANNER = "our plain loop", "the planner"
+HOST = ("draft", "verify", "learn")  # a step's phases on the host around its forward (the layout is in the forward's)
 
 
 def configs(budgets: list[int]) -> dict[str, LookaheadConfig | None]:
@@ -45,7 +46,8 @@ def run_all(args) -> dict:
     shapes = configs(args.budgets)
     gens = {name: LookaheadGenerator(model, tok, config or LookaheadConfig(), cache_dir=cache_dir) for name, config in shapes.items()}
     runs = datasets.interleaved(gens, {name: config is not None for name, config in shapes.items()}, prompts, ids, args.max_new_tokens,
-                                lambda stats: {"steps": stats.steps, "tree_nodes": stats.tree_nodes, "forward_s": stats.phase_s["forward"]},
+                                lambda stats: {"steps": stats.steps, "tree_nodes": stats.tree_nodes, "forward_s": stats.phase_s["forward"],
+                                               "host_s": sum(stats.phase_s[phase] for phase in HOST)},
                                 lambda run: f"{run['forward_s'] / max(run['steps'], 1) * 1e3:.1f} ms a forward")
     what, peak = dot_peak(torch.get_num_threads(), tier=args.isa)
     curve = gens[PLANNER].cost
@@ -59,27 +61,31 @@ def write_report(results: dict, out: Path) -> None:
     write_json(out / "results.json", results)  # the token ids as digests
     runs, hw, peak = results["runs"], results["hardware"], results["peak"]
     sizes, ratios = results["curve"]["sizes"], results["curve"]["ratios"]
-    total = {name: {key: sum(r[key] for r in rs) for key in ("steps", "tree_nodes", "forward_s", "seconds")} | {
+    total = {name: {key: sum(r.get(key, 0.0) for r in rs) for key in ("steps", "tree_nodes", "forward_s", "host_s", "seconds")} | {
         "tokens": sum(count(r["tokens"]) for r in rs)} for name, rs in runs.items()}
     plain = total[PLAIN]
-    plain_ms = plain["forward_s"] / plain["steps"]
+    plain_ms, plain_host = plain["forward_s"] / plain["steps"], plain["host_s"] / plain["steps"]
     lines = [f"# {results['model']}: what real steps cost by their rows", "",
              f"{hw['cpu']}, {hw['cores']} cores; our kernels {results['isa']}; torch {hw['torch']}; commit {hw['commit']}; "
              f"{results['dtype']}, {results['weights']} weights; {len(runs[PLAIN])} prompts x {results['max_new_tokens']} new tokens, "
              "greedy, one request at a time, the configurations interleaved prompt by prompt. Rows: a step's tree nodes + 1 "
              f"(no window). Floor: the rows' multiply-adds at {peak['what']}'s peak ({peak['macs_a_s'] / 1e9:.0f} G a second) "
-             "over the probe's one-row forward.", "",
+             "over the probe's one-row forward. Host work: a step's drafting, verification and learning (its layout is in "
+             "the forward's time); drafting's share: what it adds to the plain step's, over the whole step.", "",
              "| configuration | rows a step (mean) | forward a step (ms) | vs the plain forward | tune's r(T) there | floor there "
-             "| tokens a forward | tokens/s vs our plain loop | same tokens as our plain loop |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| host work a step (ms) | drafting's host share | tokens a forward | tokens/s vs our plain loop | same tokens as our plain loop |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in total.items():
         rows = 1 + t["tree_nodes"] / max(t["steps"], 1)
         tune = CostCurve(tuple(sizes), tuple(ratios), peak["one_row_ms"]).ratio(rows)
         floor = max(rows * peak["macs_a_row"] / peak["macs_a_s"] * 1e3 / peak["one_row_ms"], 1.0)
         alike = sum(same(r["tokens"], q["tokens"]) for r, q in zip(runs[name], runs[PLAIN])) / len(runs[name])
         speed = (t["tokens"] / t["seconds"]) / (plain["tokens"] / plain["seconds"])
+        host = t["host_s"] / t["steps"]
+        share = (host - plain_host) / (host + t["forward_s"] / t["steps"])
         lines.append(f"| {name} | {rows:.2f} | {t['forward_s'] / t['steps'] * 1e3:.1f} | {t['forward_s'] / t['steps'] / plain_ms:.2f} | "
-                     f"{tune:.2f} | {floor:.2f} | {t['tokens'] / (t['steps'] + len(runs[name])):.2f} | {speed:.2f}x | {alike:.0%} |")
+                     f"{tune:.2f} | {floor:.2f} | {host * 1e3:.3f} | {share:.1%} | {t['tokens'] / (t['steps'] + len(runs[name])):.2f} | "
+                     f"{speed:.2f}x | {alike:.0%} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 

@@ -206,20 +206,21 @@ def test_the_copy_edit_and_multi_turn_sets_are_conversations_the_answer_can_copy
 
 
 def test_the_step_cost_report_prices_each_shape_against_the_plain_forward(tmp_path):
-    def rows(steps: int, nodes: int, forward_ms: float, tokens: list[int]) -> list[dict]:
+    def rows(steps: int, nodes: int, forward_ms: float, host_ms: float, tokens: list[int]) -> list[dict]:
         return [{"set": "a", "prompt": str(i), "tokens": tokens, "seconds": steps * forward_ms / 1e3 * 1.25, "steps": steps,
-                 "tree_nodes": steps * nodes, "forward_s": steps * forward_ms / 1e3} for i in range(2)]
-    runs = {step_cost.PLAIN: rows(59, 0, 20.0, [1, 2, 3] * 20), "up to 8 nodes": rows(29, 8, 30.0, [1, 2, 3] * 20),
-            step_cost.PLANNER: rows(39, 3, 24.0, [1, 2, 3] * 19 + [4, 4, 4])}
+                 "tree_nodes": steps * nodes, "forward_s": steps * forward_ms / 1e3, "host_s": steps * host_ms / 1e3} for i in range(2)]
+    runs = {step_cost.PLAIN: rows(59, 0, 20.0, 0.2, [1, 2, 3] * 20), "up to 8 nodes": rows(29, 8, 30.0, 0.5, [1, 2, 3] * 20),
+            step_cost.PLANNER: rows(39, 3, 24.0, 0.3, [1, 2, 3] * 19 + [4, 4, 4])}
     results = {"hardware": run.hardware(), "isa": "avx2", "model": "m", "dtype": "int8", "weights": "gguf", "max_new_tokens": 60,
                "runs": runs, "curve": {"sizes": [1, 4, 16], "ratios": [1.0, 1.2, 2.4]},
                "peak": {"what": "vpdpbusd", "macs_a_s": 1e12, "macs_a_row": 1.5e9, "one_row_ms": 20.0}}
     step_cost.write_report(results, tmp_path)
     text = (tmp_path / "results.md").read_text()
-    assert "| our plain loop | 1.00 | 20.0 | 1.00 | 1.00 | 1.00 | 1.00 | 1.00x | 100% |" in text
-    # 9 rows: r(9) on the curve 1.2 + 5 x 0.1; 13.5 ms of multiply-adds over 20; 60 tokens in 30 forwards; 2.95 s against 2.175
-    assert "| up to 8 nodes | 9.00 | 30.0 | 1.50 | 1.70 | 1.00 | 2.00 | 1.36x | 100% |" in text
-    assert "| the planner | 4.00 | 24.0 | 1.20 | 1.20 | 1.00 | 1.50 | 1.26x | 0% |" in text
+    assert "| our plain loop | 1.00 | 20.0 | 1.00 | 1.00 | 1.00 | 0.200 | 0.0% | 1.00 | 1.00x | 100% |" in text
+    # 9 rows: r(9) on the curve 1.2 + 5 x 0.1; 13.5 ms of multiply-adds over 20; 0.3 ms of host work more than plain over
+    # a 30.5 ms step; 60 tokens in 30 forwards; 2.95 s against 2.175
+    assert "| up to 8 nodes | 9.00 | 30.0 | 1.50 | 1.70 | 1.00 | 0.500 | 1.0% | 2.00 | 1.36x | 100% |" in text
+    assert "| the planner | 4.00 | 24.0 | 1.20 | 1.20 | 1.00 | 0.300 | 0.4% | 1.50 | 1.26x | 0% |" in text
     assert results_log.headline(results) == "int8 on avx2: a step's forward over the plain one, 8 nodes 1.50; the planner 1.26x our plain loop"
 
 
