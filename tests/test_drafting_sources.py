@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from conftest import hf_greedy, tiny_llama
 from lookahead import LookaheadGenerator
 from lookahead.config import LookaheadConfig
-from lookahead.drafting import AGREE, SOURCES, STATS_MEMORY, SUFFIX, DraftState, Observed
+from lookahead.drafting import AGREE, SOURCES, STATS_MEMORY, SUFFIX, SUFFIX_LONG, DraftState, Observed, stacked_chains
 from lookahead.tree import TokenTree
 from ngram_pool import RecycleTable, SuffixDrafter, template
 from ngram_pool.reference import PyRecycleTable, py_suffix_drafts
@@ -270,3 +270,21 @@ def test_a_new_chain_source_is_one_class_merged_scored_and_counted_as_the_pool_i
     assert state.hits[oracle_row, 0] == state.tried[oracle_row, 0] > 0 and state.rates()[oracle_row, 0] > 0.5 > state.assumed[oracle_row, 0]
     with pytest.raises(ValueError, match="63 at most"):
         DraftState(50, 3, extra=tuple(Oracle([], []) for _ in range(60)))
+
+
+def test_chains_and_suffix_drafts_are_stacked_with_their_rows_and_bits_whatever_their_layout():
+    """``stacked_chains``: the pool's chains (views of its rows: C-contiguous or not by their count) and the suffix
+    drafts as one array padded with -1, each with its statistics row and source bits (a match of 3 tokens or more:
+    SUFFIX_LONG, with SUFFIX's bit too); an extra source's int64 chains the same."""
+    rows = np.array([[5, 6, 0], [7, -1, 2]], np.int32)  # two stored n-grams and their origin codes, as the pool gives them
+    suffix = np.array([[9, 8, 7, 6, 2], [4, -1, -1, -1, 5], [3, 3, -1, -1, 1]], np.int32)  # drafts, then match lengths
+    for chains, drafts, matched in [(rows[:, :-1], suffix[:, :-1], suffix[:, -1]), (rows[:1, :-1], suffix[:1, :-1], suffix[:1, -1]),
+                                    (rows[:, :-1].astype(np.int64), suffix[:, :-1], suffix[:, -1])]:
+        out, out_rows, bits = stacked_chains(chains, np.array([0, 2][: len(chains)]), drafts, matched)
+        c = len(chains)
+        assert out.shape == (c + len(drafts), 4) and out[:c, :2].tolist() == chains.tolist() and (out[:c, 2:] == -1).all()
+        assert out[c:].tolist() == drafts.tolist() and out_rows[:c].tolist() == [0, 2][:c]
+        assert out_rows[c:].tolist() == [SUFFIX, SUFFIX_LONG, SUFFIX][: len(drafts)]  # matched 2, 5, 1 tokens
+        assert bits.tolist() == [1, 4][:c] + [1 << SUFFIX, 1 << SUFFIX | 1 << SUFFIX_LONG, 1 << SUFFIX][: len(drafts)]
+    empty = np.empty((0, 1), np.int32)
+    assert stacked_chains(empty[:, :0], np.empty(0, np.int64), empty[:, :0], empty[:, 0])[0].shape == (0, 0)
