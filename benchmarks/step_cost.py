@@ -61,7 +61,7 @@ def write_report(results: dict, out: Path) -> None:
     write_json(out / "results.json", results)  # the token ids as digests
     runs, hw, peak = results["runs"], results["hardware"], results["peak"]
     sizes, ratios = results["curve"]["sizes"], results["curve"]["ratios"]
-    total = {name: {key: sum(r.get(key, 0.0) for r in rs) for key in ("steps", "tree_nodes", "forward_s", "host_s", "seconds")} | {
+    total = {name: {key: sum(r[key] for r in rs) for key in ("steps", "tree_nodes", "forward_s", "host_s", "seconds")} | {
         "tokens": sum(count(r["tokens"]) for r in rs)} for name, rs in runs.items()}
     plain = total[PLAIN]
     plain_ms, plain_host = plain["forward_s"] / plain["steps"], plain["host_s"] / plain["steps"]

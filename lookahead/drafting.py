@@ -113,7 +113,6 @@ def shrunk_rates(hits: np.ndarray, tried: np.ndarray, assumed: np.ndarray, weigh
     return out
 
 
-
 @njit(["(int32[:, :], int64[:], int32[:, :], int32[:])", "(int64[:, :], int64[:], int32[:, :], int32[:])"], cache=True)
 def stacked_chains(chains: np.ndarray, rows: np.ndarray, drafts: np.ndarray, matched: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -135,6 +134,7 @@ def stacked_chains(chains: np.ndarray, rows: np.ndarray, drafts: np.ndarray, mat
         out_rows[c + i] = SUFFIX_LONG if long else SUFFIX
         bits[c + i] = 1 << SUFFIX | (1 << SUFFIX_LONG if long else 0)
     return out, out_rows, bits
+
 
 class Observed(NamedTuple):
     """What one sequence's step showed its sources (``DraftState.learn``)."""

@@ -35,17 +35,16 @@ class TopK:
         if not k:
             return np.empty((*scores.shape[:-1], 0), np.int64)
         lib = loaded()
-        ours = hasattr(lib, "top_k") and 0 < k <= min(64, scores.shape[-1]) and scores.dtype in (torch.float32, torch.bfloat16) \
+        ours = hasattr(lib, "top_k") and k <= min(64, scores.shape[-1]) and scores.dtype in (torch.float32, torch.bfloat16) \
             and scores.is_cpu
         if ours:
             x = scores.contiguous()
-            size = x.numel() // x.shape[-1] * k
-            if self._out.size < size:
-                self._out = np.empty(max(size, 2 * self._out.size), np.int64)
+            rows = x.numel() // x.shape[-1]
+            if self._out.size < rows * k:
+                self._out = np.empty(max(rows * k, 2 * self._out.size), np.int64)
                 self._address = self._out.ctypes.data
-            if not lib.top_k(x.data_ptr(), x.dtype == torch.bfloat16, x.numel() // x.shape[-1], x.shape[-1], k, self._address,
-                             torch.get_num_threads()):
-                return self._out[:size].reshape(*x.shape[:-1], k)
+            if not lib.top_k(x.data_ptr(), x.dtype == torch.bfloat16, rows, x.shape[-1], k, self._address, torch.get_num_threads()):
+                return self._out[: rows * k].reshape(*x.shape[:-1], k)
         values, indices = torch.topk(scores, min(k + 1, scores.shape[-1]))  # where ours does not run, or could not allocate
         tied = values.isnan().any(-1) | (values[..., 1:] == values[..., :-1]).any(-1)  # one more: a tie at the k-th too
         if tied.any():
