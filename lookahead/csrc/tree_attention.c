@@ -265,10 +265,14 @@ static int task(const uint16_t *q, const long *qs, const uint16_t *k, const uint
 int tree_attention(const uint16_t *q, const long *qs, const uint16_t *k, const uint16_t *v, const long *kvs,
                    const uint16_t *mask, const long *ms, uint16_t *out, int B, int H, int G, int T, int S, int D,
                    float scale, int threads) {
-    /* a K/V head's R rows in as few tasks as lanes allow, or (the same bits) as few of at most FEW by keys where that is
-       as few tasks: by keys is faster at equal tasks (SmolLM2's 3 rows a head at one row: 23 -> 14 us over 300 keys), a
-       task more costs more (27 rows: 3 tasks by keys 48 us, 2 by rows 41) */
-    const int R = H / G * T, wide = (R + 15) / 16, few = (R + FEW - 1) / FEW, by_keys = few == wide, chunks = by_keys ? few : wide;
+    /* a K/V head's R rows in tasks of at most 16 by rows, or of at most FEW by keys (the same bits): whichever costs
+       less, a task's cost in rows of dot products (by rows, 16 lanes whatever its rows; by keys, its rows + 2 for the
+       transposes) times the rounds its tasks take on the threads. Measured (Xeon m167, 2 threads, 300 keys): SmolLM2's
+       one row (3 a head) by keys 14 us, by rows 23; 5 rows (15: 6 tasks by keys, 3 by rows) 27 against 30; 9 rows
+       (27: 9 tasks against 6) 48 against 41 */
+    const int R = H / G * T, wide = (R + 15) / 16, few = (R + FEW - 1) / FEW, n = threads > 0 ? threads : 1;
+    const int rows_cost = (B * G * wide + n - 1) / n * 16, keys_cost = (B * G * few + n - 1) / n * ((R + few - 1) / few + 2);
+    const int by_keys = keys_cost <= rows_cost, chunks = by_keys ? few : wide;
     const int per = (R + chunks - 1) / chunks, tasks = B * G * chunks;
     int failed = 0;
     #pragma omp parallel for schedule(static) num_threads(threads) reduction(|: failed)
