@@ -573,12 +573,13 @@ def test_own_attention_row_depends_only_on_its_query_and_the_keys_it_sees(dtype)
 
 
 @needs_own
-@pytest.mark.parametrize("h, g, d, t", [(9, 3, 64, 5), (9, 3, 64, 9), (12, 2, 128, 5), (4, 1, 256, 13)])
-def test_own_bf16_attention_gives_a_row_the_same_bits_by_keys_as_by_rows(h, g, d, t):
+@DTYPES
+@pytest.mark.parametrize("h, g, d, t", [(9, 3, 64, 9), (12, 2, 128, 5), (4, 1, 256, 13), (9, 3, 96, 3)])
+def test_own_attention_gives_a_row_the_same_bits_by_keys_as_by_rows(h, g, d, t, dtype):
     """A task of few rows runs its scores with the keys as lanes, a wider one with the rows as lanes: the same
-    vdpbf16ps on the same operands in the same order, so a row alone (by keys) is bit for bit that row in a call
-    of t rows (whose tasks run by rows: 15, 27, 30 and 13 rows a K/V head), masked or causal."""
-    q, k, v, mask = attention_case(1, h, g, t, 300, d, seed=t + d, dtype=torch.bfloat16)
+    vdpbf16ps or FMAs on the same operands in the same order, so a row alone (by keys where it has few rows) is bit
+    for bit that row in a call of t rows (whose tasks run by rows), masked or causal."""
+    q, k, v, mask = attention_case(1, h, g, t, 300, d, seed=t + d, dtype=dtype)
     together, causal = layer_kernels.attention(q, k, v, mask, 0.125), layer_kernels.attention(q, k, v, None, 0.125)
     for row in range(t):
         alone = layer_kernels.attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1], 0.125)

@@ -270,8 +270,8 @@ int tree_attention(const uint16_t *q, const long *qs, const uint16_t *k, const u
        transposes) times the rounds its tasks take on the threads. Measured (Xeon m167, 2 threads, 300 keys): SmolLM2's
        one row (3 a head) by keys 14 us, by rows 23; 5 rows (15: 6 tasks by keys, 3 by rows) 27 against 30; 9 rows
        (27: 9 tasks against 6) 48 against 41 */
-    const int R = H / G * T, wide = (R + 15) / 16, few = (R + FEW - 1) / FEW, n = threads > 0 ? threads : 1;
-    const int rows_cost = (B * G * wide + n - 1) / n * 16, keys_cost = (B * G * few + n - 1) / n * ((R + few - 1) / few + 2);
+    const int R = H / G * T, wide = (R + 15) / 16, few = (R + FEW - 1) / FEW, workers = threads > 0 ? threads : 1;
+    const int rows_cost = (B * G * wide + workers - 1) / workers * 16, keys_cost = (B * G * few + workers - 1) / workers * ((R + few - 1) / few + 2);
     const int by_keys = keys_cost <= rows_cost, chunks = by_keys ? few : wide;
     const int per = (R + chunks - 1) / chunks, tasks = B * G * chunks;
     int failed = 0;
