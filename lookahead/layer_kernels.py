@@ -175,5 +175,6 @@ def gated(both: torch.Tensor, activation: str) -> torch.Tensor:
         raise ValueError(f"gated takes bf16 or fp32 (..., 2 width) where the kernels run, width a multiple of 16, and one of "
                          f"{ACTIVATIONS[1:]}, got {both.dtype} {tuple(both.shape)}, {activation!r}")
     out = torch.empty(*both.shape[:-1], width, dtype=both.dtype)
-    getattr(library(), GATES[both.dtype])(both.data_ptr(), out.data_ptr(), both.numel() // both.shape[-1], width, ACTIVATIONS.index(activation))
+    getattr(library(), GATES[both.dtype])(both.data_ptr(), out.data_ptr(), both.numel() // both.shape[-1], width, ACTIVATIONS.index(activation),
+                                          torch.get_num_threads())
     return out

@@ -220,7 +220,7 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
         **{name: ([ctypes.c_void_p] * 3 + [ctypes.POINTER(Role)] * 4 + [ctypes.POINTER(Norm), ctypes.c_int]
                   + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [Longs, ctypes.c_int, ctypes.c_void_p, Longs]
                   + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int], ctypes.c_int) for name in LAYERS.values()},  # 1: out of memory
-        **{name: ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 3, None) for name in GATES.values()},
+        **{name: ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 4, None) for name in GATES.values()},
     }
     for name, (arguments, result) in signatures.items():
         if hasattr(lib, name):

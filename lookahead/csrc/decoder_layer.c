@@ -40,17 +40,19 @@ static inline __m512 widen(const uint16_t *p) {
    rounds (to nearest even, in integers: denormals kept, where vcvtneps2bf16 flushes them); then the product, rounded
    alike. Equal to F.silu(x) * u and F.gelu(x, approximate="tanh") * u for every bf16 x (tests/test_layers.py runs
    all 65536). out (rows, width) = act(gate) up, for both (rows, 2 width): gate, up; width a multiple of 16; act SILU or
-   GELU_TANH */
-void gated(const void *gates, void *acted, int rows, int width, int act) {
+   GELU_TANH; a step's rows split over the threads (each element alone: the same bits) */
+void gated(const void *gates, void *acted, int rows, int width, int act, int threads) {
     const uint16_t *both = gates;
     uint16_t *out = acted;
-    for (size_t r = 0; r < (size_t)rows; r++)
-        for (int i = 0; i < width; i += 16) {
-            const uint16_t *gate = both + 2 * r * width + i;
-            const __m512 g = widen(gate);
-            const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(act == SILU ? silu_16(g) : gelu_tanh_16(g))), 16));
-            _mm256_storeu_si256((__m256i *)(out + r * width + i), bf16_bits(_mm512_mul_ps(a, widen(gate + width))));
-        }
+    const long vectors = (long)rows * (width / 16);
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (vectors >= GATED_ALONE / 16)")
+    for (long n = 0; n < vectors; n++) {
+        const long r = n / (width / 16), i = n % (width / 16) * 16;
+        const uint16_t *gate = both + 2 * r * width + i;
+        const __m512 g = widen(gate);
+        const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(act == SILU ? silu_16(g) : gelu_tanh_16(g))), 16));
+        _mm256_storeu_si256((__m256i *)(out + r * width + i), bf16_bits(_mm512_mul_ps(a, widen(gate + width))));
+    }
 }
 
 /* the residual sum, rounded as torch's; n a multiple of 16 */

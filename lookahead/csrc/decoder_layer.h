@@ -46,6 +46,7 @@ typedef struct {
 } Norm;
 enum { INPUT, RESIDUAL, ATTENDED, MLP_OUT, Q_HEADS, K_HEADS }; /* norms[]: native.NORMS' order */
 enum { NONE, SILU, GELU_TANH };                                 /* native.ACTIVATIONS' order */
+#define GATED_ALONE 4096 /* gates a thread takes alone (~3.5 us): a parallel region costs ~1-2 us */
 
 void rms_norm(const void *x, const void *w, void *y, int bf16, int rows, int n, float eps, int offset, int threads);
 void add_rms_norm(const void *x, const void *d, void *s, const void *w, void *y, int bf16, int rows, int n, float eps, int offset,
@@ -61,7 +62,7 @@ typedef struct {
     int (*product)(const Product *p, const void *x, void *y, int m, int threads); /* 1: out of memory or no such kind */
     int (*attention)(const void *q, const long *qs, const void *k, const void *v, const long *kvs, const void *mask, const long *ms,
                      void *out, int B, int H, int G, int T, int S, int D, float scale, int threads);
-    void (*gated)(const void *both, void *out, int rows, int width, int act); /* act(gate) up, as torch computes it */
+    void (*gated)(const void *both, void *out, int rows, int width, int act, int threads); /* act(gate) up, as torch computes it */
     void (*add)(const void *a, const void *b, void *out, size_t n);           /* the residual sum, as torch rounds it */
 } Dtype;
 
@@ -124,7 +125,7 @@ static int layer(const Dtype *t, const void *x, void *out, void *both, const Rol
     norm(t, &norms[ATTENDED], projected, rows, E, threads);
     add_rms_norm(x, projected, h, norms[RESIDUAL].w, y, t->bf16, (int)rows, (int)E, norms[RESIDUAL].eps, norms[RESIDUAL].offset, threads);
     if ((failed = product(t, gate_up, y, two, (int)rows, threads)) || !down) goto done;
-    t->gated(two, acted, (int)rows, (int)mlp / 2, act);
+    t->gated(two, acted, (int)rows, (int)mlp / 2, act, threads);
     if ((failed = product(t, down, acted, downed, (int)rows, threads))) goto done;
     norm(t, &norms[MLP_OUT], downed, rows, E, threads);
     t->add(h, downed, out, rows * E);

@@ -23,16 +23,19 @@ static int fp32_product(const Product *p, const void *x, void *y, int m, int thr
 }
 
 /* out (rows, width) = act(gate) up as torch computes it in fp32 (F.silu, or F.gelu(approximate="tanh"), then the
-   product), for both (rows, 2 width): gate, up; width a multiple of 8; act SILU or GELU_TANH */
-AVX2_FMA void gated_fp32(const void *gates, void *acted, int rows, int width, int act) {
+   product), for both (rows, 2 width): gate, up; width a multiple of 8; act SILU or GELU_TANH; a step's rows split over
+   the threads (each element alone: the same bits) */
+AVX2_FMA void gated_fp32(const void *gates, void *acted, int rows, int width, int act, int threads) {
     const float *both = gates;
     float *out = acted;
-    for (size_t r = 0; r < (size_t)rows; r++)
-        for (int i = 0; i < width; i += 8) {
-            const float *gate = both + 2 * r * width + i;
-            const __m256 g = _mm256_loadu_ps(gate), a = act == SILU ? silu_8(g) : gelu_tanh_8(g);
-            _mm256_storeu_ps(out + r * width + i, mul_8(a, _mm256_loadu_ps(gate + width)));
-        }
+    const long vectors = (long)rows * (width / 8);
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (vectors >= GATED_ALONE / 8)")
+    for (long n = 0; n < vectors; n++) {
+        const long r = n / (width / 8), i = n % (width / 8) * 8;
+        const float *gate = both + 2 * r * width + i;
+        const __m256 g = _mm256_loadu_ps(gate), a = act == SILU ? silu_8(g) : gelu_tanh_8(g);
+        _mm256_storeu_ps(out + r * width + i, mul_8(a, _mm256_loadu_ps(gate + width)));
+    }
 }
 
 static void fp32_add(const void *a, const void *b, void *out, size_t n) { /* the residual sum */
