@@ -1,7 +1,8 @@
-"""Two pieces of a step's host work on our kernels, where they are loaded (``native.loaded``): the recycled
-top-k over the vocabulary and the greedy argmax (``csrc/top_k.c``, in place of ``torch.topk`` and numpy), and the
-KV compaction's moves in one call (``csrc/move_columns.c``, in place of three torch ops a K/V tensor). A process
-whose models run stock kernels runs no C of ours: these fall back on torch and numpy."""
+"""Pieces of a step's host work on our kernels, where they are loaded (``native.loaded``): the recycled top-k over
+the vocabulary and the greedy argmax (``csrc/top_k.c``, in place of ``torch.topk`` and numpy), the KV compaction's
+moves in one call (``csrc/move_columns.c``, in place of three torch ops a K/V tensor), and a GGUF embedding's new
+rows decoded (``csrc/gguf_rows.c``, in place of ``quants.from_blocks``' numpy). A process whose models run stock
+kernels runs no C of ours: these fall back on torch and numpy."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import weakref
 import numpy as np
 import torch
 
-from lookahead.native import loaded
+from lookahead.native import GGUF_ROWS, loaded
 
 def top_k(scores: torch.Tensor, k: int) -> np.ndarray:
     """Indices (..., k) of the ``k`` largest of each row of host fp32 or bf16 ``scores`` (..., V), largest first, a tie the
@@ -105,3 +106,27 @@ def _move_arguments(tensors: list[torch.Tensor]) -> tuple | None:
     pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
     strides = (ctypes.c_long * (3 * len(tensors)))(*(s for t in tensors for s in t.stride()[:3]))
     return lib, pointers, strides, len(tensors), tensors[0].element_size(), b, h, d
+
+
+
+class GGUFRows:
+    """A GGUF table's rows (``raw``: (V, bytes a row) of type ``kind``, k values a row) looked up in one call of ours
+    (``csrc/gguf_rows.c``): what ``quants.from_blocks(raw[ids], ...).dequantize().to(dtype)`` gives, bit for bit. The
+    table's address is taken once: each numpy and torch call around it cost 5-40 us, cold after a forward's weights."""
+
+    def __init__(self, raw: np.ndarray, kind: str, k: int) -> None:
+        self.raw, self.kind, self.k = np.ascontiguousarray(raw), GGUF_ROWS.index(kind) if kind in GGUF_ROWS else None, k
+        self._address = self.raw.ctypes.data
+
+    def __call__(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """(N, k) rows of the ``ids`` (any shape, N of them) in fp32 or bf16; None where our kernels are not loaded, do
+        not decode this type or do not make ``dtype``. IndexError for an id outside the table."""
+        lib = loaded()
+        if lib is None or self.kind is None or dtype not in (torch.float32, torch.bfloat16):
+            return None
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), self.k, dtype=dtype)
+        if lib.gguf_rows(self._address, self.raw.shape[1], self.raw.shape[0], ids.data_ptr(), ids.numel(), self.k, self.kind, out.data_ptr(),
+                         dtype == torch.bfloat16) >= 0:
+            raise IndexError(f"token ids must be in [0, {self.raw.shape[0]}), got {int(ids.min())} .. {int(ids.max())}")
+        return out

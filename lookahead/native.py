@@ -47,16 +47,16 @@ class Tier:
 # argmax (top_k.c on 8 lanes) and the KV moves; an AVX-VNNI one (Alder Lake and later client chips) the same, its
 # integer dot products on vpdpbusd
 AVX2_SOURCES = ("linear_avx2.c", "quant_linear_avx2.c", "int_linear_avx2.c", "tree_attention_avx2.c", "rms_norm_avx2.c", "rope_avx2.c",
-                "decoder_layer_fp32.c", "top_k.c", "move_columns.c")
+                "decoder_layer_fp32.c", "top_k.c", "move_columns.c", "gguf_rows.c")
 AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 TIERS = {
     "avx512-bf16": Tier(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
                         ("linear.c", "amx_linear.c", "quant_linear.c", "int_linear.c", "tree_attention.c", "tree_attention_avx2.c",
-                         "rms_norm.c", "top_k.c", "move_columns.c", "rope.c", "decoder_layer.c", "decoder_layer_fp32.c"),
+                         "rms_norm.c", "top_k.c", "move_columns.c", "rope.c", "decoder_layer.c", "decoder_layer_fp32.c", "gguf_rows.c"),
                         BASE_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8")),
     "avx512f": Tier(("avx512f", "avx512bw", "avx512vl", "f16c"),
                     ("linear.c", "quant_linear.c", "int_linear_avx2.c", "tree_attention_avx2.c", "rms_norm.c", "top_k.c", "move_columns.c",
-                     "rope.c", "decoder_layer_fp32.c"), BASE_FLAGS),
+                     "rope.c", "decoder_layer_fp32.c", "gguf_rows.c"), BASE_FLAGS),
     "avx-vnni": Tier(("avx2", "fma", "f16c", "avx_vnni"), AVX2_SOURCES, AVX2_FLAGS + ("-mavxvnni",)),
     "avx2": Tier(("avx2", "fma", "f16c"), AVX2_SOURCES, AVX2_FLAGS),
 }
@@ -71,6 +71,7 @@ ATTENTIONS = {torch.bfloat16: "tree_attention", torch.float32: "tree_attention_f
 LAYERS = {torch.bfloat16: "decoder_layer", torch.float32: "decoder_layer_fp32"}  # csrc/decoder_layer.c's, _fp32.c's
 ACTIVATIONS = (None, "silu", "gelu_tanh")  # csrc/decoder_layer.h's: what ``gated`` and ``decoder_layer`` compute as torch does
 GATES = {torch.bfloat16: "gated", torch.float32: "gated_fp32"}  # csrc/decoder_layer.c's, _fp32.c's
+GGUF_ROWS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the types csrc/gguf_rows.c decodes, in its order
 NORMS = ("input", "residual", "attended", "mlp_out", "q_heads", "k_heads")  # a layer's norms, as ``decoder_layer`` takes them
 
 
@@ -221,6 +222,8 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
                   + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [Longs, ctypes.c_int, ctypes.c_void_p, Longs]
                   + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int], ctypes.c_int) for name in LAYERS.values()},  # 1: out of memory
         **{name: ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 4, None) for name in GATES.values()},
+        "gguf_rows": ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int],
+                      ctypes.c_long),  # -1, or the first id out of range
     }
     for name, (arguments, result) in signatures.items():
         if hasattr(lib, name):

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from lookahead import host_kernels
+
 QK = 32  # k's a block of the legacy types (Q4_0 ... Q8_0)
 QK_K = 256  # k's a super-block of the K types
 
@@ -290,8 +292,10 @@ class QuantEmbedding(nn.Module):
     module it replaces scales them (``embed_scale``: Gemma's). Nothing of the table is resident but the rows read:
     a 150k-token table is ~1 GB dense in fp32, and decoding all of it at each load took ~3 s.
 
-    A step's few rows are kept once decoded (the last ``KEPT`` tokens a step met, ~10-25 MB): decoding one row
-    through ``from_blocks`` took ~0.14 ms of SmolLM2's ~5.5 ms one-row forward (Zen 4), and a step's tokens are
+    The legacy types (``native.GGUF_ROWS``) decode every row looked up in one call of ours where our kernels are loaded
+    (``host_kernels.gguf_rows``: SmolLM2's Q8_0 rows a step ~0.16 -> ~0.05 ms, Xeon m167). Others, or without our
+    kernels, decode through ``from_blocks``, ~0.14 ms a row of SmolLM2's ~5.5 ms one-row forward (Zen 4): there a
+    step's few rows are kept once decoded (the last ``KEPT`` tokens a step met, ~10-25 MB), since a step's tokens are
     mostly ones met before. Each row is the same elementwise arithmetic however it is looked up: the same bits."""
 
     KEPT = 4096  # decoded rows kept (the oldest go first)
@@ -306,8 +310,13 @@ class QuantEmbedding(nn.Module):
         self.kind, self.num_embeddings, self.embedding_dim, self.dtype = kind, num_embeddings, embedding_dim, dtype
         self.embed_scale = embed_scale
         self.kept: dict[int, torch.Tensor] = {}  # token id -> its row (D,), scaled, in ``dtype``
+        self.ours = host_kernels.GGUFRows(self.rows, kind, embedding_dim)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (...) -> (..., D)
+        rows = self.ours(input_ids.cpu(), self.dtype)  # (N, D), or None where ours do not run
+        if rows is not None:
+            rows = rows if self.embed_scale is None else rows * self.embed_scale.to(self.dtype)
+            return rows.view(*input_ids.shape, self.embedding_dim).to(input_ids.device)
         ids = input_ids.reshape(-1).cpu().numpy()
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
             raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got {int(ids.min())} .. {int(ids.max())}")
@@ -325,7 +334,7 @@ class QuantEmbedding(nn.Module):
         return rows.view(*input_ids.shape, self.embedding_dim).to(input_ids.device)
 
     def _decoded(self, ids: np.ndarray) -> torch.Tensor:
-        """Rows (len(ids), D) of ``ids``: decoded, dequantized, cast and scaled."""
+        """Rows (len(ids), D) of ``ids`` through ``from_blocks``: decoded, dequantized, cast and scaled."""
         rows = from_blocks(self.rows[ids], self.kind, ids.size, self.embedding_dim).dequantize().to(self.dtype)
         return rows if self.embed_scale is None else rows * self.embed_scale.to(self.dtype)
 

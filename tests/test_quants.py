@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 from conftest import assert_greedy_equal, hf_greedy, on_fixed_cost, tiny_llama
-from lookahead import LookaheadConfig, gguf_model, kernels, linear_kernels, models, native, quants
+from lookahead import LookaheadConfig, gguf_model, host_kernels, kernels, linear_kernels, models, native, quants
 from lookahead.cli import main
 
 OWN = kernels.own_kernel(torch.float32) is None and native.has("quant_fp32_linear")  # our quantized kernel runs here
@@ -46,6 +46,26 @@ def test_blocks_decode_to_gguf_pys_dequantized_weights_bit_for_bit(kind):
     want = gguf.quants.dequantize(raw, GGML[kind]).reshape(48, 512)
     assert torch.equal(q.dequantize(), torch.from_numpy(want))
     assert quants.kind(q.bits, q.group, q.offset is not None) == q.kind == quants.KINDS[kind]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", native.GGUF_ROWS)
+def test_an_embeddings_rows_decode_in_one_call_as_gguf_py_does(kind, monkeypatch):
+    """``csrc/gguf_rows.c`` (a GGUF embedding's rows a step): any rows, repeated, in any order, are gguf-py's
+    dequantized blocks bit for bit (in bf16, torch's rounding of them), zero, negative and subnormal fp16 scales
+    included; an id outside the table an IndexError; without our kernels, None."""
+    raw = random_blocks(kind, 64, 512, seed=3)
+    for at in SCALES[kind]:  # a subnormal scale, a zero and a negative one in row 7
+        raw[7, at:at + 3 * BLOCK_BYTES[kind]].reshape(3, BLOCK_BYTES[kind])[:, :2] = np.array([[1e-6], [0.0], [-0.5]], np.float16).view(np.uint8)
+    ids = torch.tensor([7, 0, 63, 7, 12])
+    want = torch.from_numpy(gguf.quants.dequantize(raw[ids.numpy()], GGML[kind]).reshape(len(ids), 512))
+    native.library()
+    rows = host_kernels.GGUFRows(raw, kind, 512)
+    assert torch.equal(rows(ids, torch.float32), want) and torch.equal(rows(ids.view(1, 5), torch.bfloat16), want.to(torch.bfloat16))
+    with pytest.raises(IndexError, match=r"\[0, 64\), got 3 .. 64"):
+        rows(torch.tensor([3, 64]), torch.float32)
+    monkeypatch.setattr(host_kernels, "loaded", lambda: None)
+    assert rows(ids, torch.float32) is None
 
 
 def test_an_unknown_type_is_named():
