@@ -165,12 +165,10 @@ class GrowingLayer(DynamicLayer):
         super().crop(tokens_to_remove)
 
 
-def reserve(cache: Cache, layer_idx: int, rows: int, shape: tuple[int, int, int], dtype: torch.dtype, held: int | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, int, ctypes.Array] | None:
-    """Room for ``rows`` more columns of layer ``layer_idx``'s keys and values (batch, heads, ., head_dim = ``shape``)
-    of ``dtype``, for a fused layer's kernel to write: its buffers (B, G, capacity, D), the columns held before, and the
-    buffers' first three strides (``native.Longs``, made once a buffer); None, with nothing done, where that layer is not
-    a ``GrowingLayer`` of that shape and dtype, or holds other than ``held``."""
+def reservable(cache: Cache, layer_idx: int, shape: tuple[int, int, int], dtype: torch.dtype, held: int | None = None
+               ) -> GrowingLayer | None:
+    """Layer ``layer_idx`` of ``cache`` where ``reserve`` makes room in it (nothing done here): a ``GrowingLayer`` of keys
+    and values (batch, heads, ., head_dim = ``shape``) of ``dtype`` holding ``held`` columns (any, where None)."""
     layers = getattr(cache, "layers", ())
     layer = layers[layer_idx] if layer_idx < len(layers) else None
     if not isinstance(layer, GrowingLayer) or not layer.is_initialized or held is not None and layer.get_seq_length() != held:
@@ -178,7 +176,19 @@ def reserve(cache: Cache, layer_idx: int, rows: int, shape: tuple[int, int, int]
     keys, values = layer._key_view, layer._value_view  # their shapes and dtype: not cut first (``reserve`` makes new views)
     if keys.dim() != 4 or keys.dtype != dtype or (keys.shape[0], keys.shape[1], keys.shape[3]) != shape or values.shape != keys.shape:
         return None
-    start = layer.reserve(rows, keys, values)
+    return layer
+
+
+def reserve(cache: Cache, layer_idx: int, rows: int, shape: tuple[int, int, int], dtype: torch.dtype, held: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, int, ctypes.Array] | None:
+    """Room for ``rows`` more columns of layer ``layer_idx``'s keys and values (batch, heads, ., head_dim = ``shape``)
+    of ``dtype``, for a fused layer's kernel to write: its buffers (B, G, capacity, D), the columns held before, and the
+    buffers' first three strides (``native.Longs``, made once a buffer); None, with nothing done, where that layer is not
+    ``reservable``."""
+    layer = reservable(cache, layer_idx, shape, dtype, held)
+    if layer is None:
+        return None
+    start = layer.reserve(rows, layer._key_view, layer._value_view)
     if layer._strides is None or layer._strides[1] is not layer._keys:  # a new buffer (keys and values: alike)
         layer._strides = (native.Longs(*layer._keys.stride()[:3]), layer._keys)
     return layer._keys, layer._values, start, layer._strides[0]

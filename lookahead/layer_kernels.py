@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from lookahead.native import ACTIVATIONS, ATTENTIONS, GATES, LAYERS, NORMS, Longs, Norm, Product, Role, has, library
+from lookahead.native import ACTIVATIONS, ATTENTIONS, EVERY_LAYER, GATES, LAYERS, NORMS, Layer, Longs, Norm, Product, Role, has, library
 
 def role(linears: list) -> Role | None:
     """The role of ``linears`` (``Linear``s whose outputs sit side by side, in order, each with a ``product``), or None
@@ -158,6 +158,32 @@ def decoder_layer(x: torch.Tensor, layer: tuple, step: tuple, keys: torch.Tensor
             *tail, threads):
         raise MemoryError(f"a decoder layer's kernels could not allocate their buffers for {x.shape[0] * x.shape[1]} rows")
     return out, both
+
+
+class EveryLayer:
+    """A step's every decoder layer in one call (``csrc/decoder_layer.h``'s ``layers``), for layers of one dtype each
+    with a down product: their ``layer_constants`` made into the kernel's array once, each layer's cache buffers
+    written there again only where its buffer is new (a grown one)."""
+
+    def __init__(self, dtype: torch.dtype, constants: list[tuple]) -> None:
+        self.call = getattr(library(), EVERY_LAYER[dtype])
+        self.layers = (Layer * len(constants))(*(Layer(*(ctypes.pointer(role) for role in head[:4]), ctypes.cast(head[4], ctypes.POINTER(Norm)),
+                                                       head[5], *tail) for _, head, tail, _ in constants))
+        self.strides: list[ctypes.Array | None] = [None] * len(constants)  # each layer's buffers' strides, as ``kv.reserve`` keeps them
+
+    def __call__(self, x: torch.Tensor, step: tuple, rooms: list[tuple]) -> torch.Tensor:
+        """x (B, T, E) through every layer: ``step``: ``step_constants``'; rooms: each layer's ``kv.reserve``, every
+        one holding the same columns before the step."""
+        for i, (keys, values, held, strides) in enumerate(rooms):
+            if self.strides[i] is not strides:  # a new buffer (``reserve`` makes new strides for one)
+                layer = self.layers[i]
+                layer.keys, layer.values, layer.kvs = keys.data_ptr(), values.data_ptr(), strides
+                self.strides[i] = strides
+        rope, (mask, ms, b, t), threads = step
+        out = torch.empty_like(x)
+        if self.call(x.data_ptr(), out.data_ptr(), len(rooms), self.layers, *rope, mask, ms, b, t, rooms[0][2], threads):
+            raise MemoryError(f"a decoder layer's kernels could not allocate their buffers for {b * t} rows")
+        return out
 
 
 def gates(dtype: torch.dtype, activation: str | None, width: int) -> bool:

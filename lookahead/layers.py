@@ -56,6 +56,9 @@ class StepFits:
         self.shape: tuple = ()  # (b, t, head size, dtype, causal) they were checked for
         self.fits = False
         self.constants: tuple | None = None  # ``layer_kernels.step_constants`` of the inputs, where they fit
+        self.layers: list[FusedLayer] = []  # the model's decoder layers where every one is fused alike (``fuse``), in order
+        self.every: layer_kernels.EveryLayer | None = None  # their kernels in one call
+        self.passed: torch.Tensor | None = None  # the step's output of them all, where its first layer ran them
 
     def __call__(self, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, b: int, t: int, d: int, dtype: torch.dtype,
                  causal: bool) -> bool:
@@ -119,6 +122,8 @@ class FusedLayer(nn.Module):
         (h, g, _), d = self.heads, self.head_dim
         cos, sin = position_embeddings  # (B, T, D), a prompt's (1, T, D)
         if self.whole and cache is not None:
+            if hidden_states is self.fits.passed:  # the step's first layer ran this one (``_every_layer``)
+                return hidden_states
             done = self._in_one_call(hidden_states, attention_mask, cos, sin, cache)
             if done is not None:
                 out, both = done
@@ -162,11 +167,32 @@ class FusedLayer(nn.Module):
         g, d = self.heads[1], self.head_dim
         if x.dtype != self.dtype or not x.is_contiguous() or not self.fits(mask, cos, sin, b, t, d, x.dtype, self.causal):
             return None
+        if self.fits.layers and self.fits.layers[0] is self:
+            self.fits.passed = self._every_layer(x, mask, cache)
+            if self.fits.passed is not None:
+                return self.fits.passed, None
         room = kv.reserve(cache, self.layer_idx, t, (b, g, d), x.dtype, None if mask is None else mask.shape[-1] - t)
         if room is None:
             return None
         keys, values, held, strides = room
         return layer_kernels.decoder_layer(x, self.constants, self.fits.constants, keys, values, strides, held)
+
+
+    def _every_layer(self, x: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor | None:
+        """At the model's first layer, every layer of the step (``StepFits.layers``) in one loop: their output, or None
+        with nothing done where a layer has hooks or its cache no room. Run layer by layer, each layer's Python (its
+        checks, its cache's room, the call's arguments) runs cold after the kernels before it: ~50 us a layer, 8% of
+        SmolLM2's plain step (Xeon m167); here it runs hot."""
+        b, t, _ = x.shape
+        held = None if mask is None else mask.shape[-1] - t
+        layers = self.fits.layers
+        if any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers):
+            return None
+        found = [kv.reservable(cache, layer.layer_idx, (b, layer.heads[1], layer.head_dim), x.dtype, held) for layer in layers]
+        if any(room is None for room in found) or len({room.get_seq_length() for room in found}) != 1:  # each holds as many
+            return None
+        rooms = [kv.reserve(cache, layer.layer_idx, t, (b, layer.heads[1], layer.head_dim), x.dtype, held) for layer in layers]
+        return self.fits.every(x, self.fits.constants, rooms)
 
 
 def _activation(act: Callable) -> str | None:
@@ -216,7 +242,22 @@ def fuse(model: nn.Module, attend: Callable) -> int:
     fits = StepFits()
     fused = swap(model, lambda layer: _fused(layer, attend, fits))
     swap(model, lambda held: LayerList(held) if type(held) is nn.ModuleList and any(isinstance(m, FusedLayer) for m in held) else None)
+    fits.layers = _alike(model)
+    fits.every = layer_kernels.EveryLayer(fits.layers[0].dtype, [layer.constants for layer in fits.layers]) if fits.layers else None
     return fused
+
+
+def _alike(model: nn.Module) -> list[FusedLayer]:
+    """The model's decoder layers where its forward gives every one the same inputs and each is one call of its kernels
+    (``_every_layer`` runs them at the first): one ``LayerList`` of fused layers of one dtype, head size, causality and
+    sliding window, each with its activation in the call, and one layer type in the config (Gemma 3's sliding and
+    global layers get masks and rotations of their own); else none."""
+    lists = [m for m in model.modules() if isinstance(m, LayerList)]
+    layers = list(lists[0]) if len(lists) == 1 else []
+    types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    alike = layers and all(isinstance(layer, FusedLayer) and layer.whole and layer.gated for layer in layers) and len(set(types)) <= 1 and len(
+        {(layer.dtype, layer.head_dim, layer.causal, layer.sliding_window) for layer in layers}) == 1
+    return layers if alike else []
 
 
 class LayerList(nn.ModuleList):

@@ -69,6 +69,7 @@ PRODUCTS = ("bf16_linear", "amx_bf16_linear", "quant_bf16_linear", "amx_quant_li
             "quant_fp32_linear")  # csrc/decoder_layer.h's kinds
 ATTENTIONS = {torch.bfloat16: "tree_attention", torch.float32: "tree_attention_fp32"}  # csrc/tree_attention.c's, _avx2.c's
 LAYERS = {torch.bfloat16: "decoder_layer", torch.float32: "decoder_layer_fp32"}  # csrc/decoder_layer.c's, _fp32.c's
+EVERY_LAYER = {torch.bfloat16: "decoder_layers", torch.float32: "decoder_layers_fp32"}  # a step's every layer in one call
 ACTIVATIONS = (None, "silu", "gelu_tanh")  # csrc/decoder_layer.h's: what ``gated`` and ``decoder_layer`` compute as torch does
 GATES = {torch.bfloat16: "gated", torch.float32: "gated_fp32"}  # csrc/decoder_layer.c's, _fp32.c's
 GGUF_ROWS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the types csrc/gguf_rows.c decodes, in its order
@@ -94,6 +95,15 @@ class Norm(ctypes.Structure):
     and weighting (``rms_norm``'s offset)."""
 
     _fields_ = [("w", ctypes.c_void_p), ("eps", ctypes.c_float), ("offset", ctypes.c_int)]
+
+
+class Layer(ctypes.Structure):
+    """One layer of a step's every layer in one call (``csrc/decoder_layer.h``'s ``layers``): its constants as
+    ``decoder_layer`` takes them, and its cache's buffers (B, G, capacity, D) and their strides."""
+
+    _fields_ = [(name, ctypes.POINTER(Role)) for name in ("qkv", "o", "gate_up", "down")] + [("norms", ctypes.POINTER(Norm))] + [
+        (name, ctypes.c_int) for name in ("act", "H", "G", "D")] + [("scale", ctypes.c_float), ("keys", ctypes.c_void_p),
+                                                                  ("values", ctypes.c_void_p), ("kvs", Longs)]
 
 
 @functools.cache
@@ -222,6 +232,8 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
                   + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [Longs, ctypes.c_int, ctypes.c_void_p, Longs]
                   + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int], ctypes.c_int) for name in LAYERS.values()},  # 1: out of memory
         **{name: ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 4, None) for name in GATES.values()},
+        **{name: ([ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.POINTER(Layer)] + [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, Longs]
+                  + [ctypes.c_int] * 4, ctypes.c_int) for name in EVERY_LAYER.values()},  # 1: out of memory
         "gguf_rows": ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int],
                       ctypes.c_long),  # -1, or the first id out of range
     }

@@ -435,10 +435,10 @@ def test_the_integer_linear_and_the_fp32_attention_give_the_same_bits_on_every_t
                                            native.Longs(*k.stride()[:3]), mask.data_ptr(), native.Longs(0, mask.stride(2), 0),
                                            out["attention"].data_ptr(), 1, 9, 3, 5, 37, 64, ctypes.c_float(0.125), 2) == 0
         if hasattr(lib, "gated_fp32"):  # built without -ffp-contract=off in the AVX-512 tiers: no product fused all the same
-            both = torch.randn(3, 2 * 64, generator=torch.Generator().manual_seed(7)) * 8
+            both = torch.randn(80, 2 * 64, generator=torch.Generator().manual_seed(7)) * 8  # 80 rows: split over two threads
             for act in (1, 2):  # SiLU, GELU-tanh
-                out[f"gated {act}"] = torch.empty(3, 64)
-                lib.gated_fp32(both.data_ptr(), out[f"gated {act}"].data_ptr(), 3, 64, act)
+                out[f"gated {act}"] = torch.empty(80, 64)
+                lib.gated_fp32(both.data_ptr(), out[f"gated {act}"].data_ptr(), 80, 64, act, 2)
     assert {t for t in outputs if "attention" in outputs[t] and "gated 2" in outputs[t]} == set(tiers) - {"avx2 with avx512-vnni"}
     supers = {f"int {i} {m}" for i, layout in enumerate(layouts) if layout.supers for m in (1, 2, 3, 4, 5, 9, 16, 21, 40)}
     assert [layout.supers for layout in layouts] == [False, False, True, True, False, False]  # Q4_K's and Q6_K's

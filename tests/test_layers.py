@@ -119,9 +119,9 @@ def test_a_step_in_one_call_is_the_module_by_module_path(name, dtype, monkeypatc
     """bf16 and fp32 layers run a step in one call (``layer_kernels.decoder_layer``; with an activation it does not compute,
     erf's GELU, up to it), Qwen3's and Gemma 3's head norms, Gemma 3's sandwiched norms, GELU-tanh
     and sliding layers included, and quantized siblings of two kinds (two products, on the integer kernel where it
-    runs), writing the step's keys and values into the cache there: every step's logits and the cache are the
-    module-by-module path's, bit for bit (a prefill, then steps of 4, 1 and 3 rows, each cropped after as a rejected
-    draft's rows are)."""
+    runs), writing the step's keys and values into the cache there; and where every layer is alike, all of them in
+    one call at the first (``EveryLayer``): every step's logits and the cache are the module-by-module path's, bit for
+    bit (a prefill, then steps of 4, 1 and 3 rows, each cropped after as a rejected draft's rows are)."""
     if dtype == torch.bfloat16 and not native.has("decoder_layer"):
         pytest.skip("the bf16 layer needs the AVX-512 BF16 kernels")
     model = tiny(name.removesuffix("-mixed-blocks"), dtype)
@@ -129,19 +129,44 @@ def test_a_step_in_one_call_is_the_module_by_module_path(name, dtype, monkeypatc
     wholes = [layer.whole for layer in model.model.layers]
     assert all(wholes) and all((whole[3] is None) == (name == "llama-gelu") for whole in wholes)
     assert all(whole[0].parts == (2 if name.endswith("-mixed-blocks") else 1) for whole in wholes)
-    calls, whole = [], layer_kernels.decoder_layer
+    calls, whole, every = [], layer_kernels.decoder_layer, layer_kernels.EveryLayer.__call__
     monkeypatch.setattr(layer_kernels, "decoder_layer", lambda *args: calls.append(args[0].shape) or whole(*args))
+    monkeypatch.setattr(layer_kernels.EveryLayer, "__call__", lambda self, x, *args: calls.append(("every", x.shape)) or every(self, x, *args))
+    fits = model.model.layers[0].fits
+    alike = list(fits.layers)  # Gemma 3's sliding layers, and an activation the call does not compute: layer by layer
+    assert bool(alike) == (name in ("llama", "qwen2", "qwen3", "llama-mixed-blocks")) and alike in ([], list(model.model.layers))
     runs = []
-    for on in (True, False):
+    for way in ("every layer at once", "each layer in one call", "module by module"):
         for layer, linears in zip(model.model.layers, wholes):
-            layer.whole = linears if on else None
+            layer.whole = None if way == "module by module" else linears
+        fits.layers = alike if way == "every layer at once" else []
         calls.clear()
         runs.append(steps(model, [5, 17, 3, 88, 41, 9, 60, 2, 33], [[7, 19, 23, 71], [4], [8, 50, 6]]))
-        assert calls == ([(2, t, 128) for t in (4, 1, 3) for _ in wholes] if on else [])
-    (got, got_cache), (want, want_cache) = runs
-    assert all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in zip(got, want))
-    for a, b in zip(got_cache.cache.layers, want_cache.cache.layers):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        at_once = way == "every layer at once" and alike
+        assert calls == ([] if way == "module by module" else [("every", (2, t, 128)) for t in (4, 1, 3)] if at_once else
+                         [(2, t, 128) for t in (4, 1, 3) for _ in wholes]), way
+    *got, (want, want_cache) = runs
+    for logits, cache in got:
+        assert all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in zip(logits, want))
+        for a, b in zip(cache.cache.layers, want_cache.cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_hooked_layer_has_the_step_run_layer_by_layer(monkeypatch):
+    """Where every layer runs at the first, the later ones' forwards pass its output on: a hook on one (a user's probe)
+    has the step run layer by layer instead, so it sees that layer's own output, and the logits stay the same."""
+    model = packed(tiny("llama", torch.float32), True, monkeypatch)
+    fits, alike = model.model.layers[0].fits, list(model.model.layers[0].fits.layers)
+    assert alike
+    seen = {True: [], False: []}
+    for every in (True, False):
+        fits.layers = alike if every else []
+        handle = model.model.layers[1].register_forward_hook(lambda module, args, out, every=every: seen[every].append(out.clone()))
+        got = steps(model, [5, 17, 3, 88, 41], [[7, 19, 23], [4]])[0]
+        handle.remove()
+        want = steps(model, [5, 17, 3, 88, 41], [[7, 19, 23], [4]])[0]  # unhooked
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(seen[True]) == 3 and all(torch.equal(a, b) for a, b in zip(seen[True], seen[False]))
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])

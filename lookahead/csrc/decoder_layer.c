@@ -76,3 +76,9 @@ int decoder_layer(const uint16_t *x, uint16_t *out, uint16_t *both, const Role *
     return layer(&BF16_LAYER, x, out, both, qkv, o, gate_up, down, norms, act, cos, sin, cs, keys, values, kvs, held, mask, ms, B, T, H,
                  G, D, scale, threads);
 }
+
+/* decoder_layer.h's layers, bf16: a step's every layer (each with a down product) in one call */
+int decoder_layers(const uint16_t *x, uint16_t *out, int n, const Layer *ls, const uint16_t *cos, const uint16_t *sin, long cs,
+                   const uint16_t *mask, const long *ms, int B, int T, int held, int threads) {
+    return layers(&BF16_LAYER, x, out, n, ls, cos, sin, cs, mask, ms, B, T, held, threads);
+}

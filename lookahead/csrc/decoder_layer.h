@@ -133,3 +133,36 @@ done:
     free(xn);
     return failed;
 }
+
+/* one layer of a step's every layer in one call (layers, below): its constants as decoder_layer takes them, and its
+   cache's buffers (B, G, capacity, D) and their strides (batch, head, key) */
+typedef struct {
+    const Role *qkv, *o, *gate_up, *down;
+    const Norm *norms;
+    int act, H, G, D;
+    float scale;
+    void *keys, *values;
+    long kvs[3];
+} Layer;
+
+/* x (B, T, E) through n layers in order, each as `layer` (the same bits), each one's output the next one's input,
+   the last one's into out; every layer's cache holds `held` columns before the step. What a step's layers cost
+   between their kernels when Python calls them one by one (each layer's checks, its cache's room, the call's
+   arguments, cold after the kernels before it) is then paid once. 0, or 1 where a kernel could not allocate. */
+static int layers(const Dtype *t, const void *x, void *out, int n, const Layer *ls, const void *cos, const void *sin, long cs,
+                  const void *mask, const long *ms, int B, int T, int held, int threads) {
+    char *other = n > 1 ? malloc(t->size * (size_t)B * T * ls[0].qkv->part[0].k) : NULL;
+    if (n > 1 && !other) return 1;
+    const void *in = x;
+    int failed = 0;
+    for (int i = 0; i < n && !failed; i++) {
+        void *to = (n - 1 - i) % 2 ? other : out; /* the last layer's into out */
+        const Layer *l = &ls[i];
+        failed = layer(t, in, to, NULL, l->qkv, l->o, l->gate_up, l->down, l->norms, l->act, cos, sin, cs, l->keys, l->values, l->kvs,
+                       held, mask, ms, B, T, l->H, l->G, l->D, l->scale, threads);
+        in = to;
+    }
+    free(other);
+    return failed;
+}
+

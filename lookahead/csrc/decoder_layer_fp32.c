@@ -59,3 +59,9 @@ int decoder_layer_fp32(const float *x, float *out, float *both, const Role *qkv,
     return layer(&FP32_LAYER, x, out, both, qkv, o, gate_up, down, norms, act, cos, sin, cs, keys, values, kvs, held, mask, ms, B, T, H,
                  G, D, scale, threads);
 }
+
+/* decoder_layer.h's layers, fp32: a step's every layer (each with a down product) in one call */
+int decoder_layers_fp32(const float *x, float *out, int n, const Layer *ls, const float *cos, const float *sin, long cs,
+                        const float *mask, const long *ms, int B, int T, int held, int threads) {
+    return layers(&FP32_LAYER, x, out, n, ls, cos, sin, cs, mask, ms, B, T, held, threads);
+}
