@@ -186,8 +186,11 @@ def reserve(cache: Cache, layer_idx: int, rows: int, shape: tuple[int, int, int]
     buffers' first three strides (``native.Longs``, made once a buffer); None, with nothing done, where that layer is not
     ``reservable``."""
     layer = reservable(cache, layer_idx, shape, dtype, held)
-    if layer is None:
-        return None
+    return None if layer is None else room(layer, rows)
+
+
+def room(layer: GrowingLayer, rows: int) -> tuple[torch.Tensor, torch.Tensor, int, ctypes.Array]:
+    """``reserve``'s room in a layer ``reservable`` found."""
     start = layer.reserve(rows, layer._key_view, layer._value_view)
     if layer._strides is None or layer._strides[1] is not layer._keys:  # a new buffer (keys and values: alike)
         layer._strides = (native.Longs(*layer._keys.stride()[:3]), layer._keys)

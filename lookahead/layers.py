@@ -191,8 +191,7 @@ class FusedLayer(nn.Module):
         found = [kv.reservable(cache, layer.layer_idx, (b, layer.heads[1], layer.head_dim), x.dtype, held) for layer in layers]
         if any(room is None for room in found) or len({room.get_seq_length() for room in found}) != 1:  # each holds as many
             return None
-        rooms = [kv.reserve(cache, layer.layer_idx, t, (b, layer.heads[1], layer.head_dim), x.dtype, held) for layer in layers]
-        return self.fits.every(x, self.fits.constants, rooms)
+        return self.fits.every(x, self.fits.constants, [kv.room(layer, t) for layer in found])
 
 
 def _activation(act: Callable) -> str | None:
