@@ -108,7 +108,6 @@ def _move_arguments(tensors: list[torch.Tensor]) -> tuple | None:
     return lib, pointers, strides, len(tensors), tensors[0].element_size(), b, h, d
 
 
-
 class GGUFRows:
     """A GGUF table's rows (``raw``: (V, bytes a row) of type ``kind``, k values a row) looked up in one call of ours
     (``csrc/gguf_rows.c``): what ``quants.from_blocks(raw[ids], ...).dequantize().to(dtype)`` gives, bit for bit. The

@@ -293,7 +293,7 @@ class QuantEmbedding(nn.Module):
     a 150k-token table is ~1 GB dense in fp32, and decoding all of it at each load took ~3 s.
 
     The legacy types (``native.GGUF_ROWS``) decode every row looked up in one call of ours where our kernels are loaded
-    (``host_kernels.gguf_rows``: SmolLM2's Q8_0 rows a step ~0.16 -> ~0.05 ms, Xeon m167). Others, or without our
+    (``host_kernels.GGUFRows``: SmolLM2's Q8_0 rows a step ~0.14 -> ~0.05 ms, Xeon m167). Others, or without our
     kernels, decode through ``from_blocks``, ~0.14 ms a row of SmolLM2's ~5.5 ms one-row forward (Zen 4): there a
     step's few rows are kept once decoded (the last ``KEPT`` tokens a step met, ~10-25 MB), since a step's tokens are
     mostly ones met before. Each row is the same elementwise arithmetic however it is looked up: the same bits."""
