@@ -9,26 +9,13 @@
        Q5_0  d, a 32-bit word of fifth bits, 16 bytes    (q | bit j << 4) - 16
        Q5_1  d, m, the fifth bits, 16 bytes      q | bit j << 4 (+ m) */
 
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
-enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 };
+#define F16C __attribute__((target("f16c"))) /* every tier's CPU has it (native.TIERS); the AVX2 flags do not say so */
 
-static float half(uint16_t h) { /* fp16 -> fp32, exactly (numpy's astype) */
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = h >> 10 & 0x1F;
-    uint32_t man = h & 0x3FF, bits;
-    if (exponent == 0x1F) bits = sign | 0x7F800000 | man << 13; /* inf, NaN */
-    else if (exponent) bits = sign | (exponent + 112) << 23 | man << 13;
-    else if (!man) bits = sign;
-    else { /* subnormal: normalised */
-        uint32_t e = 113;
-        while (!(man & 0x400)) man <<= 1, e--;
-        bits = sign | e << 23 | (man & 0x3FF) << 13;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 };
 
 static uint16_t u16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 
@@ -41,26 +28,19 @@ static uint16_t bf16(float f) { /* rounded to nearest even, as torch's .to(torch
 
 /* out (n, k), fp32 or (bf16) rounded to bf16 = rows ids[0 .. n) of raw, V rows each `bytes` long, of type kind; k a
    multiple of 32. -1, or the first id outside [0, V) (then nothing is written) */
-long gguf_rows(const uint8_t *raw, long bytes, long V, const int64_t *ids, int n, int k, int kind, void *out, int to_bf16) {
-    static const int size[] = {34, 18, 20, 22, 24};
+F16C long gguf_rows(const uint8_t *raw, long bytes, long V, const int64_t *ids, int n, int k, int kind, void *out, int to_bf16) {
+    static const int size[] = {34, 18, 20, 22, 24}, quants[] = {2, 2, 4, 6, 8}, bias[] = {0, 8, 0, 16, 0};
+    const int offset = kind == Q4_1 || kind == Q5_1, fifth = kind == Q5_0 || kind == Q5_1;
     for (int r = 0; r < n; r++)
         if (ids[r] < 0 || ids[r] >= V) return r;
     for (int r = 0; r < n; r++)
         for (int b = 0; b < k / 32; b++) {
-            const uint8_t *block = raw + ids[r] * bytes + (long)b * size[kind];
-            const int offset = kind == Q4_1 || kind == Q5_1;
-            const float d = half(u16(block)), m = offset ? half(u16(block + 2)) : 0.0f;
-            const uint8_t *qs = block + (kind == Q8_0 || kind == Q4_0 ? 2 : kind == Q4_1 ? 4 : kind == Q5_0 ? 6 : 8);
-            const uint32_t high = kind == Q5_0 || kind == Q5_1 ? (uint32_t)u16(qs - 4) | (uint32_t)u16(qs - 2) << 16 : 0;
+            const uint8_t *block = raw + ids[r] * bytes + (long)b * size[kind], *qs = block + quants[kind];
+            const float d = _cvtsh_ss(u16(block)), m = offset ? _cvtsh_ss(u16(block + 2)) : 0.0f; /* fp16 -> fp32: exact */
+            const uint32_t high = fifth ? (uint32_t)u16(qs - 4) | (uint32_t)u16(qs - 2) << 16 : 0;
             const long at = (long)r * k + b * 32;
             for (int j = 0; j < 32; j++) {
-                int q;
-                if (kind == Q8_0) q = (int8_t)qs[j];
-                else {
-                    q = j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4;
-                    if (kind == Q5_0 || kind == Q5_1) q |= (int)(high >> j & 1) << 4;
-                    q -= kind == Q4_0 ? 8 : kind == Q5_0 ? 16 : 0;
-                }
+                const int q = kind == Q8_0 ? (int8_t)qs[j] : ((j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4) | (int)(high >> j & 1) << 4) - bias[kind];
                 float p = (float)q * d;
                 __asm__("" : "+v"(p)); /* rounded before the sum, as numpy does: gcc would contract them into one FMA */
                 p = offset ? p + m : p;
