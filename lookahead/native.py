@@ -220,6 +220,7 @@ def build(directory: Path, tier: str, csrc: Path = CSRC) -> ctypes.CDLL | str:
         "amx_quant_linear": (linear + [ctypes.c_int] * 3, ctypes.c_int),  # 1: out of memory
         "int_linear": (linear + [ctypes.c_int] * 5, ctypes.c_int),  # ... offsets, scaling, threads, l2, bf16; 1: out of memory
         "amx_int_linear": (linear + [ctypes.c_int] * 5, ctypes.c_int),  # the same; 2: no AMX-INT8 tiles here
+        "int_tile_rows": ([ctypes.c_int], ctypes.c_int),  # threads -> the rows from which int_linear takes tiles (INT_MAX: never)
         **{name: ([ctypes.c_void_p, Longs, ctypes.c_void_p, ctypes.c_void_p, Longs, ctypes.c_void_p, Longs, ctypes.c_void_p]
                   + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int], ctypes.c_int) for name in ATTENTIONS.values()},  # 1: out of memory
         "rms_norm": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2, None),

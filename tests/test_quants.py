@@ -256,7 +256,7 @@ TILES = INTEGER and native.has("amx_int_linear") and "amx_int8" in native.cpu.fl
 @pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q5_K", "Q3_K", "Q4_0", *NEW])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_amx_tiles_give_the_registers_bits_for_every_row_at_every_row_count(kind, dtype):
-    """AMX-INT8 tiles (``amx_int_linear``: every call on tiles; ``int_linear`` takes them from 192 rows) make the
+    """AMX-INT8 tiles (``amx_int_linear``: every call on tiles; ``int_linear`` takes them from the rows it measured) make the
     integer sums vpdpbusd makes and scale them in the same fp32 chain: every row of an M-row product on tiles, M = 1
     .. 40, equals that row alone on the registers' path, bit for bit (nibbles, int8 and 6-bit planes, groups of 16
     and 32, an odd block of 16 columns at the end)."""
@@ -271,6 +271,15 @@ def test_the_amx_tiles_give_the_registers_bits_for_every_row_at_every_row_count(
         tiles = torch.empty(m, 80, dtype=dtype)
         assert linear.into(x[:m].contiguous(), tiles, native.library().amx_int_linear) == 0
         assert torch.equal(tiles, alone[:m]) and torch.equal(linear(x[:m]), alone[:m]), m
+
+
+@pytest.mark.skipif(not TILES, reason="no AMX-INT8 tiles here (an Intel Sapphire Rapids or later, and Linux's leave)")
+def test_the_integer_linear_takes_tiles_from_the_rows_it_measured_here():
+    """Where tiles pay is the CPU's (from 24 rows on one Xeon, ~192 on another): ``int_linear`` times both ways once a
+    process and takes tiles from the fewest rows where they won; its answer is one of the rows it timed, or never."""
+    rows = native.library().int_tile_rows(2)
+    assert rows in (24, 32, 48, 64, 96, 128, 192, 256, 2 ** 31 - 1)
+    assert native.library().int_tile_rows(1) == rows  # measured once a process
 
 
 @needs_integer

@@ -39,11 +39,13 @@
 
 #include <cpuid.h>
 #include <immintrin.h>
+#include <limits.h>
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")))
 
@@ -244,9 +246,6 @@ static const RowsBlock rows_blocks[3][2][MAX_ROWS] = {{ROWS_OF(NIBBLES, 4), ROWS
    the bias taken off), however many rows read them. */
 
 #define TILES __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,amx-tile,amx-int8")))
-#define TILE_ROWS 192 /* int_linear runs calls of this many rows or more (long prefills) on tiles where they can: the
-                          1.5B's products on the 2-core Xeon (Emerald Rapids), tiles against registers, 16 rows 201 / 158 ms,
-                          128 rows 1116 / 1058, 192 rows 960 / 1054, 256 rows 1283 / 1363 */
 
 int amx_init(void); /* amx_linear.c: 1 where Linux lets this process use AMX tiles */
 
@@ -420,13 +419,61 @@ TILES static int integer_linear(const void *x, const char *packed, const float *
     return 0;
 }
 
-/* x (m, k) W^T (+ b): calls of TILE_ROWS rows or more on AMX tiles where this process may use them, the rest 8 rows
-   at a time in registers: the same bits either way */
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static const int tile_candidates[] = {24, 32, 48, 64, 96, 128, 192, 256};
+#define CANDIDATES (int)(sizeof tile_candidates / sizeof *tile_candidates)
+
+/* The fewest rows from which int_linear runs a call on tiles (INT_MAX: never), measured once a process on the
+   threads of its first call that could take them: what tiles cost against the registers is the CPU's. A model's
+   products, tiles / registers, on a Xeon (m167): the 1.5B (Q4_K, Q6_K) 24 rows 130 / 139 ms, 128 rows 467 / 587,
+   SmolLM2 (Q8_0) 24 rows 13.0 / 17.3, 64 rows 26.4 / 37.1, the 0.5B 24 rows 44.6 / 56.4; at 16 rows the kinds
+   disagree (the 1.5B 99 / 84, the 0.5B 33.9 / 36.1), so 24 rows are the fewest tried. On an Emerald Rapids VM: the
+   1.5B 16 rows 201 / 158, 128 rows 1116 / 1058, 192 rows 960 / 1054. Each candidate's rows are timed both
+   ways (the fastest of 3, interleaved) on a 1024 x 1024 product of int8 blocks whose every byte is 0x3C (fp32 scales
+   of 0.0115, normal); the answer is the smallest from which the tiles won at every larger one. The same bits either
+   way, so nothing but speed rides on it. */
+static int tiles_from(int threads, int l2) {
+    static int rows = 0;
+    if (rows) return rows;
+    if (!tiles_ready()) return rows = INT_MAX;
+    const int n = 1024, k = 1024, most = tile_candidates[CANDIDATES - 1];
+    const size_t weights = (size_t)n / 16 * (k / 32) * (64 + 8 * 64);
+    char *packed = malloc(weights);
+    float *x = malloc((size_t)most * k * 4), *y = malloc((size_t)most * n * 4);
+    int from = INT_MAX;
+    if (packed && x && y) {
+        memset(packed, 0x3C, weights), memset(x, 0x3C, (size_t)most * k * 4);
+        double best[CANDIDATES][2];
+        for (int c = 0; c < CANDIDATES; c++) best[c][0] = best[c][1] = 1e30;
+        for (int round = 0; round < 3; round++)
+            for (int c = 0; c < CANDIDATES; c++)
+                for (int tiles = 0; tiles < 2; tiles++) {
+                    const double start = seconds();
+                    integer_linear(x, packed, 0, y, tile_candidates[c], n, k, 8, 32, 0, GROUPS, threads, l2, 0, tiles);
+                    const double took = seconds() - start;
+                    if (took < best[c][tiles]) best[c][tiles] = took;
+                }
+        for (int c = CANDIDATES - 1; c >= 0 && best[c][1] < best[c][0]; c--) from = tile_candidates[c];
+    }
+    free(packed), free(x), free(y);
+    return rows = from;
+}
+
+/* x (m, k) W^T (+ b): calls of tiles_from rows or more on AMX tiles where this process may use them, the rest 8
+   rows at a time in registers: the same bits either way */
 int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits, int group,
                int offsets, int scaling, int threads, int l2, int bf16) {
-    const int tiles = m >= TILE_ROWS && tiles_ready();
+    const int tiles = m >= tile_candidates[0] && m >= tiles_from(threads, l2);
     return integer_linear(x, packed, bias, y, m, n, k, bits, group, offsets, scaling, threads, l2, bf16, tiles);
 }
+
+/* the rows from which int_linear takes tiles here, on `threads` threads (INT_MAX: never): tests, benchmarks */
+int int_tile_rows(int threads) { return tiles_from(threads, 1); }
 
 /* int_linear on tiles whatever the rows (tests, benchmarks); 2 where this CPU or process has no AMX-INT8 tiles */
 int amx_int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits, int group,
