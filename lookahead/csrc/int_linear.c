@@ -180,55 +180,59 @@ static inline void prefetch_share(const char *next, size_t block, int lines, int
 
 #define MAX_ROWS 8
 
-/* ROWS (1 .. 8) rows x two blocks of one activation block, straight from the blocks: a unit of each group's quads
+/* ROWS (1 .. 8) rows x two blocks of `blocks` activation blocks, straight from the blocks: a unit of each group's quads
    (an octet of nibbles, two int8 quads, a quartet of 6-bit planes) unpacked in registers and multiplied by every row
    at once, so nothing is stored to be read again; where `next`, the next pair's lines prefetched a few each unit, so
    the memory streams while the rows multiply. One row sums in two chains a block (vpdpbusd's latency): integer sums,
-   so the same whatever the rows. Each group's sums scaled, then the block's, in one order for every row; `kind`, `qs`
-   and `ROWS` constants where it is inlined. w0, w1: the blocks' first group's values, a group's
-   `stride` bytes after the last's; out: the rows' 32 sums, 32 apart. */
-TARGET static inline ALWAYS void rows_block(int kind, int qs, int ROWS, Rows x, int block_index, const char *w0, const char *w1,
-                                            size_t stride, const __m512 *scales, const __m512 *offs, int offsets, float *out,
-                                            const char *next, size_t block, int lines, int l2) {
+   so the same whatever the rows. Each group's sums scaled, then the activation block's, in one order for every row;
+   `kind`, `qs` and `ROWS` constants where it is inlined. w0, w1: the blocks' first group's values, a group's
+   `stride` bytes after the last's (the activation blocks' groups in a row: up to 256 k's a call, so SmolLM2's K of 576,
+   blocks of 64, is three calls a pair, not nine: its products at 1 / 4 rows 2.92 / 3.83 -> 2.76 / 3.50 ms); out: the
+   rows' 32 sums, 32 apart. */
+TARGET static inline ALWAYS void rows_block(int kind, int qs, int ROWS, Rows x, int block_index, int blocks, const char *w0,
+                                            const char *w1, size_t stride, const __m512 *scales, const __m512 *offs, int offsets,
+                                            float *out, const char *next, size_t block, int lines, int l2) {
     const int groups = x.qblock / x.group, unit = kind == SIX ? 4 : 2, bytes = quad_bytes(kind);
-    const int chains = ROWS == 1 ? 2 : 1, units = groups * qs / unit;
+    const int chains = ROWS == 1 ? 2 : 1, units = blocks * groups * qs / unit;
     __m512 p0[MAX_ROWS], p1[MAX_ROWS];
-    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) p0[r] = p1[r] = _mm512_setzero_ps();
     Share share = {0, 0};
-    for (int gl = 0; gl < groups; gl++) {
-        const int g = block_index * groups + gl;
-        const int8_t *xq = x.qx + g * x.group;
-        __m512i sum0[2 * MAX_ROWS], sum1[2 * MAX_ROWS]; /* a row's first chain starts at minus the weights' bias, exactly:
-                                                          no subtraction a group (Q6_K's products 6% faster at 8-16 rows) */
-        _Pragma("GCC unroll 16") for (int c = 0; c < ROWS * chains; c++)
-            sum0[c] = sum1[c] = kind != NIBBLES && c % chains == 0 ? _mm512_set1_epi32(-x.biases[group_at(x, c / chains, g)])
-                                                                   : _mm512_setzero_si512();
-        _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
-            if (next) prefetch_share(next, block, lines, units, &share, l2);
-            __m512i u0[4], u1[4];
-            group_quads(kind, unit, w0 + gl * stride + bytes * q, u0), group_quads(kind, unit, w1 + gl * stride + bytes * q, u1);
-            _Pragma("GCC unroll 4") for (int j = 0; j < unit; j++)
-                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {
-                    const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * (q + j)));
-                    const int c = r * chains + j % chains;
-                    sum0[c] = dot(sum0[c], u0[j], xb), sum1[c] = dot(sum1[c], u1[j], xb);
-                }
+    for (int bb = 0; bb < blocks; bb++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) p0[r] = p1[r] = _mm512_setzero_ps();
+        for (int gl = bb * groups; gl < (bb + 1) * groups; gl++) {
+            const int g = block_index * groups + gl;
+            const int8_t *xq = x.qx + g * x.group;
+            __m512i sum0[2 * MAX_ROWS], sum1[2 * MAX_ROWS]; /* a row's first chain starts at minus the weights' bias, exactly:
+                                                              no subtraction a group (Q6_K's products 6% faster at 8-16 rows) */
+            _Pragma("GCC unroll 16") for (int c = 0; c < ROWS * chains; c++)
+                sum0[c] = sum1[c] = kind != NIBBLES && c % chains == 0 ? _mm512_set1_epi32(-x.biases[group_at(x, c / chains, g)])
+                                                                       : _mm512_setzero_si512();
+            _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
+                if (next) prefetch_share(next, block, lines, units, &share, l2);
+                __m512i u0[4], u1[4];
+                group_quads(kind, unit, w0 + gl * stride + bytes * q, u0), group_quads(kind, unit, w1 + gl * stride + bytes * q, u1);
+                _Pragma("GCC unroll 4") for (int j = 0; j < unit; j++)
+                    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {
+                        const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * (q + j)));
+                        const int c = r * chains + j % chains;
+                        sum0[c] = dot(sum0[c], u0[j], xb), sum1[c] = dot(sum1[c], u1[j], xb);
+                    }
+            }
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {
+                __m512i s0 = sum0[r * chains], s1 = sum1[r * chains];
+                if (chains == 2) s0 = _mm512_add_epi32(s0, sum0[r * chains + 1]), s1 = _mm512_add_epi32(s1, sum1[r * chains + 1]);
+                scale_group(x, r, g, offsets, s0, s1, scales + 2 * gl, offs + 2 * gl, &p0[r], &p1[r]);
+            }
         }
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {
-            __m512i s0 = sum0[r * chains], s1 = sum1[r * chains];
-            if (chains == 2) s0 = _mm512_add_epi32(s0, sum0[r * chains + 1]), s1 = _mm512_add_epi32(s1, sum1[r * chains + 1]);
-            scale_group(x, r, g, offsets, s0, s1, scales + 2 * gl, offs + 2 * gl, &p0[r], &p1[r]);
-        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) add_block(x, r, block_index + bb, p0[r], p1[r], out + 32 * r);
     }
-    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) add_block(x, r, block_index, p0[r], p1[r], out + 32 * r);
 }
-typedef void (*RowsBlock)(Rows, int, const char *, const char *, size_t, const __m512 *, const __m512 *, int, float *,
+typedef void (*RowsBlock)(Rows, int, int, const char *, const char *, size_t, const __m512 *, const __m512 *, int, float *,
                           const char *, size_t, int, int);
-#define ROWS_BLOCK(KIND, QS, ROWS)                                                                                 \
-    TARGET static void rows_##KIND##_##QS##_##ROWS(Rows x, int b, const char *w0, const char *w1, size_t stride,      \
-                                                   const __m512 *s, const __m512 *o, int offsets, float *out,      \
-                                                   const char *next, size_t block, int lines, int l2) {            \
-        rows_block(KIND, QS, ROWS, x, b, w0, w1, stride, s, o, offsets, out, next, block, lines, l2);             \
+#define ROWS_BLOCK(KIND, QS, ROWS)                                                                                   \
+    TARGET static void rows_##KIND##_##QS##_##ROWS(Rows x, int b, int blocks, const char *w0, const char *w1,          \
+                                                   size_t stride, const __m512 *s, const __m512 *o, int offsets,      \
+                                                   float *out, const char *next, size_t block, int lines, int l2) {   \
+        rows_block(KIND, QS, ROWS, x, b, blocks, w0, w1, stride, s, o, offsets, out, next, block, lines, l2);       \
     }
 #define ROWS_BLOCKS(KIND, QS) ROWS_BLOCK(KIND, QS, 1) ROWS_BLOCK(KIND, QS, 2) ROWS_BLOCK(KIND, QS, 3) ROWS_BLOCK(KIND, QS, 4) \
     ROWS_BLOCK(KIND, QS, 5) ROWS_BLOCK(KIND, QS, 6) ROWS_BLOCK(KIND, QS, 7) ROWS_BLOCK(KIND, QS, 8)
@@ -357,7 +361,7 @@ TILES static int integer_linear(const void *x, const char *packed, const float *
     const size_t span = supers ? super_head + per_block * values : per_block * group_bytes; /* an activation block's */
     const size_t first = supers ? super_head : head, stride = supers ? values : group_bytes; /* a group's values: at first + gl stride */
     const size_t block = (size_t)(k / qblock) * span;
-    const int lines = (int)((span + 63) / 64);
+    const int lines = (int)((span + 63) / 64), chunk = 256 / qblock; /* activation blocks a step: 256 k's (the scales' room) */
     _Pragma("omp parallel num_threads(threads)") {
         _Pragma("omp for schedule(static)")
         for (int r = 0; r < m; r++)
@@ -373,13 +377,14 @@ TILES static int integer_linear(const void *x, const char *packed, const float *
             const char *w0 = packed + 2 * q * block, *w1 = 2 * q + 1 < blocks ? w0 + block : w0;
             const char *next = q + 1 < pairs ? w0 + 2 * block : 0;
             memset(out, 0, rows * 32 * 4);
-            for (int b = 0; b < k / qblock; b++) {
+            for (int b = 0; b < k / qblock; b += chunk) {
+                const int nb = k / qblock - b < chunk ? k / qblock - b : chunk; /* activation blocks this step */
                 const size_t start = (size_t)b * span;
                 for (int half = 0; half < 2; half++) {
                     const char *w = (half ? w1 : w0) + start;
                     const __m512 d = supers ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w)) : _mm512_setzero_ps();
                     const __m512 dmin = supers && offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w + 1)) : d;
-                    for (int gl = 0; gl < per_block; gl++) {
+                    for (int gl = 0; gl < nb * per_block; gl++) { /* an activation block's groups follow the last's */
                         if (supers) { /* d sc and -(dmin m): the fp32 scales and offsets quants.py's decoders compute */
                             scales[2 * gl + half] = times(d, w + head + 16 * gl);
                             if (offsets)
@@ -397,13 +402,15 @@ TILES static int integer_linear(const void *x, const char *packed, const float *
                     }
                 }
                 if (tiles)
-                    tiles_block(kind, qs, part, m, b, w0 + start + first, w1 + start + first, stride, scales, offs, offsets, out,
-                                next ? next + start : 0, block, lines, l2, values, tile_sums);
+                    for (int i = 0; i < nb; i++)
+                        tiles_block(kind, qs, part, m, b + i, w0 + start + i * span + first, w1 + start + i * span + first, stride,
+                                    scales + 2 * i * per_block, offs + 2 * i * per_block, offsets, out,
+                                    next ? next + start + i * span : 0, block, lines, l2, values, tile_sums);
                 else
                     for (int r = 0; r < m; r += MAX_ROWS) /* the first rows' pass prefetches; the others read the pair from cache */
                         rows_blocks[kind][qs == 8][(m - r < MAX_ROWS ? m - r : MAX_ROWS) - 1](
-                            from_row(part, r), b, w0 + start + first, w1 + start + first, stride, scales, offs, offsets, out + 32 * r,
-                            r ? 0 : next ? next + start : 0, block, lines, l2);
+                            from_row(part, r), b, nb, w0 + start + first, w1 + start + first, stride, scales, offs, offsets, out + 32 * r,
+                            r ? 0 : next ? next + start : 0, block, nb * lines, l2);
             }
             for (int r = 0; r < m; r++)
                 for (int c = 32 * q; c < 32 * q + 32 && c < n; c += 16) { /* a lone last block's twin is not written */
