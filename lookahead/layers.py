@@ -188,8 +188,8 @@ class FusedLayer(nn.Module):
         if any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers):
             return None
         found = [kv.reservable(cache, layer.layer_idx, (b, layer.heads[1], layer.head_dim), x.dtype, held) for layer in layers]
-        if any(room is None for room in found) or len({room.get_seq_length() for room in found}) != 1:  # each holds as many
-            return None
+        if any(room is None for room in found) or held is None and len({room.get_seq_length() for room in found}) != 1:
+            return None  # each must hold as many (where ``held``, each was checked to)
         return self.fits.every(x, self.fits.constants, [kv.room(layer, t) for layer in found])
 
 
