@@ -432,7 +432,7 @@ static double seconds(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-static const int tile_candidates[] = {24, 32, 48, 64, 96, 128, 192, 256};
+static const int tile_candidates[] = {24, 48, 96, 192};
 #define CANDIDATES (int)(sizeof tile_candidates / sizeof *tile_candidates)
 
 /* The fewest rows from which int_linear runs a call on tiles (INT_MAX: never), measured once a process on the
@@ -440,10 +440,11 @@ static const int tile_candidates[] = {24, 32, 48, 64, 96, 128, 192, 256};
    products, tiles / registers, on a Xeon (m167): the 1.5B (Q4_K, Q6_K) 24 rows 130 / 139 ms, 128 rows 467 / 587,
    SmolLM2 (Q8_0) 24 rows 13.0 / 17.3, 64 rows 26.4 / 37.1, the 0.5B 24 rows 44.6 / 56.4; at 16 rows the kinds
    disagree (the 1.5B 99 / 84, the 0.5B 33.9 / 36.1), so 24 rows are the fewest tried. On an Emerald Rapids VM: the
-   1.5B 16 rows 201 / 158, 128 rows 1116 / 1058, 192 rows 960 / 1054. Each candidate's rows are timed both
-   ways (the fastest of 3, interleaved) on a 1024 x 1024 product of int8 blocks whose every byte is 0x3C (fp32 scales
-   of 0.0115, normal); the answer is the smallest from which the tiles won at every larger one. The same bits either
-   way, so nothing but speed rides on it. */
+   1.5B 16 rows 201 / 158, 128 rows 1116 / 1058, 192 rows 960 / 1054. The candidates' rows are timed both ways in
+   turn (the fastest of 3, interleaved) on a 1024 x 1024 product of int8 blocks whose every byte is 0x3C (fp32 scales
+   of 0.0115, normal), and the first where the tiles won is the answer (the tiles' lead grows with the rows): ~2 ms
+   where that is 24 rows, as here, so a command's first prefill hardly waits. The same bits either way, so nothing but
+   speed rides on it. */
 static int tiles_from(int threads, int l2) {
     static int rows = 0;
     if (rows) return rows;
@@ -455,17 +456,17 @@ static int tiles_from(int threads, int l2) {
     int from = INT_MAX;
     if (packed && x && y) {
         memset(packed, 0x3C, weights), memset(x, 0x3C, (size_t)most * k * 4);
-        double best[CANDIDATES][2];
-        for (int c = 0; c < CANDIDATES; c++) best[c][0] = best[c][1] = 1e30;
-        for (int round = 0; round < 3; round++)
-            for (int c = 0; c < CANDIDATES; c++)
+        for (int c = 0; c < CANDIDATES && from == INT_MAX; c++) {
+            double best[2] = {1e30, 1e30};
+            for (int round = 0; round < 3; round++)
                 for (int tiles = 0; tiles < 2; tiles++) {
                     const double start = seconds();
                     integer_linear(x, packed, 0, y, tile_candidates[c], n, k, 8, 32, 0, GROUPS, threads, l2, 0, tiles);
                     const double took = seconds() - start;
-                    if (took < best[c][tiles]) best[c][tiles] = took;
+                    if (took < best[tiles]) best[tiles] = took;
                 }
-        for (int c = CANDIDATES - 1; c >= 0 && best[c][1] < best[c][0]; c--) from = tile_candidates[c];
+            if (best[1] < best[0]) from = tile_candidates[c];
+        }
     }
     free(packed), free(x), free(y);
     return rows = from;
