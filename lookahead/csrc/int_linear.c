@@ -172,7 +172,7 @@ typedef struct {
 
 /* the next pair's lines of an activation block (`lines` of each of its two blocks, `block` bytes apart), spread
    evenly over `units` steps of the work on it: after step u, lines (u + 1) / units of them, counted as Bresenham
-   counts (a division a step was 3-8% of the products, hot or streamed) */
+   counts (a division a step was 3-10% of the products, hot or streamed) */
 static inline void prefetch_share(const char *next, size_t block, int lines, int units, Share *share, int l2) {
     for (share->due += lines; share->due >= units; share->due -= units, share->line++)
         prefetch(next + 64 * share->line, l2), prefetch(next + block + 64 * share->line, l2);
