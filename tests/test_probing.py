@@ -162,6 +162,16 @@ def test_a_lane_whose_drafting_steps_lose_rests_and_measures_again_now_and_then(
     assert not pace.loses(0.03) and not pace.rests(0.03)
 
 
+def test_a_lane_rests_only_on_a_clear_loss():
+    """A lane's first drafting steps, cold for its text, lose a little and then learn (resting would stop the
+    learning): drafting ~17% slower than plain steps goes on; ~29% slower rests (PACE_MARGIN, 25%)."""
+    for seconds, rests in ((0.036, False), (0.042, True)):
+        pace = Pace()
+        for _ in range(PACE_SAMPLES):
+            pace.update(1, seconds)  # one token a drafting step, against a plain step's 30 ms
+        assert pace.loses(0.03) is rests and pace.rests(0.03) is rests
+
+
 def test_drafting_steps_slower_than_priced_stop_though_the_curve_promises_them(monkeypatch):
     """A curve that never corrects (``live_cost=False``) says a wide step costs 1.05 plain ones (10 ms); here each
     takes 100 ms more, so its ~5 tokens come at half a plain step's pace, a loss past PACE_MARGIN. The lane's pace
