@@ -47,8 +47,7 @@ CALIBRATION_DECAY = 0.95  # a sequence's calibration remembers its last ~20 draf
 CALIBRATION_ASSUMED = 1.0  # ... and starts as if one promised draft token had come (factor 1)
 PACE_DECAY = 0.9  # a lane's pace remembers its last ~10 drafting steps
 PACE_SAMPLES = 8  # drafting steps a lane takes before its pace is judged
-PACE_MARGIN = 0.25  # ... and the share by which they must have lost: a lane's first drafting steps, in a state cold for
-                   # its text, lose by up to ~20% and then learn, unless resting stops the learning (5%: 3-9% slower)
+PACE_MARGIN = 0.25  # ... and the share by which they must have lost: a clear loss only (``Pace`` says why)
 PACE_RETRY = 32  # a lane whose drafting loses drafts once in this many steps, to measure it again
 HOST_DECAY = 0.9  # weight of the past in the host work of a step (that drafted, or not)
 
