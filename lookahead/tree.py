@@ -49,8 +49,12 @@ def merge_drafts(
     its parent's) rises to ``agree_rates[depth - 1]`` (the last one deeper) where that is higher, and its
     descendants' scores follow.
     Returns the kept nodes, depth first, as ``TokenTree``'s fields: tokens, parents (indices into them, -1 = the
-    current token), depths, scores, source bits (K,) each. Raises ValueError on a bad parent index.
+    current token), depths, scores, source bits (K,) each. Raises ValueError on a bad parent index, a negative budget,
+    or a score above its parent's or NaN (the best nodes would not be a tree: a kept node whose parent was not is no
+    row of a step).
     """
+    if budget < 0:
+        raise ValueError("budget must be >= 0, got " + str(budget))
     m = tokens.size
     trie_token = np.empty(m, np.int64)
     trie_parent = np.empty(m, np.int64)
@@ -98,6 +102,11 @@ def merge_drafts(
             if trie_source[j] & agree_bit and trie_source[j] & ~agree_bit:
                 rate = max(rate, agree_rates[min(trie_depth[j], agree_rates.size) - 1])
             trie_score[j] = rate * above
+    for j in range(size):  # drafts' scores never rise along a branch, so neither do the merged ones (nor agreement's)
+        above = 1.0 if trie_parent[j] == NO_PARENT else trie_score[trie_parent[j]]
+        if not trie_score[j] <= above or not trie_score[j] >= 0.0:
+            raise ValueError("merged node " + str(j) + "'s score is not in [0, its parent's score] (a child of the current "
+                             "token's: [0, 1]); scores are probabilities that never rise along a branch")
     # 3. keep the best nodes: score descending, then shallower first, so a parent always precedes its children
     order = np.argsort(-trie_score[:size] + 1e-9 * trie_depth[:size], kind="mergesort")
     keep = order[: min(budget, size)]

@@ -213,7 +213,10 @@ def test_count_tried_matches_the_numpy_reference(seed, size):
     from lookahead.drafting import MAX_DEPTH, RECYCLE, STAT_ROWS, count_tried
     rng = np.random.default_rng(seed)
     parents = np.array([int(rng.integers(-1, i)) for i in range(size)], np.int64)  # parents before children
-    tree = TokenTree.merge(rng.integers(0, 5, size), parents, rng.random(size), rng.integers(1, 1 << len(SOURCES) + 1, size), size)
+    scores = rng.random(size)
+    for i, p in enumerate(parents):  # a score never above its parent's
+        scores[i] *= scores[p] if p >= 0 else 1.0
+    tree = TokenTree.merge(rng.integers(0, 5, size), parents, scores, rng.integers(1, 1 << len(SOURCES) + 1, size), size)
     path, node = [], -1
     while (children := tree.children(node)).size and rng.random() < 0.7:
         node = int(children[0])

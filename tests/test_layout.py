@@ -96,6 +96,15 @@ def test_tree_drops_missing_tokens_with_their_descendants_and_rejects_bad_parent
         TokenTree.merge(np.array([5, 6]), np.array([-1, 1]), np.ones(2), np.ones(2, np.int64), 10)
 
 
+@pytest.mark.parametrize("scores", [[0.5, 0.9], [0.5, np.nan], [1.5, 0.5], [-0.1, 0.0]])
+def test_tree_rejects_scores_that_rise_along_a_branch_or_are_not_probabilities(scores):
+    # the best nodes of such scores are no tree (a kept child of a dropped parent): its layout wrote out of bounds
+    with pytest.raises(ValueError, match="merged node 1's score|merged node 0's score"):
+        TokenTree.merge(np.array([5, 6]), np.array([-1, 0]), np.array(scores), np.ones(2, np.int64), 1)
+    with pytest.raises(ValueError, match="budget must be >= 0, got -1"):
+        TokenTree.merge(np.array([5, 6]), np.array([-1, 0]), np.array([0.5, 0.4]), np.ones(2, np.int64), -1)
+
+
 def test_layout_matches_the_drawn_diagram():
     names, allowed, positions = diagram_from_docstring()
     layout = build_layout(window=3, levels=2, tree=drawn_tree())
