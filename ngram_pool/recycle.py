@@ -125,9 +125,12 @@ def best_template(rank_rates: np.ndarray, size: int, max_depth: int) -> np.ndarr
 def template(rank_rates: np.ndarray, size: int, max_depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The best template of ``size`` nodes for acceptance rates by rank (k,): parents, ranks, depths (K,)."""
     rates = np.ascontiguousarray(rank_rates, dtype=np.float64)
-    if rates.ndim != 1 or ((rates < 0) | (rates > 1)).any():
+    if rates.ndim != 1 or not ((rates >= 0) & (rates <= 1)).all():
         raise ValueError(f"rank_rates must be a 1-D array of probabilities, got {rank_rates!r}")
-    rows = best_template(rates, max(int(size), 0), int(max_depth))
+    for name, value in (("size", size), ("max_depth", max_depth)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    rows = best_template(rates, int(size), int(max_depth))
     return rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
 
 

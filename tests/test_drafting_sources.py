@@ -92,6 +92,15 @@ def expected_acceptance(parents, ranks, rates):
     return sum(score)
 
 
+@pytest.mark.parametrize("args, message", [((np.array([np.nan]), 2, 2), "rank_rates must be a 1-D array of probabilities"),
+                                           ((np.ones(2) / 2, 2.5, 2), "size must be an integer >= 0, got 2.5"),
+                                           ((np.ones(2) / 2, True, 2), "size must be an integer >= 0, got True"),
+                                           ((np.ones(2) / 2, 4, None), "max_depth must be an integer >= 0, got None")])
+def test_template_rejects_what_is_no_rate_or_size(args, message):
+    with pytest.raises(ValueError, match=message):  # a NaN rate went through, a float size was cut to an integer
+        template(*args)
+
+
 @settings(max_examples=60, deadline=None)
 @given(rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3), size=st.integers(0, 6), max_depth=st.integers(1, 4))
 def test_template_is_the_best_tree_of_its_size(rates, size, max_depth):
