@@ -167,6 +167,22 @@ class ChainSource(Protocol):
         """What a step of one or more sequences showed (``DraftState.learn``)."""
 
 
+def checked_chains(source: ChainSource, chains: np.ndarray, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """An extra source's proposal (``ChainSource.propose``) as int64 arrays, or a ValueError naming the source: its rows
+    index the statistics and its tokens go into the model (a row of -9 hung the loop, a token past the vocabulary
+    failed deep in the embedding)."""
+    name, chains, rows = type(source).__name__, np.asarray(chains), np.asarray(rows)
+    if chains.ndim != 2 or chains.size and chains.dtype.kind not in "iu":
+        raise ValueError(f"{name}.propose must give its chains as a 2-D integer array, got {chains.dtype} of shape {chains.shape}")
+    if rows.shape != chains.shape[:1] or rows.size and rows.dtype.kind not in "iu":
+        raise ValueError(f"{name}.propose must give one integer row a chain, got {rows.dtype} of shape {rows.shape} for {chains.shape[0]} chains")
+    if ((rows < 0) | (rows >= len(source.rows))).any():
+        raise ValueError(f"{name}.propose named a statistics row outside [0, {len(source.rows)}) (its rows: {source.rows})")
+    if ((chains < -1) | (chains >= vocab_size)).any():
+        raise ValueError(f"{name}.propose drafted a token outside [0, {vocab_size}) (-1 ends a chain)")
+    return chains.astype(np.int64, copy=False), rows.astype(np.int64, copy=False)
+
+
 class PoolSource:
     """The n-gram pool as a chain source: a request's prompt n-grams when it starts, the Jacobi trajectories and
     the output's n-grams as they come; its rows are where an n-gram came from."""
@@ -283,7 +299,10 @@ class DraftState:
         found = []
         for source, first in self.chains:
             chains, own = source.propose(current, cfg)
-            found.append((chains, first + own if first else own))
+            if first:  # an extra source's rows follow the built-in ones; its proposal is checked (the pool's is ours)
+                chains, own = checked_chains(source, chains, own, self.vocab_size)
+                own = first + own
+            found.append((chains, own))
         if len(found) == 1:
             return found[0]
         stacked = np.full((sum(c.shape[0] for c, _ in found), max(c.shape[1] for c, _ in found)), -1, np.int64)

@@ -284,6 +284,36 @@ def test_a_new_chain_source_is_one_class_merged_scored_and_counted_as_the_pool_i
         DraftState(50, 3, extra=tuple(Oracle([], []) for _ in range(60)))
 
 
+class Broken(Oracle):
+    """A source whose proposal is not what ``ChainSource.propose`` promises."""
+
+    def __init__(self, chains, rows) -> None:
+        super().__init__([], [])
+        self.chains, self.own = chains, rows
+
+    def propose(self, current: int, cfg: LookaheadConfig) -> tuple[np.ndarray, np.ndarray]:
+        return self.chains, self.own
+
+
+@pytest.mark.parametrize("chains, rows, message", [
+    (np.array([[5, 6]]), np.array([-9]), r"Broken.propose named a statistics row outside \[0, 1\)"),  # hung the loop
+    (np.array([[5, 6]]), np.array([1]), r"named a statistics row outside \[0, 1\)"),
+    (np.array([[5, 10**6]]), np.array([0]), r"drafted a token outside \[0, 50\) \(-1 ends a chain\)"),  # failed in the embedding
+    (np.array([[-5, 6]]), np.array([0]), r"drafted a token outside"),
+    (np.array([5, 6]), np.array([0]), r"chains as a 2-D integer array, got int64 of shape \(2,\)"),
+    (np.array([[5.0, 6.0]]), np.array([0]), r"chains as a 2-D integer array, got float64"),
+    (np.array([[5, 6]]), np.array([0, 0]), r"one integer row a chain, got int64 of shape \(2,\) for 1 chains"),
+])
+def test_an_extra_sources_proposal_is_checked_before_it_is_merged(chains, rows, message):
+    cfg = LookaheadConfig(auto=False, window=0, tree_budget=4)
+    state = DraftState.for_config(50, cfg, extra=(Broken(chains, rows),))
+    suffix = state.start([1, 2, 3], cfg)
+    with pytest.raises(ValueError, match=message):
+        state.propose(3, cfg, 4, 8, suffix)
+    good = DraftState.for_config(50, cfg, extra=(Broken(np.array([[5, 6]], np.int32), [0]),))  # any integer type, a list
+    assert 5 in good.propose(3, cfg, 4, 8, good.start([1, 2, 3], cfg)).tokens
+
+
 def test_chains_and_suffix_drafts_are_stacked_with_their_rows_and_bits_whatever_their_layout():
     """``stacked_chains``: the pool's chains (views of its rows: C-contiguous or not by their count) and the suffix
     drafts as one array padded with -1, each with its statistics row and source bits (a match of 3 tokens or more:
