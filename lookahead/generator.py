@@ -222,7 +222,7 @@ class LookaheadGenerator:
         """One request, checked and ready to join a batch (``new_batch``); ``options`` as ``prepare`` takes them.
         ``keys``: an earlier sequence's (``Lane.keys``) or a server's (``RecentKeys``), whose prefix in common with the prompt is not prefilled again
         where that gives the same bits (``reuses_keys``); ``keeps_keys``: the lane's own kept when it finishes."""
-        state.check_fits(self.vocab_size, self.config)
+        self._check_state(state)
         ids, rules = self.prepare(prompt, max_new_tokens, **options)
         prefix = keys.prefix_for(ids) if keys is not None and self.reuses_keys and rules.prompt_logprobs is None else None  # scored: every row
         return Lane(ids, rules, state, streamer, lookahead, prefix=prefix, keeps_keys=keeps_keys)
@@ -302,12 +302,18 @@ class LookaheadGenerator:
         if grown is not None and state is not None:
             state.recycle.fill_empty(grown)
 
+    def _check_state(self, state: DraftState) -> None:
+        """ValueError unless ``state`` is a drafting state this generator can draft from."""
+        if not isinstance(state, DraftState):
+            raise ValueError(f"state must be a DraftState (new_state() or DraftState.load), got {type(state).__name__}")
+        state.check_fits(self.vocab_size, self.config)
+
     def own_state(self, state: DraftState | None = None) -> DraftState:
         """This generator's own drafting state, which calls without ``state=`` share and a server's batch decodes
         with (made on first use); ``state`` (checked to fit) becomes it from now on: a server's saved one, loaded.
         Whoever decodes with it holds ``state_lock``."""
         if state is not None:
-            state.check_fits(self.vocab_size, self.config)
+            self._check_state(state)
             self._state = state
         elif self._state is None:
             self._state = self.new_state()

@@ -82,6 +82,8 @@ def test_a_kept_state_seeds_the_prompt_and_tolerates_foreign_pool_sources():
     assert lane.suffix.tokens.tolist() == prompt + again.tokens  # the request's own suffix source saw all of it
     with pytest.raises(ValueError, match="drafting state is for 4-grams"):
         LookaheadGenerator(model, config=LookaheadConfig(ngram=3)).generate(prompt, max_new_tokens=4, state=state)
+    with pytest.raises(ValueError, match="state must be a DraftState .* got str"):  # was an AttributeError
+        gen.generate(prompt, max_new_tokens=4, state="drafting-state/")
 
 
 def test_calls_without_a_state_share_the_generators_own_and_a_busy_one_is_not_shared():
