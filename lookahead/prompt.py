@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from jinja2 import TemplateError
 
@@ -55,13 +56,18 @@ def check_text(what: str, text: str) -> None:
         raise ValueError(f"{what} holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not text") from None
 
 
-def _ids_from(prompt: list[int] | torch.Tensor) -> list[int]:
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() == 2 and prompt.shape[0] == 1:
+def _ids_from(prompt: list[int] | torch.Tensor | np.ndarray) -> list[int]:
+    """The ids of a prompt given as ids: a list (or tuple) of ints, or a 1-D or (1, L) integer tensor or array (what a
+    tokenizer returns with ``return_tensors="pt"`` or ``"np"``)."""
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        shape = tuple(prompt.shape)
+        if len(shape) == 2 and shape[0] == 1:
             prompt = prompt[0]
-        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.dtype == torch.bool:
-            raise ValueError(f"input_ids must be a 1-D or (1, L) integer tensor, got {tuple(prompt.shape)} {prompt.dtype}")
+        integer = prompt.dtype.kind in "iu" if isinstance(prompt, np.ndarray) else \
+            not (prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool)
+        if prompt.ndim != 1 or not integer:
+            raise ValueError(f"input_ids must be a 1-D or (1, L) integer tensor or array, got {shape} {prompt.dtype}")
         return prompt.tolist()
-    if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise ValueError("input_ids must be a list of ints, a LongTensor, or a text prompt")
-    return list(prompt)
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+        raise ValueError("input_ids must be a list of ints, an integer tensor or array, or a text prompt")
+    return [int(t) for t in prompt]

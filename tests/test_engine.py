@@ -217,6 +217,18 @@ def test_bad_generate_inputs_raise_value_errors():
         gen.generate(torch.tensor([1.0, 2.0]), max_new_tokens=4)
     with pytest.raises(ValueError, match="list of ints"):
         gen.generate([1, "2"], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"integer tensor or array, got \(2, 2\) int64"):
+        gen.generate(np.array([[1, 2], [3, 4]]), max_new_tokens=4)
+    with pytest.raises(ValueError, match="integer tensor or array, got \\(2,\\) float64"):
+        gen.generate(np.array([1.0, 2.0]), max_new_tokens=4)
+
+
+def test_a_prompt_of_ids_may_be_a_list_a_tensor_or_an_array():
+    gen = LookaheadGenerator(tiny_llama())
+    ids = [5, 6, 7]  # a tokenizer's ids with return_tensors="np" (refused before), a list of numpy's ints: as a list of ints
+    expected = gen.generate(ids, max_new_tokens=4, state=gen.new_state()).tokens
+    for given in (np.array([ids]), np.array(ids, np.int32), list(np.array(ids)), torch.tensor([ids]), tuple(ids)):
+        assert gen.generate(given, max_new_tokens=4, state=gen.new_state()).tokens == expected
 
 
 def test_a_system_message_without_chat_is_refused():
