@@ -224,6 +224,11 @@ class DraftState:
         pool = PoolSource(NGramPool(vocab_size, ngram, pool_slots, sparse=sparse))
         self.chains: list[tuple[ChainSource, int]] = [(pool, 0)]  # each with its first statistics row
         for source in extra:
+            rows = getattr(source, "rows", None)
+            if not all(callable(getattr(source, name, None)) for name in ("start", "propose", "learn")) \
+                    or not isinstance(rows, tuple) or not rows or not all(isinstance(row, str) for row in rows):
+                raise ValueError(f"an extra source is a ChainSource (start, propose, learn, and its statistics rows: a tuple "
+                                 f"of names), got {type(source).__name__}")
             self.chains.append((source, STAT_ROWS + sum(len(s.rows) for s, _ in self.chains[1:])))
         # bit i of a node's ``sources`` and statistics row i: its name (None: a row with no source of its own)
         self.names = SOURCES + (None, None) + tuple(row for source in extra for row in source.rows)

@@ -50,6 +50,13 @@ class LookaheadGenerator:
                  cost: CostCurve | None = None, cache_dir: Path | None = None, progress: models.Progress = quiet) -> None:
         """``cost``: this machine's forward-cost curve for ``config.auto`` (default: measured at first use and
         cached under ``cache_dir``, see ``probing.py``)."""
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise ValueError(f"model must be a loaded transformers causal LM (lookahead.models.load, or "
+                             f"AutoModelForCausalLM.from_pretrained), got {type(model).__name__}")
+        if tokenizer is not None and not (callable(tokenizer) and hasattr(tokenizer, "decode")):
+            raise ValueError(f"tokenizer must be None or a transformers tokenizer, got {type(tokenizer).__name__}")
+        if config is not None and not isinstance(config, LookaheadConfig):
+            raise ValueError(f"config must be None or a LookaheadConfig, got {type(config).__name__}")
         self.model, self.tokenizer = model, tokenizer
         self.config = config or LookaheadConfig()
         self._cost, self._cache_dir, self._progress = cost, cache_dir, progress

@@ -282,6 +282,8 @@ def test_a_new_chain_source_is_one_class_merged_scored_and_counted_as_the_pool_i
     assert state.hits[oracle_row, 0] == state.tried[oracle_row, 0] > 0 and state.rates()[oracle_row, 0] > 0.5 > state.assumed[oracle_row, 0]
     with pytest.raises(ValueError, match="63 at most"):
         DraftState(50, 3, extra=tuple(Oracle([], []) for _ in range(60)))
+    with pytest.raises(ValueError, match="an extra source is a ChainSource .* got object"):  # an AttributeError before
+        DraftState(50, 3, extra=(object(),))
 
 
 class Broken(Oracle):

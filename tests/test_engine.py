@@ -223,6 +223,15 @@ def test_bad_generate_inputs_raise_value_errors():
         gen.generate(np.array([1.0, 2.0]), max_new_tokens=4)
 
 
+def test_a_generator_refuses_what_is_no_model_tokenizer_or_config():
+    model = tiny_llama()
+    for args, message in ((("smollm2-135m",), "model must be a loaded transformers causal LM .* got str"),
+                          ((model, 5), "tokenizer must be None or a transformers tokenizer, got int"),
+                          ((model, None, {"tree_budget": 4}), "config must be None or a LookaheadConfig, got dict")):
+        with pytest.raises(ValueError, match=message):  # AttributeErrors before, or (a config) accepted until the first step
+            LookaheadGenerator(*args)
+
+
 def test_a_prompt_of_ids_may_be_a_list_a_tensor_or_an_array():
     gen = LookaheadGenerator(tiny_llama())
     ids = [5, 6, 7]  # a tokenizer's ids with return_tensors="np" (refused before), a list of numpy's ints: as a list of ints
