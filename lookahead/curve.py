@@ -44,6 +44,10 @@ class CostCurve:
             r = r * np.interp(t / batch, widths, factor) ** (np.log(batch) / np.log(BATCH))
         return r if r.ndim else float(r)
 
+    def widths(self, widest: int, batch: int = 1) -> np.ndarray:
+        """(widest,) ``ratio`` at B x T rows for T = 1 .. widest, B = ``batch``: a step's widths, as ``planner.plan`` prices them."""
+        return np.asarray(self.ratio(batch * np.arange(1, widest + 1), batch), np.float64)
+
     @classmethod
     def from_json(cls, text: str) -> "CostCurve":
         """ValueError unless ``text`` is a curve written by ``to_json`` with sane values."""

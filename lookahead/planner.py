@@ -21,6 +21,7 @@ against what came: a lane whose drafting steps, whole, give fewer tokens a secon
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ PACE_SAMPLES = 8  # drafting steps a lane takes before its pace is judged
 PACE_MARGIN = 0.25  # ... and the share by which they must have lost: a clear loss only (``Pace`` says why)
 PACE_RETRY = 32  # a lane whose drafting loses drafts once in this many steps, to measure it again
 HOST_DECAY = 0.9  # weight of the past in the host work of a step (that drafted, or not)
+NO_CELLS, NO_SCALES = np.zeros(0, np.int64), np.zeros(0)  # ``corrected_ratios``' arguments where no cell is observed
 
 
 class LiveCurve:
@@ -171,6 +173,15 @@ class LiveCurve:
         r = np.maximum(1.0, probed * np.exp(self._near(batch, t) - self._near(1, 1)))
         return r if np.ndim(r) else float(r)
 
+    def widths(self, widest: int, batch: int = 1) -> np.ndarray:
+        """(widest,) ``ratio`` at B x T rows for T = 1 .. widest, B = ``batch``: what ``plan`` prices a step's widths by,
+        in one kernel (``ratio``'s numpy over them was ~30 us of a SmolLM2 step's plan, cold after the forward)."""
+        probed, _ = self._table(batch, batch * widest)
+        if not self.log_scale:
+            return corrected_ratios(probed, NO_CELLS, NO_SCALES, 0.0, batch, widest)
+        base = self._near(1, 1)  # (and ``_scales``, made where they were not)
+        return corrected_ratios(probed, self._nearest_table(batch, batch * widest), self._scales, base, batch, widest)
+
     def _table(self, batch: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """For ``batch`` sequences and 1, 2, ... (at least ``rows``) rows: the probed r, and the index of the
         probed size nearest each (its cell), computed once and grown by doubling."""
@@ -245,28 +256,26 @@ def plan(curve: CostCurve | LiveCurve, trees: list[TokenTree], window_rows: list
     ``explore``: the best step that drafts, even where plain is expected to be better (to re-measure a width
     the live curve has kept off; plain when nothing is drafted). ``host``: what a step that drafts costs beyond
     its forward, in plain steps (added to every width beyond one). Every width at once, in one kernel
-    (``best_widths``): numpy over the widths was ~0.13 ms of a SmolLM2 step's host work, right after a forward
-    that left every cache line it touches cold."""
+    (``best_widths``; the widths' prices in another, ``widths``): numpy over the widths was ~0.13 ms of a SmolLM2
+    step's host work, right after a forward that left every cache line it touches cold, and the numpy left around
+    the kernel ~0.08 ms a call."""
     b = len(trees)
-    sizes = np.array([len(tree) for tree in trees], np.int64)
-    rows = np.asarray(window_rows, np.int64)
-    widest = int((sizes + 1 + rows).max())
-    ratios = np.asarray(curve.ratio(b * np.arange(1, widest + 1), b), np.float64)  # (widest,): r(B x T) at T = 1 .. widest
-    ratios[1:] += host
+    sizes = [len(tree) for tree in trees]
+    widest = max(size + 1 + rows for size, rows in zip(sizes, window_rows))
     scores = trees[0].scores if b == 1 else np.concatenate([tree.scores for tree in trees])
-    nodes, window, gains, width = best_widths(np.asarray(scores, np.float64), np.concatenate([[0], np.cumsum(sizes)]),
-                                              np.asarray(factors or [1.0] * b, np.float64), rows,
-                                              np.asarray(window_values, np.float64), ratios, explore)
-    value = float((1 + gains).sum() / ratios[width] / b)
-    return [Choice(int(n), bool(w), value, 1 + float(g), float(ratios[width])) for n, w, g in zip(nodes, window, gains)]
+    nodes, window, gains, value, ratio = best_widths(
+        np.asarray(scores, np.float64), np.array([0, *itertools.accumulate(sizes)], np.int64), np.array(factors or [1.0] * b, np.float64),
+        np.array(window_rows, np.int64), np.array(window_values, np.float64), curve.widths(widest, b), host, explore)
+    return [Choice(n, w, value, 1 + g, ratio) for n, w, g in zip(nodes.tolist(), window.tolist(), gains.tolist())]
 
 
 @njit(cache=True)
 def best_widths(scores: np.ndarray, bounds: np.ndarray, factors: np.ndarray, rows: np.ndarray, worths: np.ndarray,
-                ratios: np.ndarray, explore: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+                ratios: np.ndarray, host: float, explore: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
     """``plan``'s rule: sequence b's node scores are ``scores[bounds[b]:bounds[b + 1]]``, its Jacobi branch ``rows[b]``
-    rows worth ``worths[b]`` tokens; ``ratios`` (widest,) r(B x T) for T = 1 .. widest. Returns each sequence's nodes,
-    whether its branch runs and the tokens they gain, at the best width, and that width's index."""
+    rows worth ``worths[b]`` tokens; ``ratios`` (widest,) r(B x T) for T = 1 .. widest, ``host`` added beyond T = 1.
+    Returns each sequence's nodes, whether its branch runs and the tokens they gain, at the best width; that width's
+    value (tokens a sequence per cost) and its cost."""
     b_count, widest = bounds.size - 1, ratios.size
     gains = np.zeros(scores.size + b_count)  # S_b(k) for k = 0 .. n_b, sequence b's from bounds[b] + b
     for b in range(b_count):
@@ -274,11 +283,13 @@ def best_widths(scores: np.ndarray, bounds: np.ndarray, factors: np.ndarray, row
         at = bounds[b] + b
         for i in range(ranked.size):
             gains[at + i + 1] = gains[at + i] + min(ranked[i] * factors[b], 1.0)
+    costs = ratios.copy()
+    costs[1:] += host
     values = np.zeros(widest)
     for b in range(b_count):
         for extra in range(widest):  # rows beyond the current token
             values[extra] += 1.0 + _fill(gains, bounds, rows, worths, b, extra)[2]
-    values /= ratios
+    values /= costs
     if explore and widest > 1:
         values[0] = -np.inf  # exploring: plain (width 1) is not a candidate
     best, top = 0, values.max()
@@ -287,13 +298,26 @@ def best_widths(scores: np.ndarray, bounds: np.ndarray, factors: np.ndarray, row
     nodes, window, gained = np.zeros(b_count, np.int64), np.zeros(b_count, np.bool_), np.zeros(b_count)
     for b in range(b_count):
         nodes[b], window[b], gained[b] = _fill(gains, bounds, rows, worths, b, best)
-    return nodes, window, gained, best
+    return nodes, window, gained, values[best] / b_count, costs[best]
+
+
+@njit(cache=True)
+def corrected_ratios(probed: np.ndarray, nearest: np.ndarray, scales: np.ndarray, base: float, batch: int, widest: int) -> np.ndarray:
+    """(widest,) ``LiveCurve.ratio`` at B x T rows for T = 1 .. widest, B = ``batch``: the probed r (``probed[rows - 1]``)
+    times exp(its nearest observed cell's correction (``scales[nearest[rows - 1]]``) - ``base``), at least 1; ``scales``
+    empty: none observed, the probe's r."""
+    out = np.empty(widest)
+    for i in range(widest):
+        t = batch * (i + 1) - 1
+        out[i] = max(1.0, probed[t] * math.exp(scales[nearest[t]] - base) if scales.size else probed[t])
+    return out
 
 
 def warm_up() -> None:
     """Compile (or load from numba's on-disk cache) ``best_widths`` once per process, at load time, as the drafting
     kernels are (``DraftState.warm_up``): a fresh install's first drafting step would otherwise compile it."""
-    best_widths(np.ones(1), np.array([0, 1]), np.ones(1), np.ones(1, np.int64), np.ones(1), np.ones(2), False)
+    best_widths(np.ones(1), np.array([0, 1]), np.ones(1), np.ones(1, np.int64), np.ones(1), np.ones(2), 0.0, False)
+    corrected_ratios(np.ones(2), np.zeros(2, np.int64), np.zeros(1), 0.0, 1, 2)
 
 
 @njit(cache=True)
@@ -496,7 +520,8 @@ class Planner:
                 continue
             if m.promise is not None:  # it drafted
                 m.ledger.pace.update(len(m.new), whole)
-            m.ledger.worth.update(int((m.tree.sources[m.verdict.path] == 1 << TRAJECTORY).sum()), m.levels > 0)
+            path = m.verdict.path
+            m.ledger.worth.update(int((m.tree.sources[path] == 1 << TRAJECTORY).sum()) if path else 0, m.levels > 0)
             if not len(m.tree) and len(m.proposed):  # judged once its tokens have come
                 m.ledger.declined.append((m.proposed, len(out) - len(m.new)))
             verified = [(float(m.tree.scores.sum()), len(m.verdict.path))] if len(m.tree) else []
