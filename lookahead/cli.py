@@ -287,6 +287,7 @@ def tune(model_spec, dtype, device, kernels, weights, cache_dir, plot) -> None:
         _check_plot(plot)  # before a minute of measuring
     curves = {}
     try:
+        device = models.device_of(device)
         pairs = probing.choices(model_spec, dtype, weights, kernels, device, cache_dir, _progress, dense=True)
         for name, mode in pairs:
             model, _ = models.load(model_spec, dtype=name, device=device, cache_dir=cache_dir, progress=_progress, kernels=kernels,

@@ -117,7 +117,7 @@ class LookaheadGenerator:
         "gguf" runs a GGUF model on its own quantized blocks (with packed kernels; ``dtype`` is then the
         activations'), "q8" quantizes any model's linears to Q8_0 once, "dense" runs the dequantized weights,
         "auto" is "gguf" for a GGUF model where our quantized kernel runs, else "dense"."""
-        cache_dir = cache_dir or models.default_cache_dir()
+        cache_dir, device = cache_dir or models.default_cache_dir(), models.device_of(device)
         loaded = None
         if dtype == "auto":
             dtype, weights, loaded = fastest(spec, device, cache_dir, progress, kernels, weights, dtype)

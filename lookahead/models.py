@@ -317,6 +317,27 @@ def resolve(spec: str, cache_dir: Path, progress: Progress = quiet) -> str:
     return spec
 
 
+def device_of(spec: str) -> str:
+    """``spec`` as the device a model is put on: "cpu" for any CPU device (our kernels, the cost curves' cache and the
+    CLI's checks know it by that name), else torch's name for one this process can use; a ``ModelLoadError`` for a
+    name torch does not know, a device type this PyTorch build or machine lacks (a CUDA device on the CPU wheel),
+    or an index past its count. Found only when the loaded model moved there, these were tracebacks after the load."""
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError) as e:
+        raise ModelLoadError(f"device {spec!r}: {one_line(e)}") from None
+    if device.type == "cpu":
+        return "cpu"
+    backend = getattr(torch, device.type, None)
+    usable = callable(getattr(backend, "is_available", None)) and backend.is_available()
+    if not usable:
+        raise ModelLoadError(f"device {spec}: this PyTorch ({torch.__version__}) has no {device.type} device here")
+    count = backend.device_count() if callable(getattr(backend, "device_count", None)) else 1
+    if device.index is not None and device.index >= count:
+        raise ModelLoadError(f"device {spec}: there {'is' if count == 1 else 'are'} {count} {device.type} device{'s' * (count != 1)} here")
+    return str(device)
+
+
 def weights_mode(spec: str, weights: str, kernels: str, cache_dir: Path, progress: Progress = quiet, dtype: str = "float32",
                  device: str = "cpu") -> tuple[str, Path | None]:
     """(the ``WEIGHTS`` mode ``load`` runs ``spec`` with, other than "auto"; its GGUF file where that is "gguf"), or a
@@ -376,6 +397,7 @@ def load(
 
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    device = device_of(device)
     cache_dir = cache_dir or default_cache_dir()
     weights, gguf = weights_mode(spec, weights, kernels, cache_dir, progress, dtype, device)
     progress(f"loading {spec} ({dtype}, {device}, {weights} weights)")

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import FAILING_EXPRESSIONS, RECURSIVE_MACRO, tiny_llama, tiny_tokenizer
-from lookahead import native
+from lookahead import models, native
 from lookahead.cli import main
 from lookahead.config import PREFILL_CHUNK
 
@@ -90,6 +90,18 @@ def test_model_errors_reach_the_user_as_one_line(tokenizerless_dir, tmp_path):
     fake_gguf.write_bytes(b"definitely not gguf")
     bad = run("generate", "--model", str(fake_gguf), "hi", "--cache-dir", str(tmp_path / "cache"))
     assert bad.exit_code == 1 and "cannot read GGUF" in bad.output and "Traceback" not in bad.output
+
+
+def test_a_device_this_machine_lacks_is_one_line_before_the_load(tokenizerless_dir):
+    """Found only when the loaded model moved there, each was a traceback (CUDA on the CPU wheel: an AssertionError)."""
+    for device, message in [("foo", "device 'foo': Expected one of cpu"), ("", "device '': Device string must not be empty"),
+                            ("cuda:64", "device cuda:64: "), ("meta", "device meta: this PyTorch"), ("xla", "device xla: this PyTorch")]:
+        for command in (["generate", "--model", tokenizerless_dir, "--ids", "1,2"], ["tune", "--model", tokenizerless_dir]):
+            result = run(*command, "--device", device)
+            assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output, (device, result.output)
+    assert models.device_of("cpu:1") == models.device_of("cpu") == "cpu"  # any CPU device runs on our kernels, by that name
+    on_cpu = run("generate", "--model", tokenizerless_dir, "--ids", "1,2", "--device", "cpu:0", "--json", "--max-new-tokens", "4")
+    assert on_cpu.exit_code == 0 and json.loads(on_cpu.stdout)["kernels"].startswith("packed")
 
 
 def test_sampling_options_reach_the_generator(tokenizerless_dir):
