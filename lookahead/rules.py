@@ -133,7 +133,9 @@ class Rules:
         self.do_sample = bool(config.do_sample)
         eos = config._eos_token_tensor
         self.eos_ids = frozenset(eos.flatten().tolist()) if eos is not None else frozenset()
-        stops = [config.stop_strings] if isinstance(config.stop_strings, str) else list(config.stop_strings or [])
+        stops = [config.stop_strings] if isinstance(config.stop_strings, str) else config.stop_strings or []
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):  # (5: a TypeError below)
+            raise ValueError(f"stop_strings must be a string or a list of strings, got {config.stop_strings!r:.80}")
         stops = [s for s in stops if s]  # "" would end generation at once; ignored, as OpenAI ignores it
         if stops and tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")

@@ -179,6 +179,8 @@ def test_bad_seed_is_a_value_error(seed):
         (dict(frequency_penalty="1"), "frequency_penalty must be a number in"),
         (dict(logprobs=21), r"logprobs must be None or an integer in \[0, 20\], got 21"),
         (dict(logprobs=True), "logprobs must be None or an integer"),
+        (dict(stop_strings=5), "stop_strings must be a string or a list of strings, got 5"),
+        (dict(stop_strings=["w1", 7]), r"stop_strings must be a string or a list of strings, got \['w1', 7\]"),
     ],
 )
 def test_unsupported_options_are_named(options, message):
