@@ -195,10 +195,14 @@ class LookaheadGenerator:
         """``generate`` for many prompts at once, decoded together: every step is one forward for all of them,
         each with its own tree, stops, streamer (``streamers[i]``) and seed (``seeds[i]``); a sequence that
         finishes leaves the batch at once. Each result equals that prompt's ``generate()`` alone (greedy; sampling
-        with a seed gives that seed's sample, without one the rows draw from the global RNG in turn). The rows
-        share one drafting ``state``."""
+        with a seed gives that seed's sample, without one the rows draw from the global RNG in turn; one ``seed`` for
+        all is every row's, as each prompt's ``generate(seed=...)`` would take it). The rows share one drafting ``state``."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list")
+        if "seed" in options:  # (passed on beside each row's seed, it was a TypeError)
+            if seeds is not None:
+                raise ValueError("give seeds (one a prompt) or seed (every prompt's), not both")
+            seeds = [options.pop("seed")] * len(prompts)
         for name, values in (("streamers", streamers), ("seeds", seeds)):
             if values is not None and len(values) != len(prompts):
                 raise ValueError(f"{name} has {len(values)} entries for {len(prompts)} prompts")

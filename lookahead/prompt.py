@@ -50,6 +50,8 @@ def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 def check_text(what: str, text: str) -> None:
     """ValueError unless ``text`` is text (encodes as UTF-8): a lone surrogate ("\\ud800" is valid JSON; a command
     line's undecodable byte becomes one) would reach the tokenizer as a TypeError, or be a stop string never met."""
+    if not isinstance(text, str):  # (an int system message: an AttributeError from the chat template's path)
+        raise ValueError(f"{what} must be text, got {type(text).__name__}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

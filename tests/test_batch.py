@@ -513,6 +513,11 @@ def test_a_seeded_row_gives_its_seeds_sample_whatever_else_is_in_the_batch():
     torch.manual_seed(7)
     assert unseeded[1].tokens == gen.generate(prompts[1], max_new_tokens=24, **options).tokens
     assert [unseeded[i].tokens for i in (0, 2, 3)] == [alone[i] for i in (0, 2, 3)]
+    # one seed for all (it was a TypeError): every row's, as that prompt's generate(seed=...) takes it
+    assert [out.tokens for out in gen.generate_batch(prompts, 24, seed=11, **options)] == \
+        [gen.generate(p, max_new_tokens=24, seed=11, **options).tokens for p in prompts]
+    with pytest.raises(ValueError, match="give seeds"):
+        gen.generate_batch(prompts, 24, seeds=seeds, seed=11, **options)
 
 
 SAMPLING_PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [0, 4], [3, 3, 1, 0, 2, 4, 1, 3, 0, 2, 2, 4, 1]]

@@ -247,6 +247,8 @@ def test_a_system_message_without_chat_is_refused():
     for prompt, chat in (("hello", False), ([1, 2], True), ([1, 2], False)):
         with pytest.raises(ValueError, match="a system message needs chat mode"):
             gen.generate(prompt, max_new_tokens=2, chat=chat, system="Be brief.")
+    with pytest.raises(ValueError, match="the system message must be text, got int"):  # was an AttributeError
+        gen.generate("hello", max_new_tokens=2, chat=True, system=5)
 
 
 WARM_UP_CHECK = """
