@@ -168,19 +168,25 @@ class LiveCurve:
         if type(tokens) is int and tokens >= 1:  # one width, what the loop asks most (numpy on a scalar: ~20 us a call)
             return max(1.0, float(self._table(batch, tokens)[0][tokens - 1]) * math.exp(self._near(batch, tokens) - self._near(1, 1)))
         t = np.asarray(tokens)
-        whole = t.dtype.kind in "iu" and t.size and t.min() >= 1  # what the loop asks: the table has it
-        probed = self._table(batch, int(t.max()))[0][t - 1] if whole else self.curve.ratio(tokens, batch)
-        r = np.maximum(1.0, probed * np.exp(self._near(batch, t) - self._near(1, 1)))
+        if t.dtype.kind in "iu" and t.size and t.min() >= 1:  # what the loop asks: the tables have it
+            r = corrected_ratios(*self._corrections(batch, int(t.max())), t.astype(np.int64).ravel()).reshape(t.shape)
+        else:
+            r = np.maximum(1.0, self.curve.ratio(tokens, batch) * np.exp(self._near(batch, t) - self._near(1, 1)))
         return r if np.ndim(r) else float(r)
 
     def widths(self, widest: int, batch: int = 1) -> np.ndarray:
-        """(widest,) ``ratio`` at B x T rows for T = 1 .. widest, B = ``batch``: what ``plan`` prices a step's widths by,
-        in one kernel (``ratio``'s numpy over them was ~30 us of a SmolLM2 step's plan, cold after the forward)."""
-        probed, _ = self._table(batch, batch * widest)
+        """(widest,) ``ratio`` at B x T rows for T = 1 .. widest, B = ``batch``: what ``plan`` prices a step's widths by."""
+        return corrected_ratios(*self._corrections(batch, batch * widest), np.arange(batch, batch * widest + 1, batch))
+
+    def _corrections(self, batch: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """``corrected_ratios``' tables for up to ``rows`` rows over ``batch`` sequences: the probed r, the nearest observed
+        cells, their corrections and the one-row step's (one kernel over a step's widths: numpy there was ~30 us of a
+        SmolLM2 plan, cold after the forward)."""
+        probed = self._table(batch, rows)[0]
         if not self.log_scale:
-            return corrected_ratios(probed, NO_CELLS, NO_SCALES, 0.0, batch, widest)
+            return probed, NO_CELLS, NO_SCALES, 0.0
         base = self._near(1, 1)  # (and ``_scales``, made where they were not)
-        return corrected_ratios(probed, self._nearest_table(batch, batch * widest), self._scales, base, batch, widest)
+        return probed, self._nearest_table(batch, rows), self._scales, base
 
     def _table(self, batch: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """For ``batch`` sequences and 1, 2, ... (at least ``rows``) rows: the probed r, and the index of the
@@ -202,10 +208,7 @@ class LiveCurve:
             self._scales = np.fromiter(self.log_scale.values(), float, len(self.log_scale))
         if type(tokens) is int and tokens >= 1:  # one width: a Python float, without numpy's work on scalars
             return float(self._scales[self._nearest_table(batch, tokens)[tokens - 1]])
-        t = np.asarray(tokens)
-        if t.dtype.kind not in "iu" or not t.size or t.min() < 1:  # not what the loop asks: computed afresh
-            return self._scales[self._nearest_cells(batch, t)]
-        return self._scales[self._nearest_table(batch, int(t.max()))[t - 1]]
+        return self._scales[self._nearest_cells(batch, np.asarray(tokens))]  # not what the loop asks: computed afresh
 
     def _nearest_table(self, batch: int, rows: int) -> np.ndarray:
         """The observed cell nearest 1, 2, ... (at least ``rows``) rows over ``batch`` sequences (its index), kept until
@@ -302,13 +305,13 @@ def best_widths(scores: np.ndarray, bounds: np.ndarray, factors: np.ndarray, row
 
 
 @njit(cache=True)
-def corrected_ratios(probed: np.ndarray, nearest: np.ndarray, scales: np.ndarray, base: float, batch: int, widest: int) -> np.ndarray:
-    """(widest,) ``LiveCurve.ratio`` at B x T rows for T = 1 .. widest, B = ``batch``: the probed r (``probed[rows - 1]``)
-    times exp(its nearest observed cell's correction (``scales[nearest[rows - 1]]``) - ``base``), at least 1; ``scales``
-    empty: none observed, the probe's r."""
-    out = np.empty(widest)
-    for i in range(widest):
-        t = batch * (i + 1) - 1
+def corrected_ratios(probed: np.ndarray, nearest: np.ndarray, scales: np.ndarray, base: float, rows: np.ndarray) -> np.ndarray:
+    """``LiveCurve.ratio`` at each of ``rows`` (whole numbers >= 1): the probed r (``probed[rows - 1]``) times exp(its
+    nearest observed cell's correction (``scales[nearest[rows - 1]]``) - ``base``), at least 1; ``scales`` empty: none
+    observed, the probe's r."""
+    out = np.empty(rows.size)
+    for i in range(rows.size):
+        t = rows[i] - 1
         out[i] = max(1.0, probed[t] * math.exp(scales[nearest[t]] - base) if scales.size else probed[t])
     return out
 
@@ -317,7 +320,7 @@ def warm_up() -> None:
     """Compile (or load from numba's on-disk cache) ``best_widths`` once per process, at load time, as the drafting
     kernels are (``DraftState.warm_up``): a fresh install's first drafting step would otherwise compile it."""
     best_widths(np.ones(1), np.array([0, 1]), np.ones(1), np.ones(1, np.int64), np.ones(1), np.ones(2), 0.0, False)
-    corrected_ratios(np.ones(2), np.zeros(2, np.int64), np.zeros(1), 0.0, 1, 2)
+    corrected_ratios(np.ones(2), np.zeros(2, np.int64), np.zeros(1), 0.0, np.ones(2, np.int64))
 
 
 @njit(cache=True)

@@ -317,6 +317,7 @@ def test_live_curve_keeps_each_batch_size_apart():
     assert live.ratio(32, 4) == live.ratio(32, 8)  # a batch size never seen: the nearest observed cell's correction
     for batch in (1, 4, 8):  # what ``plan`` prices widths by, in one kernel: ``ratio`` at B x T rows
         assert np.allclose(live.widths(40, batch), live.ratio(batch * np.arange(1, 41), batch), rtol=1e-12)
+        assert np.allclose(live.widths(40, batch), [live.ratio(batch * t, batch) for t in range(1, 41)], rtol=1e-12)  # one width's path
         assert np.allclose(LiveCurve(live.curve).widths(40, batch), np.maximum(1.0, live.curve.widths(40, batch)), rtol=1e-12)
     tree = chain([0.25, 0.2])  # worth a row to one sequence, not to each of eight (16 rows cost 2.04 against 1.6)
     assert plan(live, [tree], [0], [0.0])[0].nodes >= 1 and plan(live, [tree] * 8, [0] * 8, [0.0] * 8)[0].nodes == 0
