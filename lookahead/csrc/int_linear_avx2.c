@@ -32,7 +32,11 @@
    16 columns; each streams its blocks in order, the first tile of a block prefetching AHEAD bytes past what it reads
    (against the earlier kernel, one call an activation block and a half of 4 rows, whose prefetches gcc had left
    out: benchmarks.kernel_ab on a 2-core Zen 3, a forward's products streamed, SmolLM2 7.8 -> 5.3 ms at one row and
-   52.2 -> 32.5 at 16; Qwen2.5-Coder-0.5B's Q8_0 32.8 -> 18.8 and 191 -> 117; the same bits). */
+   52.2 -> 32.5 at 16; Qwen2.5-Coder-0.5B's Q8_0 32.8 -> 18.8 and 191 -> 117; the same bits): every line up to there,
+   the scales' among the values' (a prefetch a unit at a fixed distance past the values had skipped each group's or
+   super-block's scales, and a 6-bit unit's third line, so those came from memory when read: on a 2-core Zen 4 held
+   to AVX2, the 1.5B's products 1 / 4 / 8 / 16 rows 49.8 / 69.2 / 101.7 / 168.7 -> 34.2 / 46.0 / 77.8 / 145.6 ms,
+   SmolLM2's 1 / 5 rows 5.55 / 8.38 -> 3.74 / 6.60, the 0.5B's 21.3 / 34.6 -> 13.5 / 25.7). */
 
 #include <immintrin.h>
 #include <omp.h>
@@ -213,6 +217,7 @@ TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, in
     const int span = pairs_span(kind) < qs ? pairs_span(kind) : qs;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 out[MAX_ROWS * 2];
+    const char *ahead = block + AHEAD; /* the next line to prefetch, where `stream`: the lines before, the block before's tile's */
     _Pragma("GCC unroll 12") for (int t = 0; t < tiles; t++) out[t] = _mm256_setzero_ps();
     for (int b = 0; b < (int)row_blocks; b++) {
         const char *at = block + (size_t)b * w->span;
@@ -234,7 +239,8 @@ TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, in
             }
             if (!integer || gl == 0) _Pragma("GCC unroll 12") for (int t = 0; t < tiles; t++) sum[t] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
-                if (stream) prefetch(values + bytes * q + AHEAD, unit * bytes > 64, l2);
+                if (stream) /* every line up to AHEAD bytes past this unit's, the scales' between the values' too */
+                    for (const char *end = values + bytes * (q + unit) + AHEAD; ahead < end; ahead += 64) prefetch(ahead, 0, l2);
                 __m256i u[2][4];
                 _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) unit_quads(kind, values + bytes * q, h0 + hh, u[hh]);
                 _Pragma("GCC unroll 4") for (int j = 0; j < unit; j++) {
