@@ -3,10 +3,14 @@ every product called once in a forward's order (its weights streamed from memory
 interleaved; then each product repeated (its weights hot in cache: what its arithmetic costs).
 
     python -m benchmarks.kernel_ab --before REV [--model qwen2.5-coder-1.5b --dtype int8 --weights gguf --rows 1 --isa avx2]
+    python -m benchmarks.kernel_ab --tier avx2 [--model ... --rows 1]
 
 ``--before``: a git revision whose ``lookahead/csrc`` is built beside the working tree's. Why one process: on a
 2-core VM whose memory rate moved 31-60 GB/s between runs, a change that measured 7% faster in runs before and
-after was 15% slower here. The builds' outputs are compared too (an optimisation keeps the bits).
+after was 15% slower here. The builds' outputs are compared too (an optimisation keeps the bits). ``--tier``: the
+working tree's integer kernels of another tier this CPU runs beside its best tier's, on the same blocks (every tier's
+integer linear reads one layout) and the same fp32 rows: what a tier costs against another on one CPU, whose bits
+may be their own (DESIGN's table of which paths share bits).
 """
 
 from __future__ import annotations
@@ -48,6 +52,20 @@ def products(model: torch.nn.Module) -> list[linear_kernels.Linear]:
     return list(seen.values())
 
 
+def other_tier(tier: str, dtype: str) -> dict:
+    """``tier``'s build of the working tree's kernels, beside the process's (``--tier``); SystemExit where it cannot be."""
+    if dtype != native.INTEGER:
+        raise SystemExit(f"--tier compares the integer kernels, which read one layout on every tier: use --dtype {native.INTEGER}")
+    if not native.runs(tier):
+        raise SystemExit(f"this CPU cannot run the {tier} kernels")
+    if tier == native.best_tier():
+        raise SystemExit(f"{tier} is this CPU's best tier, which the process runs: name another")
+    lib = native.build(native.default_cache_dir() / "kernels", tier)
+    if isinstance(lib, str):
+        raise SystemExit(f"the {tier} kernels: {lib}")
+    return {f"{tier} (working tree)": lib}
+
+
 def passes(calls: list[tuple], lib, hot: int = 1) -> float:
     """Seconds to run every product (``hot`` > 1: each that many times, its fastest counted) on build ``lib``."""
     total = 0.0
@@ -63,7 +81,9 @@ def passes(calls: list[tuple], lib, hot: int = 1) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", required=True, help="the git revision to compare the working tree's kernels with")
+    against = parser.add_mutually_exclusive_group(required=True)
+    against.add_argument("--before", help="the git revision to compare the working tree's kernels with")
+    against.add_argument("--tier", choices=list(native.TIERS), help="a lower tier of this CPU to compare its best tier's integer kernels with")
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", default=native.INTEGER)
     parser.add_argument("--weights", choices=models.WEIGHTS, default="gguf")
@@ -71,20 +91,30 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--isa", choices=list(native.TIERS), help="hold our kernels to this tier (default: the CPU's best)")
     args = parser.parse_args(argv)
+    if args.isa and args.tier:
+        parser.error("--tier compares with the CPU's best tier: leave out --isa")
     if args.isa:
         native.library(tier=args.isa)  # before the model loads them
     with tempfile.TemporaryDirectory() as tmp:
-        sources = sources_at(args.before, Path(tmp))  # a wrong revision is said before the model loads
+        if args.tier:
+            builds = other_tier(args.tier, args.dtype)  # said before the model loads, as a wrong revision is
+        else:
+            sources = sources_at(args.before, Path(tmp))
         model = models.load(args.model, dtype=args.dtype, kernels="packed", weights=args.weights)[0]
         tier = native.tier()
         if tier is None:
             raise SystemExit(f"our kernels do not run here: {native.library()}")
-        before = native.build(Path(tmp), tier, sources)
-        if isinstance(before, str):
-            raise SystemExit(f"{args.before}'s kernels: {before}")
-        builds = {f"before ({args.before})": before, "after (working tree)": native.library()}
-        found = products(model)
-        calls = [(linear, torch.randn(args.rows, linear.k).to(linear.dtype), torch.empty(args.rows, linear.n, dtype=linear.dtype)) for linear in found]
+        if args.tier:
+            builds[f"{tier} (working tree)"] = native.library()
+        else:
+            before = native.build(Path(tmp), tier, sources)
+            if isinstance(before, str):
+                raise SystemExit(f"{args.before}'s kernels: {before}")
+            builds = {f"before ({args.before})": before, "after (working tree)": native.library()}
+        found = [linear for linear in products(model) if linear.integer or not args.tier]
+        dtype = torch.float32 if args.tier else None  # fp32 rows: the lower tiers' integer linear takes no bf16
+        calls = [(linear, torch.randn(args.rows, linear.k).to(dtype or linear.dtype), torch.empty(args.rows, linear.n, dtype=dtype or linear.dtype))
+                 for linear in found]
         outputs = []
         for lib in builds.values():
             passes(calls, lib)
@@ -99,14 +129,16 @@ def main(argv=None) -> None:
                 hot[name] = min(hot[name], passes(calls, lib, hot=3))
     megabytes = sum(linear.packed.nbytes() if isinstance(linear.packed, linear_kernels.QuantLayout) else linear.packed.nbytes for linear in found) / 1e6
     hw = hardware()
-    print(f"# {args.model} {args.dtype} ({args.weights}), {len(found)} products ({megabytes:.0f} MB), {args.rows} row(s), {tier} kernels; {hw['cpu']}, "
+    print(f"# {args.model} {args.dtype} ({args.weights}), {len(found)} products ({megabytes:.0f} MB), {args.rows} row(s), "
+          f"{' against '.join(builds) if args.tier else f'{tier} kernels'}; {hw['cpu']}, "
           f"{hw['cores']} cores, commit {hw['commit']}; ms, {args.rounds} interleaved passes\n")
     print("| build | streamed: fastest | median | GB/s | hot |\n|---|---|---|---|---|")
     for name, times in streamed.items():
         print(f"| {name} | {min(times) * 1e3:.2f} | {statistics.median(times) * 1e3:.2f} | {megabytes / min(times) / 1e3:.1f} | {hot[name] * 1e3:.2f} |")
     same = all(torch.equal(a, b) for a, b in zip(*outputs))
-    print(f"\nThe builds' outputs are {'equal bit for bit' if same else 'NOT equal'}. Memory reads at {stream_rate():.0f} GB/s here now "
-          "(a sum over 512 MB).")
+    apart = max(float(((a - b).abs().max() / b.abs().max().clamp_min(1e-30))) for a, b in zip(*outputs))
+    verdict = "equal bit for bit" if same else f"apart by up to {apart:.1e} of a product's largest output" if args.tier else "NOT equal"
+    print(f"\nThe builds' outputs are {verdict}. Memory reads at {stream_rate():.0f} GB/s here now (a sum over 512 MB).")
 
 
 if __name__ == "__main__":

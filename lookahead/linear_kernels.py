@@ -310,7 +310,7 @@ class Linear:
         on_tiles = bf16 and self.k % 32 == 0 and not integer and (amx() if tiles is None else tiles)
         name = f"amx_{'quant' if quantized else 'bf16'}_linear" if on_tiles else f"{'quant_' if quantized else ''}{'bf16' if bf16 else 'fp32'}_linear"
         self.run = getattr(library(), "int_linear" if integer else name)
-        self.tail = (int(bf16),) if integer else ()
+        self.integer = integer  # its kernel takes fp32 or bf16 rows, said in its last argument
         self.pointers = weights.data_ptr(), None if bias is None else bias.data_ptr()
         self.l2 = prefetch_into_l2()
         kernel = "int_linear" if integer else name
@@ -329,11 +329,13 @@ class Linear:
         return y
 
     def into(self, x: torch.Tensor, y: torch.Tensor, run=None) -> int:
-        """The kernel on ``x`` (contiguous, checked) into ``y``: its status (1: out of memory). ``run``: the same
-        kernel of another build (``benchmarks.kernel_ab``)."""
+        """The kernel on ``x`` (contiguous, checked) into ``y``: its status (1: out of memory; 2: bf16 rows on a tier
+        without). ``run``: the same kernel of another build (``benchmarks.kernel_ab``: of another tier too, whose integer
+        linear takes fp32 rows of a bf16 model's, as ``x`` and ``y`` are)."""
         rows = x.numel() // self.k
+        tail = (int(x.dtype == torch.bfloat16),) if self.integer else ()
         return rows and (run or self.run)(x.data_ptr(), *self.pointers, y.data_ptr(), rows, self.n, self.k, *self.format,
-                                          torch.get_num_threads(), self.l2, *self.tail)
+                                          torch.get_num_threads(), self.l2, *tail)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

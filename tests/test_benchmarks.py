@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from benchmarks import arithmetic_floor, datasets, drafting_counts, kernel_ab, peers, pool_bench, results_log, run, step_cost, window
-from lookahead import cpu, models
+from lookahead import cpu, models, native
 
 
 def test_config_specs_parse_presets_and_fields():
@@ -231,6 +231,20 @@ def test_kernel_ab_builds_a_revisions_kernels_beside_the_working_trees(capsys):
     assert "| before (HEAD) |" in out and "| after (working tree) |" in out
     unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", kernel_ab.CSRC]).returncode == 0
     assert ("equal bit for bit" in out) if unchanged else ("are equal bit for bit" in out or "NOT equal" in out)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(native.best_tier() in (None, "avx2"), reason="no tier below this CPU's best to compare with")
+def test_kernel_ab_compares_a_lower_tiers_integer_kernels_in_one_process(capsys):
+    best = native.best_tier()
+    with pytest.raises(SystemExit, match="best tier"):
+        kernel_ab.main(["--tier", best, "--model", "smollm2-135m"])
+    with pytest.raises(SystemExit, match="integer kernels"):
+        kernel_ab.main(["--tier", "avx2", "--model", "smollm2-135m", "--dtype", "float32"])
+    kernel_ab.main(["--tier", "avx2", "--model", "smollm2-135m", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "| avx2 (working tree) |" in out and f"| {best} (working tree) |" in out
+    assert "equal bit for bit" in out  # SmolLM2's Q4_1 blocks: a legacy type, the same bits on every tier (DESIGN)
 
 
 @pytest.mark.slow
