@@ -52,18 +52,14 @@ def products(model: torch.nn.Module) -> list[linear_kernels.Linear]:
     return list(seen.values())
 
 
-def other_tier(tier: str, dtype: str) -> dict:
-    """``tier``'s build of the working tree's kernels, beside the process's (``--tier``); SystemExit where it cannot be."""
+def check_tier(tier: str, dtype: str) -> None:
+    """SystemExit where ``--tier`` cannot be compared with the process's tier."""
     if dtype != native.INTEGER:
         raise SystemExit(f"--tier compares the integer kernels, which read one layout on every tier: use --dtype {native.INTEGER}")
     if not native.runs(tier):
         raise SystemExit(f"this CPU cannot run the {tier} kernels")
     if tier == native.best_tier():
         raise SystemExit(f"{tier} is this CPU's best tier, which the process runs: name another")
-    lib = native.build(native.default_cache_dir() / "kernels", tier)
-    if isinstance(lib, str):
-        raise SystemExit(f"the {tier} kernels: {lib}")
-    return {f"{tier} (working tree)": lib}
 
 
 def passes(calls: list[tuple], lib, hot: int = 1) -> float:
@@ -97,20 +93,18 @@ def main(argv=None) -> None:
         native.library(tier=args.isa)  # before the model loads them
     with tempfile.TemporaryDirectory() as tmp:
         if args.tier:
-            builds = other_tier(args.tier, args.dtype)  # said before the model loads, as a wrong revision is
+            check_tier(args.tier, args.dtype)  # said before the model loads, as a wrong revision is
         else:
             sources = sources_at(args.before, Path(tmp))
         model = models.load(args.model, dtype=args.dtype, kernels="packed", weights=args.weights)[0]
         tier = native.tier()
         if tier is None:
             raise SystemExit(f"our kernels do not run here: {native.library()}")
-        if args.tier:
-            builds[f"{tier} (working tree)"] = native.library()
-        else:
-            before = native.build(Path(tmp), tier, sources)
-            if isinstance(before, str):
-                raise SystemExit(f"{args.before}'s kernels: {before}")
-            builds = {f"before ({args.before})": before, "after (working tree)": native.library()}
+        other = native.build(native.library.directory, args.tier) if args.tier else native.build(Path(tmp), tier, sources)
+        if isinstance(other, str):
+            raise SystemExit(f"{args.tier or args.before}'s kernels: {other}")
+        builds = {f"{args.tier} (working tree)": other, f"{tier} (working tree)": native.library()} if args.tier else \
+            {f"before ({args.before})": other, "after (working tree)": native.library()}
         found = [linear for linear in products(model) if linear.integer or not args.tier]
         dtype = torch.float32 if args.tier else None  # fp32 rows: the lower tiers' integer linear takes no bf16
         calls = [(linear, torch.randn(args.rows, linear.k).to(dtype or linear.dtype), torch.empty(args.rows, linear.n, dtype=dtype or linear.dtype))

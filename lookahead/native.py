@@ -139,6 +139,7 @@ class _Library:
     def __init__(self) -> None:
         self.loaded: ctypes.CDLL | str | None = None
         self.tier: str | None = None
+        self.directory: Path | None = None  # where the loaded build lies (``benchmarks.kernel_ab`` builds another tier beside it)
 
     def __call__(self, cache_dir: Path | None = None, tier: str | None = None) -> ctypes.CDLL | str:
         """``tier``: a lower one than the CPU's best, held for the process (benchmarks: an AVX2 run on an
@@ -146,8 +147,8 @@ class _Library:
         if tier is not None and (tier not in TIERS or not runs(tier)):
             raise ValueError(f"this CPU cannot run the {tier!r} kernels (tiers: {', '.join(TIERS)})")
         if self.loaded is None:
-            self.tier = tier or best_tier()
-            self.loaded = build((cache_dir or default_cache_dir()) / "kernels", self.tier) if self.tier else self._why_none()
+            self.tier, self.directory = tier or best_tier(), (cache_dir or default_cache_dir()) / "kernels"
+            self.loaded = build(self.directory, self.tier) if self.tier else self._why_none()
         elif tier is not None and tier != self.tier:
             raise ValueError(f"this process already runs the {self.tier} kernels")
         return self.loaded
@@ -160,7 +161,7 @@ class _Library:
 
     def cache_clear(self) -> None:
         """Forget the build (tests): the next call builds or finds one again."""
-        self.loaded = self.tier = None
+        self.loaded = self.tier = self.directory = None
 
 
 library = _Library()

@@ -50,13 +50,11 @@
 
 #define AHEAD 4096 /* bytes a streaming tile prefetches ahead of what it reads */
 
-/* the line at p (and the next, where `two`) into L2 (prefetcht2) or non-temporally: __builtin_prefetch, as gcc 12
-   left out every _mm_prefetch of this file's inlined tiles */
-static inline ALWAYS void prefetch(const char *p, int two, int l2) {
+/* the line at p into L2 (prefetcht2) or non-temporally: __builtin_prefetch, as gcc 12 left out every _mm_prefetch of
+   this file's inlined tiles */
+static inline ALWAYS void prefetch(const char *p, int l2) {
     if (l2) __builtin_prefetch(p, 0, 1);
     else __builtin_prefetch(p, 0, 0);
-    if (two && l2) __builtin_prefetch(p + 64, 0, 1);
-    else if (two) __builtin_prefetch(p + 64, 0, 0);
 }
 
 enum { NIBBLES, INT8, SIX };     /* how a block holds its values, as int_linear.c's */
@@ -240,7 +238,7 @@ TARGET static inline ALWAYS void tile(int kind, int qs, int ROWS, int HALVES, in
             if (!integer || gl == 0) _Pragma("GCC unroll 12") for (int t = 0; t < tiles; t++) sum[t] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
                 if (stream) /* every line up to AHEAD bytes past this unit's, the scales' between the values' too */
-                    for (const char *end = values + bytes * (q + unit) + AHEAD; ahead < end; ahead += 64) prefetch(ahead, 0, l2);
+                    for (const char *end = values + bytes * (q + unit) + AHEAD; ahead < end; ahead += 64) prefetch(ahead, l2);
                 __m256i u[2][4];
                 _Pragma("GCC unroll 2") for (int hh = 0; hh < HALVES; hh++) unit_quads(kind, values + bytes * q, h0 + hh, u[hh]);
                 _Pragma("GCC unroll 4") for (int j = 0; j < unit; j++) {
