@@ -189,6 +189,54 @@ def reserve(cache: Cache, layer_idx: int, rows: int, shape: tuple[int, int, int]
     return None if layer is None else room(layer, rows)
 
 
+def rooms(cache: Cache, layers: tuple[int, ...], heads: tuple[tuple[int, int], ...], batch: int, dtype: torch.dtype, rows: int,
+          held: int | None) -> list[tuple[torch.Tensor, torch.Tensor, int, ctypes.Array]] | None:
+    """``reserve`` of ``rows`` columns in each of ``layers`` at once (keys and values (``batch``, ``heads[i]``'s heads, .,
+    its head size) of ``dtype``), every one holding ``held`` columns (where None: as many as each other): a step's
+    layers in one call; None, with nothing done, where one is not ``reservable``. Where each layer still hands out views
+    of the buffer this found last (``GrowingCache.found``), a layer's checks are its buffer's identity and its columns:
+    each one's ``reservable`` and ``room`` took ~3.5 us of Python a layer cold after a forward, 109 us a step of
+    SmolLM2's ~5.3 ms (Zen 4; 43 us now)."""
+    found = getattr(cache, "found", None)
+    if found is not None and found[0] == (layers, heads, batch, dtype):
+        fast = _rooms_as_found(cache.layers, layers, found[1], rows, held)
+        if fast is not None:
+            return fast
+    each = [reservable(cache, i, (batch, *shape), dtype, held) for i, shape in zip(layers, heads)]
+    if any(layer is None for layer in each) or held is None and len({layer.get_seq_length() for layer in each}) != 1:
+        return None
+    made = [room(layer, rows) for layer in each]
+    if isinstance(cache, GrowingCache):
+        cache.found = ((layers, heads, batch, dtype), [layer._keys for layer in each])
+    return made
+
+
+def _rooms_as_found(cache_layers: list, layers: tuple[int, ...], buffers: list[torch.Tensor], rows: int, held: int | None
+                    ) -> list[tuple[torch.Tensor, torch.Tensor, int, ctypes.Array]] | None:
+    """``rooms`` where every layer holds the buffer ``rooms`` last found it to (so its shapes and dtype), its views still
+    of that buffer (nothing replaced them) and its strides made for it; None, with nothing done, where one does not or
+    the columns do not fit."""
+    if len(cache_layers) <= max(layers):
+        return None
+    each, lengths = [], set()
+    for i, keys in zip(layers, buffers):
+        layer = cache_layers[i]
+        view = layer._view
+        if layer._keys is not keys or view is None or layer._key_view is not view[0] or layer._strides[1] is not keys:
+            return None
+        length = view[0].shape[-2] + layer._pending
+        if length + rows > keys.shape[-2]:
+            return None
+        each.append(layer)
+        lengths.add(length)
+    if len(lengths) != 1 or held is not None and held not in lengths:
+        return None
+    start = lengths.pop()
+    for layer in each:
+        layer._pending += rows
+    return [(layer._keys, layer._values, start, layer._strides[0]) for layer in each]
+
+
 def room(layer: GrowingLayer, rows: int) -> tuple[torch.Tensor, torch.Tensor, int, ctypes.Array]:
     """``reserve``'s room in a layer ``reservable`` found."""
     start = layer.reserve(rows, layer._key_view, layer._value_view)
@@ -202,6 +250,7 @@ class GrowingCache(DynamicCache):
 
     def __init__(self) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+        self.found: tuple | None = None  # ((layers, heads, batch, dtype), each layer's key buffer): what ``rooms`` found last
 
 
 class BatchCache:

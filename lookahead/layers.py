@@ -60,6 +60,17 @@ class StepFits:
         self.every: layer_kernels.EveryLayer | None = None  # their kernels in one call
         self.passed: torch.Tensor | None = None  # the step's output of them all, where its first layer ran them
 
+    @property
+    def layers(self) -> list["FusedLayer"]:
+        return self._layers
+
+    @layers.setter
+    def layers(self, layers: list["FusedLayer"]) -> None:
+        """The layers, and what ``kv.rooms`` asks of them: their ``layer_idx``s and their keys' (heads, head size)."""
+        self._layers = layers
+        self.layer_ids = tuple(layer.layer_idx for layer in layers)
+        self.kv_heads = tuple((layer.heads[1], layer.head_dim) for layer in layers)
+
     def __call__(self, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, b: int, t: int, d: int, dtype: torch.dtype,
                  causal: bool) -> bool:
         last = self.inputs
@@ -187,10 +198,8 @@ class FusedLayer(nn.Module):
         layers = self.fits.layers
         if any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers):
             return None
-        found = [kv.reservable(cache, layer.layer_idx, (b, layer.heads[1], layer.head_dim), x.dtype, held) for layer in layers]
-        if any(room is None for room in found) or held is None and len({room.get_seq_length() for room in found}) != 1:
-            return None  # each must hold as many (where ``held``, each was checked to)
-        return self.fits.every(x, self.fits.constants, [kv.room(layer, t) for layer in found])
+        rooms = kv.rooms(cache, self.fits.layer_ids, self.fits.kv_heads, b, x.dtype, t, held)
+        return None if rooms is None else self.fits.every(x, self.fits.constants, rooms)
 
 
 def _activation(act: Callable) -> str | None:

@@ -262,3 +262,33 @@ def test_a_steps_shared_inputs_are_checked_again_only_when_they_change():
     assert not fits(mask.bfloat16(), cos, sin, 1, 3, 64, torch.float32, True)  # another mask: not the step's dtype
     assert not fits(mask, cos, sin.bfloat16(), 1, 3, 64, torch.float32, True)
     assert fits(None, cos, sin, 1, 3, 64, torch.float32, True) and not fits(None, cos, sin, 1, 3, 64, torch.float32, False)
+
+
+def test_rooms_for_every_layer_check_each_buffer_once_and_refuse_what_does_not_fit(monkeypatch):
+    """``kv.rooms`` (a step's every layer at once): where each layer still holds the buffer it found last, the room is
+    made without each layer's ``reservable`` (its Python was ~2% of SmolLM2's plain step), at the columns that path
+    gives; a layer whose keys were replaced (as a join replaces them) sends it back to the checks, and a ``held`` the
+    layers do not hold, or layers holding different columns, are refused with nothing reserved."""
+    cache = kv.GrowingCache()
+    for i in range(3):
+        cache.update(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), i)
+    layers, heads = (0, 1, 2), ((2, 8),) * 3
+    checked = []
+    reservable = kv.reservable
+    monkeypatch.setattr(kv, "reservable", lambda *args: checked.append(args[1]) or reservable(*args))
+    first = kv.rooms(cache, layers, heads, 2, torch.float32, 3, 5)
+    assert [room[2] for room in first] == [5, 5, 5] and checked == [0, 1, 2]
+    second = kv.rooms(cache, layers, heads, 2, torch.float32, 1, 8)  # the 3 rows kept: no checks
+    assert [room[2] for room in second] == [8, 8, 8] and checked == [0, 1, 2]
+    assert all(room[0] is layer._keys and room[3] is before[3] for room, before, layer in zip(second, first, cache.layers))
+    assert kv.rooms(cache, layers, heads, 2, torch.float32, 1, 4) is None  # they hold 9, not 4
+    assert [layer.get_seq_length() for layer in cache.layers] == [9, 9, 9] and checked[3:] == [0, 1, 2]  # nothing reserved
+    keys = cache.layers[1].keys.clone()
+    cache.layers[1].keys = keys  # replaced: checked again, and moved into a buffer of its own
+    third = kv.rooms(cache, layers, heads, 2, torch.float32, 1, 9)
+    assert [room[2] for room in third] == [9, 9, 9] and checked[6:] == [0, 1, 2]
+    assert third[1][0] is not keys and torch.equal(third[1][0][:, :, :9], keys)
+    assert kv.rooms(cache, layers, heads, 2, torch.float32, 1, 10) is not None and len(checked) == 9  # that buffer found
+    cache.layers[1].crop(-1)
+    assert kv.rooms(cache, layers, heads, 2, torch.float32, 1, None) is None  # 11, 10 and 11: not as many as each other
+    assert [layer.get_seq_length() for layer in cache.layers] == [11, 10, 11]
