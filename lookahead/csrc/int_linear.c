@@ -32,11 +32,11 @@
    The threads split the blocks two at a time; a pair's scales of one activation block are made into an L1 buffer,
    then up to 8 rows at a time take its quads straight from the blocks into registers and multiply them at once
    (rows_block): nothing is stored to be read again, and the next pair's bytes are prefetched meanwhile, a few lines
-   at a time, so the memory streams while the rows multiply. Past 8 rows, passes as even as they go (9 = 5 + 4, 17 = 6
-   + 6 + 5) read the pair from cache and unpack it again (a lone ninth row's pass cost what 4-5 rows' do: the 1.5B's
-   products at 9 / 10 / 12 / 17 rows 5-8% faster balanced, on a Zen 4). Against quads unpacked once into a buffer that tiles of 4 rows read, the 1.5B's products 2-8 rows
-   9-23% faster, and 8 rows at a time against 4 another 5-14% from 6 rows on; 12-row register tiles spill and gain
-   nothing (DESIGN). */
+   at a time, so the memory streams while the rows multiply. Past 8 rows, passes as even as they go (9 = 5 + 4,
+   17 = 6 + 6 + 5) read the pair from cache and unpack it again (a lone ninth row's pass cost what 4-5 rows' do: the
+   1.5B's products at 9 / 10 / 12 / 17 rows 5-8% faster balanced, on a Zen 4). Against quads unpacked once into a
+   buffer that tiles of 4 rows read, the 1.5B's products 2-8 rows 9-23% faster, and 8 rows at a time against 4 another
+   5-14% from 6 rows on; 12-row register tiles spill and gain nothing (DESIGN). */
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -334,7 +334,7 @@ enum { GROUPS, SUPERS, HALVES }; /* how the blocks hold their scales (native.SCA
 /* x (m, k) fp32, or bf16 where `bf16`; packed blocks (as quant_linear.c's, or the K types' per 256 k's where `scaling`
    is SUPERS: see native.pack_supers; fp16 scales where HALVES); bias (n) fp32 or NULL -> y (m, n) fp32 or bf16; k a
    multiple of 32 (of 256 where SUPERS), group 16 or 32. One parallel region a call: the rows quantized, then each thread's pairs of
-   blocks summed into its own (m, 32) fp32 sums, 8 rows at a time (rows_block), and written out (+ bias, rounded to
+   blocks summed into its own (m, 32) fp32 sums, in passes of up to 8 rows (rows_block), and written out (+ bias, rounded to
    y's type); on tiles where `tiles` (tiles_block: the same bits). 1 where the buffers could not be allocated. */
 TILES static int integer_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits,
                                 int group, int offsets, int scaling, int threads, int l2, int bf16, int tiles) {
@@ -408,8 +408,8 @@ TILES static int integer_linear(const void *x, const char *packed, const float *
                                     scales + 2 * i * per_block, offs + 2 * i * per_block, offsets, out,
                                     next ? next + start + i * span : 0, block, lines, l2, values, tile_sums);
                 else
-                    for (int r = 0, passes = (m + MAX_ROWS - 1) / MAX_ROWS, left = passes; r < m; left--) {
-                        const int here = (m - r + left - 1) / left; /* balanced passes: 9 rows as 5 + 4 */
+                    for (int r = 0, left = (m + MAX_ROWS - 1) / MAX_ROWS; r < m; left--) { /* passes left: 9 rows as 5 + 4 */
+                        const int here = (m - r + left - 1) / left; /* the first pass prefetches; the others read the pair from cache */
                         rows_blocks[kind][qs == 8][here - 1](
                             from_row(part, r), b, nb, w0 + start + first, w1 + start + first, stride, scales, offs, offsets, out + 32 * r,
                             r ? 0 : next ? next + start : 0, block, nb * lines, l2);
@@ -476,8 +476,8 @@ static int tiles_from(int threads, int l2) {
     return rows = from;
 }
 
-/* x (m, k) W^T (+ b): calls of tiles_from rows or more on AMX tiles where this process may use them, the rest 8
-   rows at a time in registers: the same bits either way */
+/* x (m, k) W^T (+ b): calls of tiles_from rows or more on AMX tiles where this process may use them, the rest in passes
+   of up to 8 rows in registers: the same bits either way */
 int int_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits, int group,
                int offsets, int scaling, int threads, int l2, int bf16) {
     const int tiles = m >= tile_candidates[0] && m >= tiles_from(threads, l2);
