@@ -215,7 +215,8 @@ def _rooms_as_found(cache_layers: list, layers: tuple[int, ...], buffers: list[t
                     ) -> list[tuple[torch.Tensor, torch.Tensor, int, ctypes.Array]] | None:
     """``rooms`` where every layer holds the buffer ``rooms`` last found it to (so its shapes and dtype), its views still
     of that buffer (nothing replaced them) and its strides made for it; None, with nothing done, where one does not or
-    the columns do not fit."""
+    the columns do not fit. Each layer's ``get_seq_length`` and ``reserve``'s in-buffer branch are inline here (as
+    ``GrowingLayer.crop`` inlines them): a change to how a layer counts its columns changes them here too."""
     if len(cache_layers) <= max(layers):
         return None
     each, lengths = [], set()
