@@ -198,10 +198,11 @@ def rooms(cache: Cache, layers: tuple[int, ...], heads: tuple[tuple[int, int], .
     each one's ``reservable`` and ``room`` took ~3.5 us of Python a layer cold after a forward, 109 us a step of
     SmolLM2's ~5.3 ms (Zen 4; 43 us now)."""
     found = getattr(cache, "found", None)
-    if found is not None and found[0] == (layers, heads, batch, dtype):
-        fast = _rooms_as_found(cache.layers, layers, found[1], rows, held)
+    if found is not None:
+        fast = _rooms_as_found(cache.layers, layers, found[1], rows, held) if found[0] == (layers, heads, batch, dtype) else None
         if fast is not None:
             return fast
+        cache.found = found = None  # its buffers let go: a layer that grows below frees its old one at once, as before
     each = [reservable(cache, i, (batch, *shape), dtype, held) for i, shape in zip(layers, heads)]
     if any(layer is None for layer in each) or held is None and len({layer.get_seq_length() for layer in each}) != 1:
         return None

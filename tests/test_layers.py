@@ -4,6 +4,8 @@ norm kernels are torch's arithmetic bit for bit."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -292,3 +294,19 @@ def test_rooms_for_every_layer_check_each_buffer_once_and_refuse_what_does_not_f
     cache.layers[1].crop(-1)
     assert kv.rooms(cache, layers, heads, 2, torch.float32, 1, None) is None  # 11, 10 and 11: not as many as each other
     assert [layer.get_seq_length() for layer in cache.layers] == [11, 10, 11]
+    cache = kv.GrowingCache()  # a growth past the buffers found: each old buffer freed as it grows, as layer by layer
+    for i in range(3):
+        cache.update(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), i)
+    assert [room[2] for room in kv.rooms(cache, layers, heads, 2, torch.float32, 1, 5)] == [5, 5, 5]
+    old = {id(layer): weakref.ref(layer._keys) for layer in cache.layers}
+    freed, room = [], kv.room
+
+    def room_then_freed(layer, rows):
+        made = room(layer, rows)
+        freed.append(old[id(layer)]() is None)
+        return made
+
+    monkeypatch.setattr(kv, "room", room_then_freed)
+    grown = kv.rooms(cache, layers, heads, 2, torch.float32, 100, 6)  # past the buffers' 71 columns
+    assert [room[2] for room in grown] == [6, 6, 6] and all(room[0].shape[-2] >= 106 for room in grown)
+    assert freed == [True, True, True]  # each at its own growth, not after every layer's
