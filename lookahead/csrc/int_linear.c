@@ -36,7 +36,13 @@
    17 = 6 + 6 + 5) read the pair from cache and unpack it again (a lone ninth row's pass cost what 4-5 rows' do: the
    1.5B's products at 9 / 10 / 12 / 17 rows 5-8% faster balanced, on a Zen 4). Against quads unpacked once into a
    buffer that tiles of 4 rows read, the 1.5B's products 2-8 rows 9-23% faster, and 8 rows at a time against 4 another
-   5-14% from 6 rows on; 12-row register tiles spill and gain nothing (DESIGN). */
+   5-14% from 6 rows on; 12-row register tiles spill and gain nothing (DESIGN).
+
+   A call of one row (plain decoding's every product) takes the blocks one at a time instead, each over all of K in
+   order with its scales read where they lie and every line AHEAD bytes on prefetched as it reads (row_block), as the
+   AVX2 tier's streaming tile does: the pairs' two streams, each activation block's scales made ahead into L1 and the
+   next pair's prefetch had left this tier's one-row products slower than the AVX2 tier's on the same CPU (Qwen2.5-Coder-
+   0.5B's Q8_0, streamed, on a Zen 4: 17.1 against 15.8 ms). The same bits (each row's chain is its own). */
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -179,6 +185,12 @@ static inline void prefetch_share(const char *next, size_t block, int lines, int
         prefetch(next + 64 * share->line, l2), prefetch(next + block + 64 * share->line, l2);
 }
 
+/* 16 int8 (sc or m: one a column) as fp32 times a column's fp32 (d or dmin): one product, rounded as numpy rounds it */
+TARGET static inline __m512 times(__m512 d, const char *bytes) {
+    const __m512 small = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bytes)));
+    return _mm512_mul_round_ps(d, small, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 #define MAX_ROWS 8
 
 /* ROWS (1 .. 8) rows x two blocks of `blocks` activation blocks, straight from the blocks: a unit of each group's quads
@@ -242,6 +254,75 @@ ROWS_BLOCKS(NIBBLES, 4) ROWS_BLOCKS(NIBBLES, 8) ROWS_BLOCKS(INT8, 4) ROWS_BLOCKS
     rows_##KIND##_##QS##_5, rows_##KIND##_##QS##_6, rows_##KIND##_##QS##_7, rows_##KIND##_##QS##_8}
 static const RowsBlock rows_blocks[3][2][MAX_ROWS] = {{ROWS_OF(NIBBLES, 4), ROWS_OF(NIBBLES, 8)}, {ROWS_OF(INT8, 4), ROWS_OF(INT8, 8)},
                                                       {ROWS_OF(SIX, 4), ROWS_OF(SIX, 8)}};
+
+/* how one call's blocks lie, set once a call (as int_linear_avx2.c's) */
+typedef struct {
+    int offsets, supers, halves, per_block; /* per_block: groups an activation block */
+    size_t head, span, first, stride;       /* a group's scales' bytes (`group_bytes` apart where not `supers`), an
+                                               activation block's, where its first group's values lie, a group's values' stride */
+} Blocks;
+
+#define AHEAD 4096 /* bytes a one-row call prefetches ahead of what it reads */
+#define ROW_CHAINS 4 /* a lone row's integer sums of a block: vpdpbusd's latency */
+
+/* One row x one block over all of K: plain decoding's products, a stream of the weights. The block is read in order,
+   each group's scales where its values are, and every line up to AHEAD bytes past the unit prefetched (the scales'
+   between the values' too), as int_linear_avx2.c's streaming tile reads it; the row's sums in registers throughout.
+   The same integer sums and fp32 chain as rows_block's for this row (each group's sums scaled in order, then each
+   activation block's dx, from zero), so the same bits. `ahead`: the next line to prefetch, carried from block to
+   block (a thread's blocks lie in a row). Returns the block's 16 sums. */
+TARGET static inline ALWAYS __m512 row_block(int kind, int qs, Rows x, const Blocks *w, const char *block, const char **ahead, int l2) {
+    const int groups = x.qblock / x.group, unit = kind == SIX ? 4 : 2, bytes = quad_bytes(kind);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000);
+    if (*ahead < block) *ahead = block + AHEAD; /* a thread's first block: its first lines come as they are read */
+    __m512 y = _mm512_setzero_ps();
+    for (int b = 0; b < x.k / x.qblock; b++) {
+        const char *at = block + (size_t)b * w->span;
+        const __m512 d = w->supers ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at)) : _mm512_setzero_ps();
+        const __m512 dmin = w->supers && w->offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at + 1)) : d;
+        __m512 p = _mm512_setzero_ps();
+        for (int gl = 0; gl < groups; gl++) {
+            const int g = b * groups + gl;
+            const int8_t *xq = x.qx + (size_t)g * x.group;
+            const char *values = at + w->first + gl * w->stride;
+            __m512i sum[ROW_CHAINS]; /* the first starts at minus the weights' bias, as rows_block's */
+            _Pragma("GCC unroll 4") for (int c = 0; c < ROW_CHAINS; c++)
+                sum[c] = kind != NIBBLES && c == 0 ? _mm512_set1_epi32(-x.biases[g]) : _mm512_setzero_si512();
+            _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
+                for (const char *end = values + bytes * (q + unit) + AHEAD; *ahead < end; *ahead += 64) prefetch(*ahead, l2);
+                __m512i u[4];
+                group_quads(kind, unit, values + bytes * q, u);
+                _Pragma("GCC unroll 4") for (int j = 0; j < unit; j++)
+                    sum[(q + j) % ROW_CHAINS] = dot(sum[(q + j) % ROW_CHAINS], u[j], _mm512_set1_epi32(*(const int32_t *)(xq + 4 * (q + j))));
+            }
+            const __m512i s = _mm512_add_epi32(_mm512_add_epi32(sum[0], sum[1]), _mm512_add_epi32(sum[2], sum[3]));
+            __m512 scale, off = _mm512_setzero_ps();
+            if (w->supers) { /* d sc and -(dmin m), as the pairs' scales are made */
+                scale = times(d, at + w->head + 16 * gl);
+                if (w->offsets) off = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(times(dmin, at + w->head + 16 * (w->per_block + gl))), sign));
+            } else if (w->halves) {
+                const __m256i *h = (const __m256i *)(values - w->head);
+                scale = _mm512_cvtph_ps(_mm256_loadu_si256(h));
+                if (w->offsets) off = _mm512_cvtph_ps(_mm256_loadu_si256(h + 1));
+            } else {
+                const float *h = (const float *)(values - w->head);
+                scale = _mm512_loadu_ps(h);
+                if (w->offsets) off = _mm512_loadu_ps(h + 16);
+            }
+            p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, p);
+            if (w->offsets) p = _mm512_fmadd_ps(off, _mm512_set1_ps(x.sums[g]), p);
+        }
+        y = _mm512_fmadd_ps(p, _mm512_set1_ps(x.dx[b]), y);
+    }
+    return y;
+}
+typedef __m512 (*RowBlock)(Rows, const Blocks *, const char *, const char **, int);
+#define ROW_BLOCK(KIND, QS) \
+    TARGET static __m512 row_##KIND##_##QS(Rows x, const Blocks *w, const char *block, const char **ahead, int l2) { \
+        return row_block(KIND, QS, x, w, block, ahead, l2); \
+    }
+ROW_BLOCK(NIBBLES, 4) ROW_BLOCK(NIBBLES, 8) ROW_BLOCK(INT8, 4) ROW_BLOCK(INT8, 8) ROW_BLOCK(SIX, 4) ROW_BLOCK(SIX, 8)
+static const RowBlock row_blocks[3][2] = {{row_NIBBLES_4, row_NIBBLES_8}, {row_INT8_4, row_INT8_8}, {row_SIX_4, row_SIX_8}};
 
 /* Wide calls on AMX tiles (Intel Sapphire Rapids and later): tdpbssd multiplies a tile of 16 rows of x's signed bytes
    by a tile of a group's quads (a quad is 64 bytes: 16 columns x 4 k's, exactly a B tile's row), 16 x 16 x group
@@ -322,12 +403,6 @@ TILES static void tiles_block(int kind, int qs, Rows x, int m, int block_index, 
     }
 }
 
-/* 16 int8 (sc or m: one a column) as fp32 times a column's fp32 (d or dmin): one product, rounded as numpy rounds it */
-TARGET static inline __m512 times(__m512 d, const char *bytes) {
-    const __m512 small = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bytes)));
-    return _mm512_mul_round_ps(d, small, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
 enum { GROUPS, SUPERS, HALVES }; /* how the blocks hold their scales (native.SCALINGS): fp32 a group, the K types' per 256
                                     k's, fp16 a group */
 
@@ -373,6 +448,17 @@ TILES static int integer_linear(const void *x, const char *packed, const float *
         char values[2 * 256 * 16] __attribute__((aligned(64)));     /* tiles: a pair's groups' quads, unpacked */
         int32_t tile_sums[2 * 256 / 16 * 256] __attribute__((aligned(64))); /* tiles: 16 rows' sums of a pair's groups */
         if (tiles) configure_tiles(group);
+        if (m == 1) { /* one row: each block over all of K, in order (row_block) */
+            const Blocks w = {offsets, supers, halves, per_block, head, span, first, stride};
+            const char *ahead = 0;
+            _Pragma("omp for schedule(static)")
+            for (int c = 0; c < blocks; c++) {
+                __m512 v = row_blocks[kind][qs == 8](part, &w, packed + c * block, &ahead, l2);
+                if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * c));
+                if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + 16 * c), (__m256i)_mm512_cvtneps_pbh(v));
+                else _mm512_storeu_ps((float *)y + 16 * c, v);
+            }
+        } else
         _Pragma("omp for schedule(static)")
         for (int q = 0; q < pairs; q++) {
             const char *w0 = packed + 2 * q * block, *w1 = 2 * q + 1 < blocks ? w0 + block : w0;
