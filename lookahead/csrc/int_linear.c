@@ -38,11 +38,14 @@
    buffer that tiles of 4 rows read, the 1.5B's products 2-8 rows 9-23% faster, and 8 rows at a time against 4 another
    5-14% from 6 rows on; 12-row register tiles spill and gain nothing (DESIGN).
 
-   A call of one row (plain decoding's every product) takes the blocks one at a time instead, each over all of K in
-   order with its scales read where they lie and every line AHEAD bytes on prefetched as it reads (row_block), as the
-   AVX2 tier's streaming tile does: the pairs' two streams, each activation block's scales made ahead into L1 and the
-   next pair's prefetch had left this tier's one-row products slower than the AVX2 tier's on the same CPU (Qwen2.5-Coder-
-   0.5B's Q8_0, streamed, on a Zen 4: 17.1 against 15.8 ms). The same bits (each row's chain is its own). */
+   A call of one row (plain decoding's every product), or of up to 4 on blocks other than the K types', takes the
+   blocks one at a time instead, each over all of K in order with its scales read where they lie and every line AHEAD
+   bytes on prefetched as it reads (row_block), as the AVX2 tier's streaming tile does: the pairs' two streams, each
+   activation block's scales made ahead into L1 and the next pair's prefetch had left this tier's one-row products
+   slower than the AVX2 tier's on the same CPU (Qwen2.5-Coder-0.5B's Q8_0, streamed, on a Zen 4: 17.1 against 15.8
+   ms). At 2-4 rows the legacy types' products (memory-bound there) gain too, the K types' (Q4_K, Q6_K: a pair gives
+   each broadcast two products, which their arithmetic needs) lose at 3-4 rows: they keep the pairs. The same bits
+   (each row's chain is its own). */
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -263,39 +266,42 @@ typedef struct {
 } Blocks;
 
 #define AHEAD 4096 /* bytes a one-row call prefetches ahead of what it reads */
-#define ROW_CHAINS 4 /* a lone row's integer sums of a block: vpdpbusd's latency */
+#define ROW_CHAINS 4 /* a block's integer sums a group: vpdpbusd's latency (a row's chains: 4 / ROWS) */
+#define BLOCK_ROWS 4 /* the most rows a call takes by single blocks, where its blocks are not the K types' */
 
-/* One row x one block over all of K: plain decoding's products, a stream of the weights. The block is read in order,
-   each group's scales where its values are, and every line up to AHEAD bytes past the unit prefetched (the scales'
-   between the values' too), as int_linear_avx2.c's streaming tile reads it; the row's sums in registers throughout.
-   The same integer sums and fp32 chain as rows_block's for this row (each group's sums scaled in order, then each
-   activation block's dx, from zero), so the same bits. `ahead`: the next line to prefetch, carried from block to
-   block (a thread's blocks lie in a row). Returns the block's 16 sums. */
-TARGET static inline ALWAYS __m512 row_block(int kind, int qs, Rows x, const Blocks *w, const char *block, const char **ahead, int l2) {
-    const int groups = x.qblock / x.group, unit = kind == SIX ? 4 : 2, bytes = quad_bytes(kind);
+/* ROWS (1 .. 4) rows x one block over all of K: plain decoding's products, a stream of the weights. The block is read
+   in order, each group's scales where its values are, and every line up to AHEAD bytes past the unit prefetched (the
+   scales' between the values' too), as int_linear_avx2.c's streaming tile reads it; the rows' sums in registers
+   throughout. The same integer sums and fp32 chain as rows_block's for each row (each group's sums scaled in order,
+   then each activation block's dx, from zero), so the same bits. `ahead`: the next line to prefetch, carried from
+   block to block (a thread's blocks lie in a row). y: the rows' 16 sums of the block. */
+TARGET static inline ALWAYS void row_block(int kind, int qs, int ROWS, Rows x, const Blocks *w, const char *block, const char **ahead, int l2, __m512 *y) {
+    const int groups = x.qblock / x.group, unit = kind == SIX ? 4 : 2, bytes = quad_bytes(kind), chains = (ROW_CHAINS + ROWS - 1) / ROWS;
     const __m512i sign = _mm512_set1_epi32((int)0x80000000);
     if (*ahead < block) *ahead = block + AHEAD; /* a thread's first block: its first lines come as they are read */
-    __m512 y = _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) y[r] = _mm512_setzero_ps();
     for (int b = 0; b < x.k / x.qblock; b++) {
         const char *at = block + (size_t)b * w->span;
         const __m512 d = w->supers ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at)) : _mm512_setzero_ps();
         const __m512 dmin = w->supers && w->offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at + 1)) : d;
-        __m512 p = _mm512_setzero_ps();
+        __m512 p[BLOCK_ROWS];
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) p[r] = _mm512_setzero_ps();
         for (int gl = 0; gl < groups; gl++) {
             const int g = b * groups + gl;
             const int8_t *xq = x.qx + (size_t)g * x.group;
             const char *values = at + w->first + gl * w->stride;
-            __m512i sum[ROW_CHAINS]; /* the first starts at minus the weights' bias, as rows_block's */
-            _Pragma("GCC unroll 4") for (int c = 0; c < ROW_CHAINS; c++)
-                sum[c] = kind != NIBBLES && c == 0 ? _mm512_set1_epi32(-x.biases[g]) : _mm512_setzero_si512();
+            __m512i sum[BLOCK_ROWS][ROW_CHAINS];
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)
+                _Pragma("GCC unroll 4") for (int c = 0; c < chains; c++)
+                    sum[r][c] = kind != NIBBLES && c == 0 ? _mm512_set1_epi32(-x.biases[group_at(x, r, g)]) : _mm512_setzero_si512();
             _Pragma("GCC unroll 8") for (int q = 0; q < qs; q += unit) {
                 for (const char *end = values + bytes * (q + unit) + AHEAD; *ahead < end; *ahead += 64) prefetch(*ahead, l2);
                 __m512i u[4];
                 group_quads(kind, unit, values + bytes * q, u);
                 _Pragma("GCC unroll 4") for (int j = 0; j < unit; j++)
-                    sum[(q + j) % ROW_CHAINS] = dot(sum[(q + j) % ROW_CHAINS], u[j], _mm512_set1_epi32(*(const int32_t *)(xq + 4 * (q + j))));
+                    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)
+                        sum[r][(q + j) % chains] = dot(sum[r][(q + j) % chains], u[j], _mm512_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * (q + j))));
             }
-            const __m512i s = _mm512_add_epi32(_mm512_add_epi32(sum[0], sum[1]), _mm512_add_epi32(sum[2], sum[3]));
             __m512 scale, off = _mm512_setzero_ps();
             if (w->supers) { /* d sc and -(dmin m), as the pairs' scales are made */
                 scale = times(d, at + w->head + 16 * gl);
@@ -309,20 +315,25 @@ TARGET static inline ALWAYS __m512 row_block(int kind, int qs, Rows x, const Blo
                 scale = _mm512_loadu_ps(h);
                 if (w->offsets) off = _mm512_loadu_ps(h + 16);
             }
-            p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, p);
-            if (w->offsets) p = _mm512_fmadd_ps(off, _mm512_set1_ps(x.sums[g]), p);
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {
+                __m512i s = sum[r][0];
+                _Pragma("GCC unroll 4") for (int c = 1; c < chains; c++) s = _mm512_add_epi32(s, sum[r][c]);
+                p[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, p[r]);
+                if (w->offsets) p[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(x.sums[group_at(x, r, g)]), p[r]);
+            }
         }
-        y = _mm512_fmadd_ps(p, _mm512_set1_ps(x.dx[b]), y);
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) y[r] = _mm512_fmadd_ps(p[r], _mm512_set1_ps(x.dx[(size_t)r * (x.k / x.qblock) + b]), y[r]);
     }
-    return y;
 }
-typedef __m512 (*RowBlock)(Rows, const Blocks *, const char *, const char **, int);
-#define ROW_BLOCK(KIND, QS) \
-    TARGET static __m512 row_##KIND##_##QS(Rows x, const Blocks *w, const char *block, const char **ahead, int l2) { \
-        return row_block(KIND, QS, x, w, block, ahead, l2); \
+typedef void (*RowBlock)(Rows, const Blocks *, const char *, const char **, int, __m512 *);
+#define ROW_BLOCK(KIND, QS, ROWS) \
+    TARGET static void row_##KIND##_##QS##_##ROWS(Rows x, const Blocks *w, const char *block, const char **ahead, int l2, __m512 *y) { \
+        row_block(KIND, QS, ROWS, x, w, block, ahead, l2, y); \
     }
-ROW_BLOCK(NIBBLES, 4) ROW_BLOCK(NIBBLES, 8) ROW_BLOCK(INT8, 4) ROW_BLOCK(INT8, 8) ROW_BLOCK(SIX, 4) ROW_BLOCK(SIX, 8)
-static const RowBlock row_blocks[3][2] = {{row_NIBBLES_4, row_NIBBLES_8}, {row_INT8_4, row_INT8_8}, {row_SIX_4, row_SIX_8}};
+#define ROW_BLOCKS(KIND, QS) ROW_BLOCK(KIND, QS, 1) ROW_BLOCK(KIND, QS, 2) ROW_BLOCK(KIND, QS, 3) ROW_BLOCK(KIND, QS, 4)
+ROW_BLOCKS(NIBBLES, 4) ROW_BLOCKS(NIBBLES, 8) ROW_BLOCKS(INT8, 4) ROW_BLOCKS(INT8, 8) ROW_BLOCKS(SIX, 4) ROW_BLOCKS(SIX, 8)
+#define ROW_OF(KIND, QS) {row_##KIND##_##QS##_1, row_##KIND##_##QS##_2, row_##KIND##_##QS##_3, row_##KIND##_##QS##_4}
+static const RowBlock row_blocks[3][2][BLOCK_ROWS] = {{ROW_OF(NIBBLES, 4), ROW_OF(NIBBLES, 8)}, {ROW_OF(INT8, 4), ROW_OF(INT8, 8)}, {ROW_OF(SIX, 4), ROW_OF(SIX, 8)}};
 
 /* Wide calls on AMX tiles (Intel Sapphire Rapids and later): tdpbssd multiplies a tile of 16 rows of x's signed bytes
    by a tile of a group's quads (a quad is 64 bytes: 16 columns x 4 k's, exactly a B tile's row), 16 x 16 x group
@@ -410,7 +421,8 @@ enum { GROUPS, SUPERS, HALVES }; /* how the blocks hold their scales (native.SCA
    is SUPERS: see native.pack_supers; fp16 scales where HALVES); bias (n) fp32 or NULL -> y (m, n) fp32 or bf16; k a
    multiple of 32 (of 256 where SUPERS), group 16 or 32. One parallel region a call: the rows quantized, then each thread's pairs of
    blocks summed into its own (m, 32) fp32 sums, in passes of up to 8 rows (rows_block), and written out (+ bias, rounded to
-   y's type); on tiles where `tiles` (tiles_block: the same bits). 1 where the buffers could not be allocated. */
+   y's type); on tiles where `tiles` (tiles_block), or each thread's blocks one at a time where few rows (row_block):
+   the same bits. 1 where the buffers could not be allocated. */
 TILES static int integer_linear(const void *x, const char *packed, const float *bias, void *y, int m, int n, int k, int bits,
                                 int group, int offsets, int scaling, int threads, int l2, int bf16, int tiles) {
     const int qblock = qblock_of(k), supers = scaling == SUPERS, halves = scaling == HALVES;
@@ -448,15 +460,18 @@ TILES static int integer_linear(const void *x, const char *packed, const float *
         char values[2 * 256 * 16] __attribute__((aligned(64)));     /* tiles: a pair's groups' quads, unpacked */
         int32_t tile_sums[2 * 256 / 16 * 256] __attribute__((aligned(64))); /* tiles: 16 rows' sums of a pair's groups */
         if (tiles) configure_tiles(group);
-        if (m == 1) { /* one row: each block over all of K, in order (row_block) */
+        if (m == 1 || (m <= BLOCK_ROWS && !supers)) { /* each block over all of K, in order (row_block) */
             const Blocks w = {offsets, supers, halves, per_block, head, span, first, stride};
             const char *ahead = 0;
             _Pragma("omp for schedule(static)")
             for (int c = 0; c < blocks; c++) {
-                __m512 v = row_blocks[kind][qs == 8](part, &w, packed + c * block, &ahead, l2);
-                if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * c));
-                if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + 16 * c), (__m256i)_mm512_cvtneps_pbh(v));
-                else _mm512_storeu_ps((float *)y + 16 * c, v);
+                __m512 v[BLOCK_ROWS];
+                row_blocks[kind][qs == 8][m - 1](part, &w, packed + c * block, &ahead, l2, v);
+                for (int r = 0; r < m; r++) {
+                    if (bias) v[r] = _mm512_add_ps(v[r], _mm512_loadu_ps(bias + 16 * c));
+                    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + (size_t)r * n + 16 * c), (__m256i)_mm512_cvtneps_pbh(v[r]));
+                    else _mm512_storeu_ps((float *)y + (size_t)r * n + 16 * c, v[r]);
+                }
             }
         } else
         _Pragma("omp for schedule(static)")
