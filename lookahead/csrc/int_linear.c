@@ -261,9 +261,29 @@ static const RowsBlock rows_blocks[3][2][MAX_ROWS] = {{ROWS_OF(NIBBLES, 4), ROWS
 /* how one call's blocks lie, set once a call (as int_linear_avx2.c's) */
 typedef struct {
     int offsets, supers, halves, per_block; /* per_block: groups an activation block */
-    size_t head, span, first, stride;       /* a group's scales' bytes (`group_bytes` apart where not `supers`), an
-                                               activation block's, where its first group's values lie, a group's values' stride */
+    size_t head, span, first, stride;       /* a group's scales' bytes, an activation block's, where its first group's
+                                               values lie, a group's values' stride (where not `supers`: a group's bytes) */
 } Blocks;
+
+/* group gl's scales (and offsets) of one block's activation block at `at` (a group's follow the last's, across
+   activation blocks where not `supers`), as fp32: d sc and -(dmin m) of the K types (d, dmin: the activation block's,
+   made once), as quants.py's decoders make them; fp16 or fp32 ones as they lie */
+TARGET static inline ALWAYS void group_scales(const Blocks *w, const char *at, int gl, __m512 d, __m512 dmin, __m512 *scale, __m512 *off) {
+    if (w->supers) {
+        *scale = times(d, at + w->head + 16 * gl);
+        if (w->offsets)
+            *off = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(times(dmin, at + w->head + 16 * (w->per_block + gl))),
+                                                        _mm512_set1_epi32((int)0x80000000)));
+    } else if (w->halves) {
+        const __m256i *h = (const __m256i *)(at + gl * w->stride);
+        *scale = _mm512_cvtph_ps(_mm256_loadu_si256(h));
+        if (w->offsets) *off = _mm512_cvtph_ps(_mm256_loadu_si256(h + 1));
+    } else {
+        const float *h = (const float *)(at + gl * w->stride);
+        *scale = _mm512_loadu_ps(h);
+        if (w->offsets) *off = _mm512_loadu_ps(h + 16);
+    }
+}
 
 #define AHEAD 4096 /* bytes a one-row call prefetches ahead of what it reads */
 #define ROW_CHAINS 4 /* a block's integer sums a group: vpdpbusd's latency (a row's chains: 4 / ROWS) */
@@ -277,7 +297,6 @@ typedef struct {
    block to block (a thread's blocks lie in a row). y: the rows' 16 sums of the block. */
 TARGET static inline ALWAYS void row_block(int kind, int qs, int ROWS, Rows x, const Blocks *w, const char *block, const char **ahead, int l2, __m512 *y) {
     const int groups = x.qblock / x.group, unit = kind == SIX ? 4 : 2, bytes = quad_bytes(kind), chains = (ROW_CHAINS + ROWS - 1) / ROWS;
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000);
     if (*ahead < block) *ahead = block + AHEAD; /* a thread's first block: its first lines come as they are read */
     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) y[r] = _mm512_setzero_ps();
     for (int b = 0; b < x.k / x.qblock; b++) {
@@ -303,18 +322,7 @@ TARGET static inline ALWAYS void row_block(int kind, int qs, int ROWS, Rows x, c
                         sum[r][(q + j) % chains] = dot(sum[r][(q + j) % chains], u[j], _mm512_set1_epi32(*(const int32_t *)(xq + (size_t)r * x.k + 4 * (q + j))));
             }
             __m512 scale, off = _mm512_setzero_ps();
-            if (w->supers) { /* d sc and -(dmin m), as the pairs' scales are made */
-                scale = times(d, at + w->head + 16 * gl);
-                if (w->offsets) off = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(times(dmin, at + w->head + 16 * (w->per_block + gl))), sign));
-            } else if (w->halves) {
-                const __m256i *h = (const __m256i *)(values - w->head);
-                scale = _mm512_cvtph_ps(_mm256_loadu_si256(h));
-                if (w->offsets) off = _mm512_cvtph_ps(_mm256_loadu_si256(h + 1));
-            } else {
-                const float *h = (const float *)(values - w->head);
-                scale = _mm512_loadu_ps(h);
-                if (w->offsets) off = _mm512_loadu_ps(h + 16);
-            }
+            group_scales(w, at, gl, d, dmin, &scale, &off);
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {
                 __m512i s = sum[r][0];
                 _Pragma("GCC unroll 4") for (int c = 1; c < chains; c++) s = _mm512_add_epi32(s, sum[r][c]);
@@ -450,6 +458,7 @@ TILES static int integer_linear(const void *x, const char *packed, const float *
     const size_t first = supers ? super_head : head, stride = supers ? values : group_bytes; /* a group's values: at first + gl stride */
     const size_t block = (size_t)(k / qblock) * span;
     const int lines = (int)((span + 63) / 64), chunk = 256 / qblock; /* activation blocks a step: 256 k's (the scales' room) */
+    const Blocks w = {offsets, supers, halves, per_block, head, span, first, stride};
     _Pragma("omp parallel num_threads(threads)") {
         _Pragma("omp for schedule(static)")
         for (int r = 0; r < m; r++)
@@ -461,7 +470,6 @@ TILES static int integer_linear(const void *x, const char *packed, const float *
         int32_t tile_sums[2 * 256 / 16 * 256] __attribute__((aligned(64))); /* tiles: 16 rows' sums of a pair's groups */
         if (tiles) configure_tiles(group);
         if (m == 1 || (m <= BLOCK_ROWS && !supers)) { /* each block over all of K, in order (row_block) */
-            const Blocks w = {offsets, supers, halves, per_block, head, span, first, stride};
             const char *ahead = 0;
             _Pragma("omp for schedule(static)")
             for (int c = 0; c < blocks; c++) {
@@ -483,25 +491,10 @@ TILES static int integer_linear(const void *x, const char *packed, const float *
                 const int nb = k / qblock - b < chunk ? k / qblock - b : chunk; /* activation blocks this step */
                 const size_t start = (size_t)b * span;
                 for (int half = 0; half < 2; half++) {
-                    const char *w = (half ? w1 : w0) + start;
-                    const __m512 d = supers ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w)) : _mm512_setzero_ps();
-                    const __m512 dmin = supers && offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w + 1)) : d;
-                    for (int gl = 0; gl < nb * per_block; gl++) { /* an activation block's groups follow the last's */
-                        if (supers) { /* d sc and -(dmin m): the fp32 scales and offsets quants.py's decoders compute */
-                            scales[2 * gl + half] = times(d, w + head + 16 * gl);
-                            if (offsets)
-                                offs[2 * gl + half] = _mm512_castsi512_ps(_mm512_xor_si512(
-                                    _mm512_castps_si512(times(dmin, w + head + 16 * (per_block + gl))), _mm512_set1_epi32((int)0x80000000)));
-                        } else if (halves) {
-                            const __m256i *h = (const __m256i *)(w + gl * group_bytes);
-                            scales[2 * gl + half] = _mm512_cvtph_ps(_mm256_loadu_si256(h));
-                            if (offsets) offs[2 * gl + half] = _mm512_cvtph_ps(_mm256_loadu_si256(h + 1));
-                        } else {
-                            const float *h = (const float *)(w + gl * group_bytes);
-                            scales[2 * gl + half] = _mm512_loadu_ps(h);
-                            if (offsets) offs[2 * gl + half] = _mm512_loadu_ps(h + 16);
-                        }
-                    }
+                    const char *at = (half ? w1 : w0) + start;
+                    const __m512 d = supers ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at)) : _mm512_setzero_ps();
+                    const __m512 dmin = supers && offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at + 1)) : d;
+                    for (int gl = 0; gl < nb * per_block; gl++) group_scales(&w, at, gl, d, dmin, &scales[2 * gl + half], &offs[2 * gl + half]);
                 }
                 if (tiles)
                     for (int i = 0; i < nb; i++)
