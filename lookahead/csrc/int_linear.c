@@ -422,6 +422,13 @@ TILES static void tiles_block(int kind, int qs, Rows x, int m, int block_index, 
     }
 }
 
+/* 16 sums of a row into y (fp32, or bf16 where `bf16`) from column c of the row at `row` (+ bias, or NULL) */
+TARGET static inline void write_out(__m512 v, const float *bias, void *y, int bf16, size_t row, int c) {
+    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c));
+    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + row + c), (__m256i)_mm512_cvtneps_pbh(v));
+    else _mm512_storeu_ps((float *)y + row + c, v);
+}
+
 enum { GROUPS, SUPERS, HALVES }; /* how the blocks hold their scales (native.SCALINGS): fp32 a group, the K types' per 256
                                     k's, fp16 a group */
 
@@ -475,11 +482,7 @@ TILES static int integer_linear(const void *x, const char *packed, const float *
             for (int c = 0; c < blocks; c++) {
                 __m512 v[BLOCK_ROWS];
                 row_blocks[kind][qs == 8][m - 1](part, &w, packed + c * block, &ahead, l2, v);
-                for (int r = 0; r < m; r++) {
-                    if (bias) v[r] = _mm512_add_ps(v[r], _mm512_loadu_ps(bias + 16 * c));
-                    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + (size_t)r * n + 16 * c), (__m256i)_mm512_cvtneps_pbh(v[r]));
-                    else _mm512_storeu_ps((float *)y + (size_t)r * n + 16 * c, v[r]);
-                }
+                for (int r = 0; r < m; r++) write_out(v[r], bias, y, bf16, (size_t)r * n, 16 * c);
             }
         } else
         _Pragma("omp for schedule(static)")
@@ -511,12 +514,8 @@ TILES static int integer_linear(const void *x, const char *packed, const float *
                     }
             }
             for (int r = 0; r < m; r++)
-                for (int c = 32 * q; c < 32 * q + 32 && c < n; c += 16) { /* a lone last block's twin is not written */
-                    __m512 v = _mm512_loadu_ps(out + (size_t)r * 32 + c - 32 * q);
-                    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c));
-                    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + (size_t)r * n + c), (__m256i)_mm512_cvtneps_pbh(v));
-                    else _mm512_storeu_ps((float *)y + (size_t)r * n + c, v);
-                }
+                for (int c = 32 * q; c < 32 * q + 32 && c < n; c += 16) /* a lone last block's twin is not written */
+                    write_out(_mm512_loadu_ps(out + (size_t)r * 32 + c - 32 * q), bias, y, bf16, (size_t)r * n, c);
         }
         if (tiles) _tile_release();
     }
